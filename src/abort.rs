@@ -1,0 +1,473 @@
+//! Abort controllers, signals and reasons.
+//!
+//! Invariants:
+//!
+//! 1. A signal is aborted at most once; the first reason wins and is never replaced.
+//! 2. The reason is stored before the event is notified, so a listener that wakes up always
+//!    finds it (listen, re-check, then await).
+//! 3. A signal made by [`AbortSignal::any`] is registered as a dependent of each source; a source
+//!    that aborts passes its own reason object on, so `ptr_eq` holds across `any`.
+//!
+//! Lock order: a signal's `state` lock is never held while another signal's lock is taken.
+
+use std::error::Error;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use event_listener::{Event, EventListener};
+
+use crate::clock::{Clock, SystemClock};
+use crate::spawn::{SmolSpawner, Spawner};
+use crate::sync::lock;
+
+/// Why a unit of work was interrupted: the caller's own error object, shared.
+///
+/// A reason is an `Arc<dyn Error + Send + Sync>` inside, so cloning it is cheap and the object the
+/// caller passed to [`AbortController::abort`] is the very object that reaches the interrupted
+/// work ([`AbortReason::ptr_eq`] tells).
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::AbortReason;
+///
+/// let reason = AbortReason::from("user pressed stop");
+/// assert_eq!(reason.to_string(), "user pressed stop");
+/// assert!(reason.ptr_eq(&reason.clone()));
+/// ```
+#[derive(Clone)]
+pub struct AbortReason(Arc<dyn Error + Send + Sync>);
+
+impl AbortReason {
+    /// Wraps an error as a reason.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{AbortReason, TimedOut};
+    ///
+    /// let reason = AbortReason::new(TimedOut);
+    /// assert!(reason.downcast_ref::<TimedOut>().is_some());
+    /// ```
+    pub fn new<E: Error + Send + Sync + 'static>(error: E) -> Self {
+        AbortReason(Arc::new(error))
+    }
+
+    /// Whether both are the same reason object (not merely equal text).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::AbortReason;
+    ///
+    /// let a = AbortReason::from("stop");
+    /// let b = AbortReason::from("stop");
+    /// assert!(a.ptr_eq(&a.clone()));
+    /// assert!(!a.ptr_eq(&b));
+    /// ```
+    pub fn ptr_eq(&self, other: &AbortReason) -> bool {
+        // Compare data pointers only: vtable pointers of one type may differ between codegen units.
+        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(&other.0))
+    }
+
+    /// The error inside, if it is an `E`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{AbortReason, TimedOut};
+    ///
+    /// assert!(AbortReason::from("x").downcast_ref::<TimedOut>().is_none());
+    /// ```
+    pub fn downcast_ref<E: Error + 'static>(&self) -> Option<&E> {
+        let error: &(dyn Error + 'static) = &*self.0;
+        error.downcast_ref::<E>()
+    }
+
+    /// The error inside, for `source()` chains.
+    pub(crate) fn as_error(&self) -> &(dyn Error + 'static) {
+        &*self.0
+    }
+}
+
+/// A reason given as plain text.
+#[derive(Debug)]
+struct Message(String);
+
+impl fmt::Display for Message {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Error for Message {}
+
+impl From<&str> for AbortReason {
+    fn from(message: &str) -> Self {
+        AbortReason::new(Message(message.to_owned()))
+    }
+}
+
+impl From<String> for AbortReason {
+    fn from(message: String) -> Self {
+        AbortReason::new(Message(message))
+    }
+}
+
+impl fmt::Display for AbortReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Debug for AbortReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("AbortReason").field(&self.0).finish()
+    }
+}
+
+/// The reason given by [`AbortSignal::timeout`].
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::TimedOut;
+///
+/// assert_eq!(TimedOut.to_string(), "timed out");
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TimedOut;
+
+impl fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("timed out")
+    }
+}
+
+impl Error for TimedOut {}
+
+/// The reason given to the finalizers of a [`Scoped`](crate::Scoped) that was dropped before it
+/// finished (for example, it lost a `select!`).
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::Dropped;
+///
+/// assert_eq!(Dropped.to_string(), "dropped before completion");
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dropped;
+
+impl fmt::Display for Dropped {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("dropped before completion")
+    }
+}
+
+impl Error for Dropped {}
+
+/// The error of an interrupted unit of work; carries the caller's reason unchanged.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{AbortReason, Interrupted};
+///
+/// let reason = AbortReason::from("shutting down");
+/// let error = Interrupted::new(reason.clone());
+/// assert!(error.reason().ptr_eq(&reason));
+/// assert_eq!(error.to_string(), "interrupted: shutting down");
+/// ```
+#[derive(Clone, Debug)]
+pub struct Interrupted(AbortReason);
+
+impl Interrupted {
+    /// An interruption for `reason`.
+    pub fn new(reason: AbortReason) -> Self {
+        Interrupted(reason)
+    }
+
+    /// The reason the caller gave, the same object.
+    pub fn reason(&self) -> &AbortReason {
+        &self.0
+    }
+}
+
+impl fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "interrupted: {}", self.0)
+    }
+}
+
+impl Error for Interrupted {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        Some(self.0.as_error())
+    }
+}
+
+struct SignalInner {
+    // Set (after `state.reason`) when aborted: lets the hot check skip the lock.
+    aborted: AtomicBool,
+    state: Mutex<SignalState>,
+    event: Event,
+}
+
+#[derive(Default)]
+struct SignalState {
+    reason: Option<AbortReason>,
+    dependents: Vec<Weak<SignalInner>>,
+}
+
+impl SignalInner {
+    fn new() -> Arc<Self> {
+        Arc::new(SignalInner {
+            aborted: AtomicBool::new(false),
+            state: Mutex::new(SignalState::default()),
+            event: Event::new(),
+        })
+    }
+
+    fn reason(&self) -> Option<AbortReason> {
+        if !self.aborted.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.state).reason.clone()
+    }
+
+    fn abort(&self, reason: AbortReason) -> bool {
+        let dependents = {
+            let mut state = lock(&self.state);
+            if state.reason.is_some() {
+                return false;
+            }
+            state.reason = Some(reason.clone());
+            self.aborted.store(true, Ordering::Release);
+            std::mem::take(&mut state.dependents)
+        };
+        self.event.notify(usize::MAX);
+        for dependent in dependents.iter().filter_map(Weak::upgrade) {
+            dependent.abort(reason.clone());
+        }
+        true
+    }
+
+    /// Makes `dependent` abort when this signal does; at once if it already has.
+    fn add_dependent(&self, dependent: &Arc<SignalInner>) {
+        let reason = {
+            let mut state = lock(&self.state);
+            match &state.reason {
+                Some(reason) => reason.clone(),
+                None => {
+                    state.dependents.retain(|d| d.strong_count() > 0);
+                    state.dependents.push(Arc::downgrade(dependent));
+                    return;
+                }
+            }
+        };
+        dependent.abort(reason);
+    }
+}
+
+/// The side that aborts: hands out [`AbortSignal`]s and fires them once.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::AbortController;
+///
+/// let controller = AbortController::new();
+/// let signal = controller.signal();
+/// assert!(controller.abort("first"));
+/// assert!(!controller.abort("second"));
+/// assert_eq!(signal.reason().unwrap().to_string(), "first");
+/// ```
+pub struct AbortController {
+    inner: Arc<SignalInner>,
+}
+
+impl AbortController {
+    /// A controller that has not aborted.
+    pub fn new() -> Self {
+        AbortController {
+            inner: SignalInner::new(),
+        }
+    }
+
+    /// A signal that aborts when this controller does.
+    pub fn signal(&self) -> AbortSignal {
+        AbortSignal {
+            inner: Some(self.inner.clone()),
+        }
+    }
+
+    /// Aborts with `reason`; the first reason wins. Returns whether this call aborted it.
+    pub fn abort(&self, reason: impl Into<AbortReason>) -> bool {
+        self.inner.abort(reason.into())
+    }
+
+    /// A second handle on the same controller, for the crate's own bookkeeping.
+    pub(crate) fn share(&self) -> AbortController {
+        AbortController {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl Default for AbortController {
+    fn default() -> Self {
+        AbortController::new()
+    }
+}
+
+impl fmt::Debug for AbortController {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AbortController")
+            .field("reason", &self.inner.reason())
+            .finish()
+    }
+}
+
+/// The side that is told: cheap to clone, checked by [`Scoped`](crate::Scoped) before every poll.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{AbortController, AbortSignal};
+///
+/// # futures::executor::block_on(async {
+/// let controller = AbortController::new();
+/// let signal = AbortSignal::any([controller.signal(), AbortSignal::never()]);
+/// controller.abort("done");
+/// assert_eq!(signal.aborted().await.to_string(), "done");
+/// # });
+/// ```
+#[derive(Clone)]
+pub struct AbortSignal {
+    // `None` is a signal that can never abort, which costs nothing to make or check.
+    inner: Option<Arc<SignalInner>>,
+}
+
+impl AbortSignal {
+    /// A signal that never aborts.
+    pub fn never() -> Self {
+        AbortSignal { inner: None }
+    }
+
+    /// A signal that aborts with a [`TimedOut`] reason once `after` has passed (real time).
+    ///
+    /// The timer runs on the default spawner, so this works under any executor.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{AbortSignal, TimedOut};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let signal = AbortSignal::timeout(Duration::from_millis(5));
+    /// let reason = signal.aborted().await;
+    /// assert!(reason.downcast_ref::<TimedOut>().is_some());
+    /// # });
+    /// ```
+    pub fn timeout(after: Duration) -> Self {
+        let inner = SignalInner::new();
+        let weak = Arc::downgrade(&inner);
+        SmolSpawner.spawn(Box::pin(async move {
+            SystemClock.sleep(after).await;
+            if let Some(inner) = weak.upgrade() {
+                inner.abort(AbortReason::new(TimedOut));
+            }
+        }));
+        AbortSignal { inner: Some(inner) }
+    }
+
+    /// A signal that aborts when any of `signals` does, with that signal's reason.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{AbortController, AbortSignal};
+    ///
+    /// let a = AbortController::new();
+    /// let b = AbortController::new();
+    /// let either = AbortSignal::any([a.signal(), b.signal()]);
+    /// assert!(!either.is_aborted());
+    /// b.abort("b");
+    /// assert_eq!(either.reason().unwrap().to_string(), "b");
+    /// ```
+    pub fn any(signals: impl IntoIterator<Item = AbortSignal>) -> Self {
+        let sources: Vec<Arc<SignalInner>> = signals.into_iter().filter_map(|s| s.inner).collect();
+        match sources.len() {
+            0 => AbortSignal::never(),
+            1 => AbortSignal {
+                inner: sources.into_iter().next(),
+            },
+            _ => {
+                let inner = SignalInner::new();
+                for source in &sources {
+                    source.add_dependent(&inner);
+                }
+                AbortSignal { inner: Some(inner) }
+            }
+        }
+    }
+
+    /// Whether the signal has aborted.
+    pub fn is_aborted(&self) -> bool {
+        self.reason().is_some()
+    }
+
+    /// The reason, once aborted.
+    pub fn reason(&self) -> Option<AbortReason> {
+        self.inner.as_ref().and_then(|inner| inner.reason())
+    }
+
+    /// Resolves with the reason when the signal aborts (at once if it has).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping this future has no effect on the signal.
+    pub fn aborted(&self) -> impl Future<Output = AbortReason> + Send + 'static {
+        let inner = self.inner.clone();
+        async move {
+            let Some(inner) = inner else {
+                return std::future::pending().await;
+            };
+            loop {
+                if let Some(reason) = inner.reason() {
+                    return reason;
+                }
+                // Listen first, then re-check: an abort between the check above and `listen`
+                // would otherwise be missed.
+                let listener = inner.event.listen();
+                if let Some(reason) = inner.reason() {
+                    return reason;
+                }
+                listener.await;
+            }
+        }
+    }
+
+    /// A listener that fires when the signal aborts; `None` for a signal that never aborts.
+    pub(crate) fn listen(&self) -> Option<EventListener> {
+        self.inner.as_ref().map(|inner| inner.event.listen())
+    }
+}
+
+impl Default for AbortSignal {
+    fn default() -> Self {
+        AbortSignal::never()
+    }
+}
+
+impl fmt::Debug for AbortSignal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AbortSignal")
+            .field("reason", &self.reason())
+            .finish()
+    }
+}

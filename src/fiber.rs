@@ -1,0 +1,222 @@
+//! Fibers: spawned units of work that can be joined or interrupted.
+
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+
+use futures::FutureExt;
+
+use crate::abort::{AbortController, AbortReason, Dropped, Interrupted};
+use crate::scope::{panic_message, Scoped};
+use crate::spawn::{SmolSpawner, Spawner};
+use crate::sync::{lock, CompleteOnDrop, Completion};
+
+/// How a fiber ended.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::fork_daemon;
+///
+/// # futures::executor::block_on(async {
+/// let exit = fork_daemon(async { 2 + 2 }).join().await;
+/// assert!(exit.is_success());
+/// assert_eq!(exit.success(), Some(4));
+/// # });
+/// ```
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Exit<T> {
+    /// The fiber's future finished with this value.
+    Success(T),
+    /// The fiber was interrupted for this reason (the caller's object), after its clean-up ran.
+    Interrupted(AbortReason),
+    /// The fiber's future panicked with this message (its clean-up still ran).
+    Panicked(String),
+}
+
+impl<T> Exit<T> {
+    /// Whether the fiber finished with a value.
+    pub fn is_success(&self) -> bool {
+        matches!(self, Exit::Success(_))
+    }
+
+    /// Whether the fiber was interrupted.
+    pub fn is_interrupted(&self) -> bool {
+        matches!(self, Exit::Interrupted(_))
+    }
+
+    /// The value, if the fiber finished with one.
+    pub fn success(self) -> Option<T> {
+        match self {
+            Exit::Success(value) => Some(value),
+            _ => None,
+        }
+    }
+}
+
+struct FiberShared<T> {
+    exit: Mutex<Option<Exit<T>>>,
+    done: Arc<Completion>,
+    controller: AbortController,
+}
+
+/// A spawned unit of work: join it, or interrupt it and wait for its clean-up.
+///
+/// Dropping a `Fiber` detaches it: it runs on (a scoped one until its scope closes).
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{fork_daemon, Exit};
+///
+/// # futures::executor::block_on(async {
+/// let fiber = fork_daemon(std::future::pending::<()>());
+/// let exit = fiber.interrupt("enough").await;
+/// assert!(matches!(exit, Exit::Interrupted(reason) if reason.to_string() == "enough"));
+/// # });
+/// ```
+pub struct Fiber<T> {
+    shared: Arc<FiberShared<T>>,
+}
+
+/// A fiber made but not yet spawned, so that a scope can register it first.
+pub(crate) struct Prepared<T> {
+    shared: Arc<FiberShared<T>>,
+    task: futures::future::BoxFuture<'static, ()>,
+}
+
+/// Wraps `future` as a fiber: a detached `Scoped` interrupted by the fiber's own controller.
+pub(crate) fn prepare<T, Fut>(
+    future: Fut,
+    spawner: &Arc<dyn Spawner>,
+) -> (Prepared<T>, AbortController, Arc<Completion>)
+where
+    T: Send + 'static,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let controller = AbortController::new();
+    let done = Arc::new(Completion::default());
+    let shared = Arc::new(FiberShared {
+        exit: Mutex::new(None),
+        done: done.clone(),
+        controller: controller.share(),
+    });
+    let unit = Scoped::<T, Interrupted>::new(move |_| async move { Ok(future.await) })
+        .with_signal(&controller.signal())
+        .on_spawner(spawner.clone())
+        .detached();
+    let task_shared = shared.clone();
+    let task = Box::pin(async move {
+        // Completes the fiber even if the executor drops this task before it finishes.
+        let _complete = CompleteOnDrop(task_shared.done.clone());
+        let exit = match AssertUnwindSafe(unit).catch_unwind().await {
+            Ok(Ok(value)) => Exit::Success(value),
+            Ok(Err(interrupted)) => Exit::Interrupted(interrupted.reason().clone()),
+            Err(payload) => Exit::Panicked(panic_message(&*payload)),
+        };
+        *lock(&task_shared.exit) = Some(exit);
+    });
+    (Prepared { shared, task }, controller, done)
+}
+
+impl<T> Prepared<T> {
+    pub(crate) fn start(self, spawner: &Arc<dyn Spawner>) -> Fiber<T> {
+        spawner.spawn(self.task);
+        Fiber {
+            shared: self.shared,
+        }
+    }
+}
+
+impl<T: Send + 'static> Fiber<T> {
+    /// Waits for the fiber to end.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping this future detaches the fiber, as dropping the `Fiber` does.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::fork_daemon;
+    ///
+    /// # futures::executor::block_on(async {
+    /// assert_eq!(fork_daemon(async { "done" }).join().await.success(), Some("done"));
+    /// # });
+    /// ```
+    pub async fn join(self) -> Exit<T> {
+        self.shared.done.wait().await;
+        lock(&self.shared.exit)
+            .take()
+            .unwrap_or_else(|| Exit::Interrupted(AbortReason::new(Dropped)))
+    }
+
+    /// Interrupts and waits until the fiber's finalizers and children are done.
+    /// A fiber that had already succeeded gives `Exit::Success`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{fork_daemon, Exit};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let quick = fork_daemon(async { 1 });
+    /// while !quick.is_finished() { std::thread::yield_now() }
+    /// assert!(matches!(quick.interrupt("late").await, Exit::Success(1)));
+    /// # });
+    /// ```
+    pub async fn interrupt(self, reason: impl Into<AbortReason>) -> Exit<T> {
+        self.interrupt_fork(reason);
+        self.join().await
+    }
+
+    /// Sends the interruption without waiting.
+    pub fn interrupt_fork(&self, reason: impl Into<AbortReason>) {
+        self.shared.controller.abort(reason);
+    }
+
+    /// Whether the fiber has ended (its clean-up included).
+    pub fn is_finished(&self) -> bool {
+        self.shared.done.is_done()
+    }
+}
+
+impl<T> fmt::Debug for Fiber<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fiber")
+            .field("finished", &self.shared.done.is_done())
+            .finish()
+    }
+}
+
+/// Effect's forkDaemon: a fiber tied to no scope, on the default spawner.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::fork_daemon;
+///
+/// # futures::executor::block_on(async {
+/// let heartbeat = fork_daemon(async { /* runs until done or interrupted */ 3 });
+/// assert_eq!(heartbeat.join().await.success(), Some(3));
+/// # });
+/// ```
+pub fn fork_daemon<T, Fut>(future: Fut) -> Fiber<T>
+where
+    T: Send + 'static,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    fork_daemon_on(future, &(Arc::new(SmolSpawner) as Arc<dyn Spawner>))
+}
+
+/// [`fork_daemon`] on a given spawner.
+pub(crate) fn fork_daemon_on<T, Fut>(future: Fut, spawner: &Arc<dyn Spawner>) -> Fiber<T>
+where
+    T: Send + 'static,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let (prepared, _, _) = prepare(future, spawner);
+    prepared.start(spawner)
+}

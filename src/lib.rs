@@ -1,0 +1,93 @@
+//! Resources whose clean-up always runs, even when work is cancelled.
+//!
+//! `leasehold` has two halves that grow from one idea.
+//!
+//! **Structured concurrency**, in the style of Effect and ZIO:
+//!
+//! - [`Scope`]: async finalizers that always run, last in first out, each told how the scope
+//!   ended; fibers forked into it are interrupted and awaited when it closes.
+//! - [`Scoped`]: a future that owns a scope and closes it, every finalizer finished, before it
+//!   resolves. Attach an [`AbortSignal`] and it stops at its next await point, unwinds nested
+//!   `Scoped` futures inner first, and resolves with [`Interrupted`] carrying *your* reason.
+//! - [`Fiber`]: spawned work tied to a scope ([`Scope::fork`]) or to nothing ([`fork_daemon`]);
+//!   [`Fiber::interrupt`] waits for its clean-up before it reports.
+//! - [`Schedule`]: retry and repeat policies as values (`spaced`, `fixed`, `exponential`,
+//!   `recurs`, `jittered`, `up_to`, `union`, `intersect`).
+//! - [`Semaphore`]: fair, strictly FIFO. [`Clock`]: [`SystemClock`], or [`TestClock`] whose time
+//!   moves only when a test says so.
+//!
+//! **A lease lock manager** built from those parts (`LockManager`): shared/exclusive locks keyed
+//! by strings, kept as rows in one SQLite file so that several processes on one machine
+//! coordinate, with a FIFO queue and writer preference, leases renewed by heartbeats, all-or-
+//! nothing acquisition of several keys, fencing tokens, and cancellation that never leaves a row
+//! behind.
+//!
+//! Everything runs on any executor (`futures::executor::block_on`, smol, tokio) with no runtime
+//! feature switched on. Background work goes through a [`Spawner`]; the default is smol's global
+//! executor, which runs on threads of its own.
+//!
+//! # Cancel safety
+//!
+//! Rust cancels a future by dropping it, and `Drop` cannot await. This crate therefore offers two
+//! ways to stop work, and says for every async method what each does:
+//!
+//! - **Interruption** (an [`AbortSignal`] attached with [`Scoped::with_signal`], or
+//!   [`Fiber::interrupt`]): the work stops at its next await point, its clean-up runs to the end,
+//!   and only then does the future resolve with [`Interrupted`]. This is the dependable way.
+//! - **Dropping** an unfinished future: its clean-up is handed to the spawner and runs in the
+//!   background. Inside another `Scoped`, the parent's close waits for it, so nothing outlives
+//!   the enclosing scope.
+//!
+//! # When not to use it
+//!
+//! If your tasks share memory in one process and need no async clean-up, `async-lock` or tokio's
+//! `sync` module are simpler and faster. If your processes span several machines, a lock service
+//! (etcd, ZooKeeper, PostgreSQL advisory locks) is the right tool: SQLite coordinates processes
+//! on one machine only.
+//!
+//! # Examples
+//!
+//! ```
+//! use std::time::Duration;
+//! use leasehold::{AbortController, Interrupted, Scoped};
+//!
+//! # futures::executor::block_on(async {
+//! let stop = AbortController::new();
+//! let work = Scoped::<(), Interrupted>::new(|scope| async move {
+//!     scope.add_finalizer(|status| async move {
+//!         // async clean-up: runs to completion before `work` resolves
+//!         println!("closing after {status:?}");
+//!     });
+//!     std::future::pending().await
+//! })
+//! .with_signal(&stop.signal());
+//! stop.abort("user pressed stop");
+//! let error = work.await.unwrap_err();
+//! assert_eq!(error.to_string(), "interrupted: user pressed stop");
+//! # });
+//! ```
+
+#![forbid(unsafe_code)]
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    rust_2018_idioms,
+    unreachable_pub
+)]
+
+mod abort;
+mod clock;
+mod fiber;
+mod schedule;
+mod scope;
+mod semaphore;
+mod spawn;
+mod sync;
+
+pub use abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted, TimedOut};
+pub use clock::{Clock, SystemClock, TestClock};
+pub use fiber::{fork_daemon, Exit, Fiber};
+pub use schedule::{Schedule, ScheduleRun};
+pub use scope::{scoped, ExitStatus, Release, Scope, ScopeClosed, Scoped};
+pub use semaphore::{Acquire, Permit, Semaphore};
+pub use spawn::{SmolSpawner, Spawner};

@@ -1,0 +1,886 @@
+//! Scopes with async finalizers, and `Scoped` futures that close their scope before resolving.
+//!
+//! Invariants:
+//!
+//! 1. A scope is closed once: the first status wins. Closing interrupts and awaits its children
+//!    (forked fibers and background clean-ups), then runs its finalizers last-in-first-out, each
+//!    to completion; children or finalizers added while it closes are taken by the same loop.
+//! 2. The close work belongs to whoever started it. If that caller is dropped half-way, the rest
+//!    goes to the spawner: a close is never abandoned.
+//! 3. A `Scoped` checks its signals before every poll of its body. Once it sees one aborted it
+//!    never polls the body again: it marks its scope as unwinding, drops the body, closes the
+//!    scope with `Interrupted(reason)`, and only then resolves.
+//! 4. Nesting: while a `Scoped` polls its body, its scope is the thread's *ambient parent*. A
+//!    `Scoped` first polled there remembers it. When such a child is dropped unfinished, its
+//!    remaining close goes to the parent: as a finalizer if the parent is unwinding (so the
+//!    parent's close awaits it, inner before outer), or as a tracked background child if not (so
+//!    it runs now, and the parent's close still waits for it). Without a parent it goes to the
+//!    spawner.
+//!
+//! Lock order: a scope's `state` lock is never held across an await or a call into user code.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::error::Error;
+use std::fmt;
+use std::future::Future;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use event_listener::{Event, EventListener};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+
+use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
+use crate::spawn::{SmolSpawner, Spawner};
+use crate::sync::{lock, CompleteOnDrop, Completion};
+
+/// How a scope ended; every finalizer is told.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{ExitStatus, Scope};
+///
+/// # futures::executor::block_on(async {
+/// let scope = Scope::new();
+/// scope.add_finalizer(|status| async move {
+///     assert!(matches!(status, ExitStatus::Failure));
+/// });
+/// scope.close(ExitStatus::Failure).await;
+/// # });
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum ExitStatus {
+    /// The work finished with a value.
+    Success,
+    /// The work finished with an error, or panicked.
+    Failure,
+    /// The work was interrupted, for this reason (the caller's object).
+    Interrupted(AbortReason),
+}
+
+/// The reason given to a scope's fibers when it closes without being interrupted.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::ScopeClosed;
+///
+/// assert_eq!(ScopeClosed.to_string(), "scope closed");
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScopeClosed;
+
+impl fmt::Display for ScopeClosed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("scope closed")
+    }
+}
+
+impl Error for ScopeClosed {}
+
+/// Something with an async release that a scope can own.
+///
+/// # Examples
+///
+/// ```
+/// use futures::future::BoxFuture;
+/// use leasehold::{ExitStatus, Release, Scope};
+///
+/// struct Connection;
+/// impl Release for Connection {
+///     fn release(self) -> BoxFuture<'static, ()> {
+///         Box::pin(async { /* say goodbye to the server */ })
+///     }
+/// }
+///
+/// # futures::executor::block_on(async {
+/// let scope = Scope::new();
+/// scope.adopt(Connection);
+/// scope.close(ExitStatus::Success).await; // released here
+/// # });
+/// ```
+pub trait Release: Send + 'static {
+    /// Releases the resource.
+    fn release(self) -> BoxFuture<'static, ()>;
+}
+
+type Finalizer = Box<dyn FnOnce(ExitStatus) -> BoxFuture<'static, ()> + Send>;
+
+/// A child that a closing scope interrupts (when it can be) and awaits.
+struct Child {
+    interrupt: Option<AbortController>,
+    done: Arc<Completion>,
+}
+
+struct ScopeState {
+    /// Set when the close starts.
+    status: Option<ExitStatus>,
+    /// Set when the close has finished: nothing is left to run.
+    done: bool,
+    /// Set when the owning unit was interrupted or dropped and is dropping its body.
+    unwinding: Option<AbortReason>,
+    finalizers: Vec<Finalizer>,
+    children: Vec<Child>,
+}
+
+struct ScopeInner {
+    state: Mutex<ScopeState>,
+    closed: Event,
+    spawner: Arc<dyn Spawner>,
+}
+
+/// A region that owns finalizers and fibers; closing it interrupts and awaits the fibers, then
+/// runs the finalizers last-in-first-out, each to completion.
+///
+/// Clones share the scope. A scope whose last handle is dropped before it was closed is closed
+/// in the background with an [`Interrupted`](ExitStatus::Interrupted) status ([`Dropped`]).
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use leasehold::{ExitStatus, Scope};
+///
+/// # futures::executor::block_on(async {
+/// let log = Arc::new(Mutex::new(Vec::new()));
+/// let scope = Scope::new();
+/// for name in ["database", "cache"] {
+///     let log = log.clone();
+///     scope.add_finalizer(move |_| async move { log.lock().unwrap().push(name) });
+/// }
+/// scope.close(ExitStatus::Success).await;
+/// assert_eq!(*log.lock().unwrap(), ["cache", "database"]);
+/// # });
+/// ```
+#[derive(Clone)]
+pub struct Scope {
+    inner: Arc<ScopeInner>,
+}
+
+impl Scope {
+    /// An open scope whose background work runs on the default spawner.
+    pub fn new() -> Self {
+        Scope::with_spawner(Arc::new(SmolSpawner))
+    }
+
+    /// An open scope whose background work (fibers, handed-off clean-ups) runs on `spawner`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use leasehold::{Scope, SmolSpawner};
+    ///
+    /// let scope = Scope::with_spawner(Arc::new(SmolSpawner));
+    /// assert!(!scope.is_closed());
+    /// ```
+    pub fn with_spawner(spawner: Arc<dyn Spawner>) -> Self {
+        Scope {
+            inner: Arc::new(ScopeInner {
+                state: Mutex::new(ScopeState {
+                    status: None,
+                    done: false,
+                    unwinding: None,
+                    finalizers: Vec::new(),
+                    children: Vec::new(),
+                }),
+                closed: Event::new(),
+                spawner,
+            }),
+        }
+    }
+
+    /// Runs at close, last added first, to completion; told how the scope ended.
+    ///
+    /// A finalizer added while the scope is closing runs in that close; one added after the
+    /// close has finished runs at once, in the background, with the recorded status.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{ExitStatus, Scope};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let scope = Scope::new();
+    /// scope.add_finalizer(|status| async move { println!("closing: {status:?}") });
+    /// scope.close(ExitStatus::Success).await;
+    /// # });
+    /// ```
+    pub fn add_finalizer<F, Fut>(&self, finalizer: F)
+    where
+        F: FnOnce(ExitStatus) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        self.push_finalizer(Box::new(move |status| Box::pin(finalizer(status))));
+    }
+
+    fn push_finalizer(&self, finalizer: Finalizer) {
+        let mut state = lock(&self.inner.state);
+        if state.done {
+            let status = state.status.clone().unwrap_or(ExitStatus::Success);
+            drop(state);
+            self.inner
+                .spawner
+                .spawn(Box::pin(run_finalizer(finalizer, status)));
+        } else {
+            state.finalizers.push(finalizer);
+        }
+    }
+
+    /// Hands a resource to the scope: it is released at close, in LIFO order with the finalizers.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{ExitStatus, Scope, Semaphore};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let semaphore = Semaphore::new(1);
+    /// let scope = Scope::new();
+    /// scope.adopt(semaphore.acquire(1).await);
+    /// assert_eq!(semaphore.available(), 0);
+    /// scope.close(ExitStatus::Success).await;
+    /// assert_eq!(semaphore.available(), 1);
+    /// # });
+    /// ```
+    pub fn adopt<R: Release>(&self, resource: R) {
+        self.push_finalizer(Box::new(move |_| resource.release()));
+    }
+
+    /// Effect's `forkScoped`: a fiber that the scope interrupts and awaits when it closes.
+    ///
+    /// Forking on a scope that has finished closing gives a fiber that is interrupted at once
+    /// (its future never runs), with the reason the scope closed with.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{ExitStatus, Scope};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let scope = Scope::new();
+    /// let ticker = scope.fork(std::future::pending::<()>());
+    /// scope.close(ExitStatus::Success).await;
+    /// assert!(ticker.is_finished());
+    /// assert!(ticker.join().await.is_interrupted());
+    /// # });
+    /// ```
+    pub fn fork<T, Fut>(&self, future: Fut) -> crate::Fiber<T>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = T> + Send + 'static,
+    {
+        let (fiber, controller, done) = crate::fiber::prepare(future, &self.inner.spawner);
+        let mut state = lock(&self.inner.state);
+        if state.done {
+            let reason = status_reason(state.status.as_ref());
+            drop(state);
+            controller.abort(reason);
+        } else {
+            state.children.retain(|child| !child.done.is_done());
+            state.children.push(Child {
+                interrupt: Some(controller.share()),
+                done,
+            });
+            drop(state);
+        }
+        fiber.start(&self.inner.spawner)
+    }
+
+    /// Runs `work` in the background now, and makes this scope's close wait for it.
+    fn track(&self, work: BoxFuture<'static, ()>) {
+        let done = Arc::new(Completion::default());
+        let mut state = lock(&self.inner.state);
+        if !state.done {
+            state.children.retain(|child| !child.done.is_done());
+            state.children.push(Child {
+                interrupt: None,
+                done: done.clone(),
+            });
+        }
+        drop(state);
+        let guard = CompleteOnDrop(done);
+        self.inner.spawner.spawn(Box::pin(async move {
+            work.await;
+            drop(guard);
+        }));
+    }
+
+    /// Closes the scope: interrupts and awaits its fibers, then runs its finalizers LIFO.
+    ///
+    /// Idempotent: the first status wins; later calls wait for the first close to finish.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping this future before it completes does not abandon the close: the rest of it runs
+    /// in the background on the scope's spawner.
+    pub async fn close(&self, status: ExitStatus) {
+        self.close_owned(status).await
+    }
+
+    /// [`close`](Scope::close) as a `'static` future.
+    pub(crate) fn close_owned(&self, status: ExitStatus) -> BoxFuture<'static, ()> {
+        let started = {
+            let mut state = lock(&self.inner.state);
+            if state.status.is_none() {
+                state.status = Some(status.clone());
+                true
+            } else {
+                false
+            }
+        };
+        if started {
+            Box::pin(Closing {
+                work: Some(Box::pin(run_close(self.inner.clone(), status))),
+                spawner: self.inner.spawner.clone(),
+            })
+        } else {
+            let inner = self.inner.clone();
+            Box::pin(async move { wait_closed(&inner).await })
+        }
+    }
+
+    /// Whether the scope has started closing.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{ExitStatus, Scope};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let scope = Scope::new();
+    /// assert!(!scope.is_closed());
+    /// scope.close(ExitStatus::Success).await;
+    /// assert!(scope.is_closed());
+    /// # });
+    /// ```
+    pub fn is_closed(&self) -> bool {
+        lock(&self.inner.state).status.is_some()
+    }
+
+    fn spawner(&self) -> Arc<dyn Spawner> {
+        self.inner.spawner.clone()
+    }
+
+    fn start_unwinding(&self, reason: &AbortReason) {
+        let mut state = lock(&self.inner.state);
+        if state.unwinding.is_none() {
+            state.unwinding = Some(reason.clone());
+        }
+    }
+
+    fn unwinding(&self) -> Option<AbortReason> {
+        lock(&self.inner.state).unwinding.clone()
+    }
+
+    /// Takes over the unfinished close of a child that was dropped while first polled here.
+    fn adopt_close(&self, close: BoxFuture<'static, ()>) {
+        if self.unwinding().is_some() {
+            // The parent is unwinding and will close right after dropping its body: awaiting the
+            // child's close among its finalizers keeps "inner before outer".
+            self.push_finalizer(Box::new(move |_| close));
+        } else {
+            self.track(close);
+        }
+    }
+}
+
+impl Default for Scope {
+    fn default() -> Self {
+        Scope::new()
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = lock(&self.inner.state);
+        f.debug_struct("Scope")
+            .field("status", &state.status)
+            .field("done", &state.done)
+            .field("finalizers", &state.finalizers.len())
+            .field("children", &state.children.len())
+            .finish()
+    }
+}
+
+impl Drop for ScopeInner {
+    fn drop(&mut self) {
+        let state = match self.state.get_mut() {
+            Ok(state) => state,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if state.status.is_some() || (state.finalizers.is_empty() && state.children.is_empty()) {
+            return;
+        }
+        // Nobody can close this scope any more: close what it holds in the background.
+        let orphan = Scope::with_spawner(self.spawner.clone());
+        {
+            let mut orphan_state = lock(&orphan.inner.state);
+            orphan_state.finalizers = std::mem::take(&mut state.finalizers);
+            orphan_state.children = std::mem::take(&mut state.children);
+        }
+        let close = orphan.close_owned(ExitStatus::Interrupted(AbortReason::new(Dropped)));
+        self.spawner.spawn(close);
+    }
+}
+
+fn status_reason(status: Option<&ExitStatus>) -> AbortReason {
+    match status {
+        Some(ExitStatus::Interrupted(reason)) => reason.clone(),
+        _ => AbortReason::new(ScopeClosed),
+    }
+}
+
+async fn run_close(inner: Arc<ScopeInner>, status: ExitStatus) {
+    let reason = status_reason(Some(&status));
+    loop {
+        enum Next {
+            Children(Vec<Child>),
+            Finalizer(Finalizer),
+            Done,
+        }
+        let next = {
+            let mut state = lock(&inner.state);
+            if !state.children.is_empty() {
+                Next::Children(std::mem::take(&mut state.children))
+            } else if let Some(finalizer) = state.finalizers.pop() {
+                Next::Finalizer(finalizer)
+            } else {
+                state.done = true;
+                Next::Done
+            }
+        };
+        match next {
+            Next::Children(children) => {
+                for child in &children {
+                    if let Some(controller) = &child.interrupt {
+                        controller.abort(reason.clone());
+                    }
+                }
+                for child in &children {
+                    child.done.wait().await;
+                }
+            }
+            Next::Finalizer(finalizer) => run_finalizer(finalizer, status.clone()).await,
+            Next::Done => {
+                inner.closed.notify(usize::MAX);
+                return;
+            }
+        }
+    }
+}
+
+async fn run_finalizer(finalizer: Finalizer, status: ExitStatus) {
+    let outcome = AssertUnwindSafe(async move { finalizer(status).await })
+        .catch_unwind()
+        .await;
+    if let Err(payload) = outcome {
+        tracing::error!(
+            panic = %panic_message(&*payload),
+            "a scope finalizer panicked; the remaining finalizers still run"
+        );
+    }
+}
+
+async fn wait_closed(inner: &ScopeInner) {
+    loop {
+        if lock(&inner.state).done {
+            return;
+        }
+        // Listen, then re-check: a close that finishes in between would otherwise be missed.
+        let listener = inner.closed.listen();
+        if lock(&inner.state).done {
+            return;
+        }
+        listener.await;
+    }
+}
+
+/// The close work, owned by the caller that started it; handed to the spawner if dropped.
+struct Closing {
+    work: Option<BoxFuture<'static, ()>>,
+    spawner: Arc<dyn Spawner>,
+}
+
+impl Future for Closing {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(work) = self.work.as_mut() else {
+            return Poll::Ready(());
+        };
+        let poll = work.as_mut().poll(cx);
+        if poll.is_ready() {
+            self.work = None;
+        }
+        poll
+    }
+}
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        if let Some(work) = self.work.take() {
+            self.spawner.spawn(work);
+        }
+    }
+}
+
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(message) = payload.downcast_ref::<&str>() {
+        (*message).to_owned()
+    } else if let Some(message) = payload.downcast_ref::<String>() {
+        message.clone()
+    } else {
+        "a panic with a non-string payload".to_owned()
+    }
+}
+
+thread_local! {
+    /// The scope of the `Scoped` whose body this thread is polling, if any.
+    static AMBIENT: RefCell<Option<Scope>> = const { RefCell::new(None) };
+}
+
+/// Makes `scope` the ambient parent while `f` runs (restored even if `f` panics).
+fn with_ambient<R>(scope: &Scope, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Scope>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            AMBIENT.with(|ambient| *ambient.borrow_mut() = previous);
+        }
+    }
+    let previous = AMBIENT.with(|ambient| ambient.borrow_mut().replace(scope.clone()));
+    let _restore = Restore(previous);
+    f()
+}
+
+fn ambient() -> Option<Scope> {
+    AMBIENT.with(|ambient| ambient.borrow().clone())
+}
+
+type Body<T, E> = Box<dyn FnOnce(Scope) -> BoxFuture<'static, Result<T, E>> + Send>;
+
+enum Phase<T, E> {
+    Init(Body<T, E>),
+    Running(BoxFuture<'static, Result<T, E>>),
+    Closing {
+        close: BoxFuture<'static, ()>,
+        outcome: Outcome<T, E>,
+    },
+    Done,
+}
+
+enum Outcome<T, E> {
+    Value(Result<T, E>),
+    Interrupted(AbortReason),
+    Panicked(Box<dyn Any + Send>),
+}
+
+struct ScopedInner<T, E> {
+    phase: Phase<T, E>,
+    signals: Vec<(AbortSignal, Option<EventListener>)>,
+    interrupted: fn(Interrupted) -> E,
+    /// `None`: the parent's spawner, or the default one.
+    spawner: Option<Arc<dyn Spawner>>,
+    /// Whether to take the ambient parent on the first poll (fibers do not).
+    inherit: bool,
+    parent: Option<Scope>,
+    scope: Option<Scope>,
+}
+
+/// A future with its own scope: closed, with every finalizer finished, before it resolves.
+///
+/// The body receives the [`Scope`]. However the body ends (a value, an error, a panic, or an
+/// interruption from a signal attached with [`with_signal`](Scoped::with_signal)), the scope is
+/// closed before the `Scoped` resolves. An interruption resolves with
+/// `Err(E::from(Interrupted(reason)))` where `reason` is the caller's object.
+///
+/// # Cancel safety
+///
+/// Dropping an unfinished `Scoped` (for example when it loses a `select!`) drops its body and
+/// hands the rest of its close to the spawner (or, when it runs inside another `Scoped`, to that
+/// parent, whose own close then waits for it). This is best-effort in one sense only: it needs
+/// the spawner to keep running. Prefer interrupting with a signal, which waits for the clean-up.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{AbortController, Interrupted, Scoped};
+///
+/// # futures::executor::block_on(async {
+/// let controller = AbortController::new();
+/// controller.abort("no longer needed");
+/// let work = Scoped::<u32, Interrupted>::new(|scope| async move {
+///     scope.add_finalizer(|_| async { /* never added: the body never runs */ });
+///     Ok(1)
+/// })
+/// .with_signal(&controller.signal());
+/// let error = work.await.unwrap_err();
+/// assert_eq!(error.reason().to_string(), "no longer needed");
+/// # });
+/// ```
+#[must_use = "a Scoped does nothing unless awaited"]
+pub struct Scoped<T, E> {
+    inner: Box<ScopedInner<T, E>>,
+}
+
+impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
+    /// A future that runs `body` with a fresh scope and closes it before resolving.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{Interrupted, Scoped};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let answer = Scoped::<_, Interrupted>::new(|scope| async move {
+    ///     scope.add_finalizer(|_| async { /* runs before `answer` is available */ });
+    ///     Ok(42)
+    /// })
+    /// .await;
+    /// assert_eq!(answer.unwrap(), 42);
+    /// # });
+    /// ```
+    pub fn new<F, Fut>(body: F) -> Self
+    where
+        F: FnOnce(Scope) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+    {
+        Scoped {
+            inner: Box::new(ScopedInner {
+                phase: Phase::Init(Box::new(move |scope| Box::pin(body(scope)))),
+                signals: Vec::new(),
+                interrupted: E::from,
+                spawner: None,
+                inherit: true,
+                parent: None,
+                scope: None,
+            }),
+        }
+    }
+
+    /// Interrupt with the signal's reason when it aborts (several signals may be attached).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{AbortSignal, Interrupted, Scoped, TimedOut};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let slow = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+    ///     .with_signal(&AbortSignal::timeout(Duration::from_millis(10)));
+    /// let error = slow.await.unwrap_err();
+    /// assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+    /// # });
+    /// ```
+    pub fn with_signal(mut self, signal: &AbortSignal) -> Self {
+        self.inner.signals.push((signal.clone(), None));
+        self
+    }
+
+    /// Runs background work (handed-off clean-ups) on `spawner` instead of the default.
+    pub(crate) fn on_spawner(mut self, spawner: Arc<dyn Spawner>) -> Self {
+        self.inner.spawner = Some(spawner);
+        self
+    }
+
+    /// Ignores the ambient parent: for work that is spawned, not awaited by its creator.
+    pub(crate) fn detached(mut self) -> Self {
+        self.inner.inherit = false;
+        self
+    }
+}
+
+impl<T, E> ScopedInner<T, E> {
+    /// The reason of the first aborted signal; otherwise arranges to be woken by any of them.
+    fn check_signals(&mut self, cx: &mut Context<'_>) -> Option<AbortReason> {
+        if self.signals.is_empty() {
+            return None;
+        }
+        loop {
+            // Listen first, then check: an abort in between would otherwise be missed.
+            for (signal, listener) in &mut self.signals {
+                if listener.is_none() {
+                    *listener = signal.listen();
+                }
+            }
+            if let Some(reason) = self.signals.iter().find_map(|(signal, _)| signal.reason()) {
+                return Some(reason);
+            }
+            let mut fired = false;
+            for (_, listener) in &mut self.signals {
+                if let Some(l) = listener {
+                    if Pin::new(l).poll(cx).is_ready() {
+                        *listener = None;
+                        fired = true;
+                    }
+                }
+            }
+            if !fired {
+                return None;
+            }
+        }
+    }
+
+    fn scope(&self) -> &Scope {
+        self.scope
+            .as_ref()
+            .expect("a started Scoped always has a scope")
+    }
+
+    /// Stops the body for `reason`: nested scopes hand their closes over as the body drops.
+    fn unwind(&mut self, reason: AbortReason) {
+        let scope = self.scope().clone();
+        scope.start_unwinding(&reason);
+        self.phase = Phase::Done;
+        self.phase = Phase::Closing {
+            close: scope.close_owned(ExitStatus::Interrupted(reason.clone())),
+            outcome: Outcome::Interrupted(reason),
+        };
+    }
+}
+
+impl<T, E> Future for Scoped<T, E> {
+    type Output = Result<T, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T, E>> {
+        let this = &mut *self.inner;
+        loop {
+            if matches!(this.phase, Phase::Running(_)) {
+                if let Some(reason) = this.check_signals(cx) {
+                    this.unwind(reason);
+                    continue;
+                }
+            }
+            match &mut this.phase {
+                Phase::Init(_) => {
+                    if let Some(reason) = this.check_signals(cx) {
+                        this.phase = Phase::Done;
+                        return Poll::Ready(Err((this.interrupted)(Interrupted::new(reason))));
+                    }
+                    if this.inherit {
+                        this.parent = ambient();
+                    }
+                    let spawner = match (&this.spawner, &this.parent) {
+                        (Some(spawner), _) => spawner.clone(),
+                        (None, Some(parent)) => parent.spawner(),
+                        (None, None) => Arc::new(SmolSpawner),
+                    };
+                    let scope = Scope::with_spawner(spawner);
+                    this.scope = Some(scope.clone());
+                    let Phase::Init(body) = std::mem::replace(&mut this.phase, Phase::Done) else {
+                        unreachable!("matched Init above")
+                    };
+                    this.phase = Phase::Running(body(scope));
+                }
+                Phase::Running(body) => {
+                    let scope = this.scope.as_ref().expect("a running Scoped has a scope");
+                    let polled = with_ambient(scope, || {
+                        catch_unwind(AssertUnwindSafe(|| body.as_mut().poll(cx)))
+                    });
+                    let (status, outcome) = match polled {
+                        Ok(Poll::Pending) => return Poll::Pending,
+                        Ok(Poll::Ready(Ok(value))) => {
+                            (ExitStatus::Success, Outcome::Value(Ok(value)))
+                        }
+                        Ok(Poll::Ready(Err(error))) => {
+                            (ExitStatus::Failure, Outcome::Value(Err(error)))
+                        }
+                        Err(payload) => (ExitStatus::Failure, Outcome::Panicked(payload)),
+                    };
+                    let close = scope.close_owned(status);
+                    this.phase = Phase::Closing { close, outcome };
+                }
+                Phase::Closing { close, .. } => {
+                    if close.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    let Phase::Closing { outcome, .. } =
+                        std::mem::replace(&mut this.phase, Phase::Done)
+                    else {
+                        unreachable!("matched Closing above")
+                    };
+                    return Poll::Ready(match outcome {
+                        Outcome::Value(result) => result,
+                        Outcome::Interrupted(reason) => {
+                            Err((this.interrupted)(Interrupted::new(reason)))
+                        }
+                        Outcome::Panicked(payload) => resume_unwind(payload),
+                    });
+                }
+                Phase::Done => panic!("`Scoped` polled after it resolved"),
+            }
+        }
+    }
+}
+
+impl<T, E> Drop for ScopedInner<T, E> {
+    fn drop(&mut self) {
+        let close = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Init(_) | Phase::Done => return,
+            Phase::Running(body) => {
+                let reason = self
+                    .parent
+                    .as_ref()
+                    .and_then(Scope::unwinding)
+                    .unwrap_or_else(|| AbortReason::new(Dropped));
+                let scope = self.scope().clone();
+                scope.start_unwinding(&reason);
+                drop(body);
+                scope.close_owned(ExitStatus::Interrupted(reason))
+            }
+            Phase::Closing { close, outcome } => {
+                // A value nobody will receive is dropped here; a `Guard` releases itself on drop.
+                drop(outcome);
+                close
+            }
+        };
+        match &self.parent {
+            Some(parent) => parent.adopt_close(close),
+            None => self.scope().spawner().spawn(close),
+        }
+    }
+}
+
+impl<T, E> fmt::Debug for Scoped<T, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let phase = match self.inner.phase {
+            Phase::Init(_) => "not started",
+            Phase::Running(_) => "running",
+            Phase::Closing { .. } => "closing",
+            Phase::Done => "done",
+        };
+        f.debug_struct("Scoped")
+            .field("phase", &phase)
+            .field("signals", &self.inner.signals.len())
+            .finish()
+    }
+}
+
+/// Shorthand for `Scoped::new(body).await`.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{scoped, Interrupted};
+///
+/// # futures::executor::block_on(async {
+/// let value: Result<u8, Interrupted> = scoped(|_scope| async { Ok(7) }).await;
+/// assert_eq!(value.unwrap(), 7);
+/// # });
+/// ```
+pub async fn scoped<T, E, F, Fut>(body: F) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: From<Interrupted> + Send + 'static,
+    F: FnOnce(Scope) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+{
+    Scoped::new(body).await
+}
