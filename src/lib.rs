@@ -16,7 +16,7 @@
 //! - [`Semaphore`]: fair, strictly FIFO. [`Clock`]: [`SystemClock`], or [`TestClock`] whose time
 //!   moves only when a test says so.
 //!
-//! **A lease lock manager** built from those parts (`LockManager`): shared/exclusive locks keyed
+//! **A lease lock manager** built from those parts ([`LockManager`]): shared/exclusive locks keyed
 //! by strings, kept as rows in one SQLite file so that several processes on one machine
 //! coordinate, with a FIFO queue and writer preference, leases renewed by heartbeats, all-or-
 //! nothing acquisition of several keys, fencing tokens, and cancellation that never leaves a row
@@ -78,6 +78,7 @@
 mod abort;
 mod clock;
 mod fiber;
+mod lock;
 mod schedule;
 mod scope;
 mod semaphore;
@@ -87,6 +88,10 @@ mod sync;
 pub use abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted, TimedOut};
 pub use clock::{Clock, SystemClock, TestClock};
 pub use fiber::{fork_daemon, Exit, Fiber};
+pub use lock::{
+    EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
+    LockRequest, Mode, StorageStats, MAX_NAME_BYTES,
+};
 pub use schedule::{Schedule, ScheduleRun};
 pub use scope::{scoped, ExitStatus, Release, Scope, ScopeClosed, Scoped};
 pub use semaphore::{Acquire, Permit, Semaphore};

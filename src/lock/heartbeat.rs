@@ -1,0 +1,83 @@
+//! Lease renewal.
+//!
+//! Waiter heartbeats are fibers forked into the waiting acquisition's scope, so they live exactly
+//! as long as the wait. The lock heartbeat is one daemon per owner that runs while the owner
+//! holds any guard. Both ask the storage worker to renew, and the worker renews every live row of
+//! the owner in one statement, at most once per half heartbeat however many ask: the number of
+//! write transactions does not grow with the number of locks or waiters.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+use super::sqlite::micros;
+use super::{Common, LeaseLost, Shared};
+use crate::abort::AbortReason;
+use crate::fiber::fork_daemon_on;
+use crate::sync::lock;
+
+/// Renews while a request waits; forked into the acquisition's scope.
+pub(super) async fn waiter(shared: Arc<Shared>) {
+    loop {
+        shared.common.clock.sleep(shared.common.heartbeat).await;
+        if let Err(error) = shared.renew().await {
+            tracing::warn!(%error, "renewing a waiting request's lease failed; retrying at the next heartbeat");
+        }
+    }
+}
+
+/// Starts the owner's lock heartbeat unless it runs already.
+pub(super) fn ensure_daemon(shared: &Arc<Shared>) {
+    {
+        let mut guards = lock(&shared.common.guards);
+        if guards.daemon_running {
+            return;
+        }
+        guards.daemon_running = true;
+    }
+    let common = shared.common.clone();
+    drop(fork_daemon_on(
+        daemon(Arc::downgrade(shared), common.clone()),
+        &common.spawner,
+    ));
+}
+
+/// Renews every heartbeat while the owner holds a guard; stops when it holds none.
+async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
+    loop {
+        common.clock.sleep(common.heartbeat).await;
+        let shared = {
+            let mut guards = lock(&common.guards);
+            match shared.upgrade() {
+                Some(shared) if !guards.entries.is_empty() => shared,
+                _ => {
+                    guards.daemon_running = false;
+                    return;
+                }
+            }
+        };
+        if let Err(error) = shared.renew().await {
+            tracing::warn!(%error, "renewing lock leases failed; retrying at the next heartbeat");
+            lose_expired(&common);
+        }
+    }
+}
+
+/// When renewals fail, a guard is lost only once its lease has really run out.
+fn lose_expired(common: &Common) {
+    let now = micros(common.clock.now());
+    let renewed = i64::try_from(common.last_renewal.load(Ordering::SeqCst)).unwrap_or(0);
+    let lease = micros(common.lease);
+    let mut guards = lock(&common.guards);
+    let expired: Vec<u64> = guards
+        .entries
+        .iter()
+        .filter(|(_, entry)| entry.granted_at.max(renewed) + lease <= now)
+        .map(|(ticket, _)| *ticket)
+        .collect();
+    for ticket in expired {
+        if let Some(entry) = guards.entries.remove(&ticket) {
+            tracing::warn!(ticket, keys = ?entry.keys, "lease lost: renewals failed until it ran out");
+            entry.lost.abort(AbortReason::new(LeaseLost::expired()));
+        }
+    }
+}

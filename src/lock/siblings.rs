@@ -1,0 +1,45 @@
+//! Managers of one process that share a database file wake each other at once after a commit,
+//! instead of waiting for their next poll to notice it.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, Weak};
+
+use super::worker::Command;
+use super::{Common, Shared};
+use crate::sync::lock;
+
+struct Sibling {
+    path: PathBuf,
+    owner: String,
+    shared: Weak<Shared>,
+}
+
+static SIBLINGS: Mutex<Vec<Sibling>> = Mutex::new(Vec::new());
+
+pub(super) fn register(shared: &Arc<Shared>) {
+    let Some(path) = shared.common.path.clone() else {
+        return;
+    };
+    let mut siblings = lock(&SIBLINGS);
+    siblings.retain(|s| s.shared.strong_count() > 0);
+    siblings.push(Sibling {
+        path,
+        owner: shared.common.owner.clone(),
+        shared: Arc::downgrade(shared),
+    });
+}
+
+/// Tells the other managers on this file that something was committed.
+pub(super) fn poke(common: &Common) {
+    let Some(path) = &common.path else {
+        return;
+    };
+    let targets: Vec<Arc<Shared>> = lock(&SIBLINGS)
+        .iter()
+        .filter(|s| &s.path == path && s.owner != common.owner)
+        .filter_map(|s| s.shared.upgrade())
+        .collect();
+    for target in targets {
+        let _ = target.send(Command::Poke);
+    }
+}

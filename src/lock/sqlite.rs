@@ -1,0 +1,525 @@
+//! SQLite storage: schema, migrations, transactions, and one method per statement.
+//!
+//! Policy (who is granted what) lives in `grant.rs`; the order of work lives in `worker.rs`.
+//! Everything here runs on the storage worker thread, never on a caller's executor thread.
+//!
+//! Times are stored as whole microseconds since the Unix epoch, from the manager's `Clock`.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use sqlite::{Connection, OpenFlags, State, Statement};
+
+use super::grant::RowView;
+use super::{LockError, LockRequest, Mode};
+
+/// The schema version this build writes and understands.
+pub(crate) const SCHEMA_VERSION: i64 = 1;
+
+const SQLITE_BUSY: isize = 5;
+const SQLITE_LOCKED: isize = 6;
+
+/// How long `BEGIN IMMEDIATE` keeps retrying a busy database before it reports an error. SQLite's
+/// own busy handler waits up to `BUSY_TIMEOUT_MS` per try.
+const BUSY_GIVE_UP: Duration = Duration::from_secs(60);
+const BUSY_TIMEOUT_MS: usize = 5_000;
+
+/// Counters since open; see `StorageStats`.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) write_transactions: AtomicU64,
+    pub(crate) change_checks: AtomicU64,
+    pub(crate) heartbeats: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One live row, as `inspect` shows it.
+#[derive(Clone, Debug)]
+pub(crate) struct Row {
+    pub(crate) key: String,
+    pub(crate) mode: Mode,
+    pub(crate) operation: String,
+    pub(crate) owner: String,
+    pub(crate) ticket: u64,
+    pub(crate) held: bool,
+    pub(crate) since: i64,
+    pub(crate) expires_at: i64,
+}
+
+/// The live rows of one owner's request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct OwnedRequest {
+    pub(crate) ticket: u64,
+    pub(crate) held: bool,
+    pub(crate) rows: usize,
+}
+
+pub(crate) fn micros(time: Duration) -> i64 {
+    i64::try_from(time.as_micros()).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn from_micros(micros: i64) -> Duration {
+    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
+}
+
+fn mode_code(mode: Mode) -> i64 {
+    match mode {
+        Mode::Shared => 0,
+        Mode::Exclusive => 1,
+    }
+}
+
+fn mode_of(code: i64) -> Mode {
+    if code == 0 {
+        Mode::Shared
+    } else {
+        Mode::Exclusive
+    }
+}
+
+fn ticket_of(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+/// A storage error with the SQLite code and what was being done.
+pub(crate) fn storage_error(doing: &str, error: &sqlite::Error) -> LockError {
+    let message = error.message.as_deref().unwrap_or("unknown error");
+    match error.code {
+        Some(code) => LockError::Storage(format!("while {doing}: {message} (SQLite code {code})")),
+        None => LockError::Storage(format!("while {doing}: {message}")),
+    }
+}
+
+fn is_busy(error: &sqlite::Error) -> bool {
+    matches!(error.code, Some(code) if code & 0xff == SQLITE_BUSY || code & 0xff == SQLITE_LOCKED)
+}
+
+type Result<T> = std::result::Result<T, LockError>;
+
+/// A connection with the schema in place.
+pub(crate) struct Db {
+    conn: Connection,
+}
+
+impl Db {
+    /// Opens (creating if needed) the database at `path`, or an in-memory one for `None`.
+    pub(crate) fn open(path: Option<&Path>) -> Result<Db> {
+        let flags = OpenFlags::new()
+            .with_create()
+            .with_read_write()
+            .with_no_mutex();
+        let target = path.unwrap_or_else(|| Path::new(":memory:"));
+        let mut conn = Connection::open_with_flags(target, flags).map_err(|e| {
+            storage_error(&format!("opening the database {}", target.display()), &e)
+        })?;
+        conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+            .map_err(|e| storage_error("setting the busy timeout", &e))?;
+        let db = Db { conn };
+        db.exec(
+            "configuring the database",
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;",
+        )?;
+        db.migrate()?;
+        Ok(db)
+    }
+
+    fn exec(&self, doing: &str, sql: &str) -> Result<()> {
+        self.conn.execute(sql).map_err(|e| storage_error(doing, &e))
+    }
+
+    fn prepare(&self, doing: &str, sql: &str) -> Result<Statement<'_>> {
+        self.conn.prepare(sql).map_err(|e| storage_error(doing, &e))
+    }
+
+    fn user_version(&self) -> Result<i64> {
+        let doing = "reading the schema version";
+        let mut statement = self.prepare(doing, "PRAGMA user_version")?;
+        step(doing, &mut statement)?;
+        statement
+            .read::<i64, _>(0)
+            .map_err(|e| storage_error(doing, &e))
+    }
+
+    fn migrate(&self) -> Result<()> {
+        self.begin_immediate("migrating the schema")?;
+        let outcome = self.migrate_in_transaction();
+        match outcome {
+            Ok(()) => self.commit("migrating the schema"),
+            Err(error) => {
+                self.rollback();
+                Err(error)
+            }
+        }
+    }
+
+    fn migrate_in_transaction(&self) -> Result<()> {
+        let found = self.user_version()?;
+        if found > SCHEMA_VERSION {
+            return Err(LockError::SchemaTooNew {
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        if found < 1 {
+            self.exec(
+                "creating the schema (version 1)",
+                "CREATE TABLE tickets (
+                     id INTEGER PRIMARY KEY CHECK (id = 1),
+                     last INTEGER NOT NULL
+                 );
+                 INSERT INTO tickets (id, last) VALUES (1, 0);
+                 CREATE TABLE locks (
+                     id INTEGER PRIMARY KEY,
+                     key TEXT NOT NULL,
+                     mode INTEGER NOT NULL,
+                     operation TEXT NOT NULL,
+                     owner TEXT NOT NULL,
+                     ticket INTEGER NOT NULL,
+                     held INTEGER NOT NULL,
+                     requested_at INTEGER NOT NULL,
+                     acquired_at INTEGER,
+                     expires_at INTEGER NOT NULL,
+                     heartbeat_at INTEGER NOT NULL
+                 );
+                 CREATE INDEX locks_by_key ON locks (key, ticket);
+                 CREATE INDEX locks_by_owner ON locks (owner, ticket);
+                 CREATE INDEX locks_by_expiry ON locks (expires_at);
+                 CREATE INDEX locks_waiting ON locks (held, key);
+                 PRAGMA user_version = 1;",
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `BEGIN IMMEDIATE`, retried while another connection holds the write lock: a busy
+    /// database is a reason to wait, not an error, up to `BUSY_GIVE_UP`.
+    pub(crate) fn begin_immediate(&self, doing: &str) -> Result<()> {
+        let started = std::time::Instant::now();
+        loop {
+            match self.conn.execute("BEGIN IMMEDIATE") {
+                Ok(()) => return Ok(()),
+                Err(error) if is_busy(&error) && started.elapsed() < BUSY_GIVE_UP => {
+                    tracing::debug!(doing, "database busy; retrying BEGIN IMMEDIATE");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(error) => return Err(storage_error(doing, &error)),
+            }
+        }
+    }
+
+    pub(crate) fn commit(&self, doing: &str) -> Result<()> {
+        let started = std::time::Instant::now();
+        loop {
+            match self.conn.execute("COMMIT") {
+                Ok(()) => return Ok(()),
+                Err(error) if is_busy(&error) && started.elapsed() < BUSY_GIVE_UP => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(error) => return Err(storage_error(doing, &error)),
+            }
+        }
+    }
+
+    /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
+    pub(crate) fn rollback(&self) {
+        let _ = self.conn.execute("ROLLBACK");
+    }
+
+    /// `PRAGMA data_version`: changes when another connection commits. A read; writes nothing.
+    pub(crate) fn data_version(&self) -> Result<i64> {
+        let doing = "checking for changes (data_version)";
+        let mut statement = self.prepare(doing, "PRAGMA data_version")?;
+        step(doing, &mut statement)?;
+        statement
+            .read::<i64, _>(0)
+            .map_err(|e| storage_error(doing, &e))
+    }
+
+    pub(crate) fn next_ticket(&self) -> Result<u64> {
+        let doing = "taking a ticket";
+        let mut statement = self.prepare(
+            doing,
+            "UPDATE tickets SET last = last + 1 WHERE id = 1 RETURNING last",
+        )?;
+        if !step(doing, &mut statement)? {
+            return Err(LockError::Storage(format!(
+                "while {doing}: the ticket sequence row is missing"
+            )));
+        }
+        let ticket = statement
+            .read::<i64, _>(0)
+            .map_err(|e| storage_error(doing, &e))?;
+        Ok(ticket_of(ticket))
+    }
+
+    /// The live rows on `key`, in ticket order.
+    pub(crate) fn rows_on_key(&self, key: &str, now: i64, into: &mut Vec<RowView>) -> Result<()> {
+        let doing = "reading the rows of a key";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT mode, ticket, held FROM locks WHERE key = ? AND expires_at > ? ORDER BY ticket",
+        )?;
+        bind(doing, &mut statement, 1, key)?;
+        bind(doing, &mut statement, 2, now)?;
+        while step(doing, &mut statement)? {
+            into.push(RowView {
+                key: key.to_owned(),
+                mode: mode_of(read(doing, &statement, 0)?),
+                ticket: ticket_of(read(doing, &statement, 1)?),
+                held: read::<i64>(doing, &statement, 2)? != 0,
+            });
+        }
+        Ok(())
+    }
+
+    /// Every live row on every key that has a live waiting row: what promotion needs.
+    pub(crate) fn rows_on_waited_keys(&self, now: i64) -> Result<Vec<RowView>> {
+        let doing = "reading the queues";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT key, mode, ticket, held FROM locks
+             WHERE expires_at > ?1
+               AND key IN (SELECT key FROM locks WHERE held = 0 AND expires_at > ?1)
+             ORDER BY key, ticket",
+        )?;
+        bind(doing, &mut statement, 1, now)?;
+        let mut rows = Vec::new();
+        while step(doing, &mut statement)? {
+            rows.push(RowView {
+                key: read(doing, &statement, 0)?,
+                mode: mode_of(read(doing, &statement, 1)?),
+                ticket: ticket_of(read(doing, &statement, 2)?),
+                held: read::<i64>(doing, &statement, 3)? != 0,
+            });
+        }
+        Ok(rows)
+    }
+
+    /// Inserts one row per request, all under `ticket`.
+    pub(crate) fn insert_request(
+        &self,
+        owner: &str,
+        ticket: u64,
+        requests: &[LockRequest],
+        held: bool,
+        now: i64,
+        expires_at: i64,
+    ) -> Result<()> {
+        let doing = "writing a lock row";
+        let mut statement = self.prepare(
+            doing,
+            "INSERT INTO locks (key, mode, operation, owner, ticket, held, requested_at,
+                                acquired_at, expires_at, heartbeat_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )?;
+        let ticket = i64::try_from(ticket).unwrap_or(i64::MAX);
+        for request in requests {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, request.key.as_str())?;
+            bind(doing, &mut statement, 2, mode_code(request.mode))?;
+            bind(doing, &mut statement, 3, request.operation.as_str())?;
+            bind(doing, &mut statement, 4, owner)?;
+            bind(doing, &mut statement, 5, ticket)?;
+            bind(doing, &mut statement, 6, i64::from(held))?;
+            bind(doing, &mut statement, 7, now)?;
+            bind(doing, &mut statement, 8, held.then_some(now))?;
+            bind(doing, &mut statement, 9, expires_at)?;
+            bind(doing, &mut statement, 10, now)?;
+            step(doing, &mut statement)?;
+        }
+        Ok(())
+    }
+
+    /// Turns the waiting rows of `ticket` into held rows, keeping the ticket.
+    pub(crate) fn promote(&self, ticket: u64, now: i64) -> Result<()> {
+        let doing = "promoting a waiting request";
+        let mut statement = self.prepare(
+            doing,
+            "UPDATE locks SET held = 1, acquired_at = ? WHERE ticket = ? AND held = 0",
+        )?;
+        bind(doing, &mut statement, 1, now)?;
+        bind(
+            doing,
+            &mut statement,
+            2,
+            i64::try_from(ticket).unwrap_or(i64::MAX),
+        )?;
+        step(doing, &mut statement)?;
+        Ok(())
+    }
+
+    /// Deletes this owner's rows of `ticket` (held or waiting); returns how many there were.
+    pub(crate) fn delete_request(&self, owner: &str, ticket: u64) -> Result<usize> {
+        let doing = "deleting a request's rows";
+        let mut statement =
+            self.prepare(doing, "DELETE FROM locks WHERE owner = ? AND ticket = ?")?;
+        bind(doing, &mut statement, 1, owner)?;
+        bind(
+            doing,
+            &mut statement,
+            2,
+            i64::try_from(ticket).unwrap_or(i64::MAX),
+        )?;
+        step(doing, &mut statement)?;
+        Ok(self.conn.change_count())
+    }
+
+    /// Deletes every row of this owner; returns how many there were.
+    pub(crate) fn delete_owner(&self, owner: &str) -> Result<usize> {
+        let doing = "deleting an owner's rows";
+        let mut statement = self.prepare(doing, "DELETE FROM locks WHERE owner = ?")?;
+        bind(doing, &mut statement, 1, owner)?;
+        step(doing, &mut statement)?;
+        Ok(self.conn.change_count())
+    }
+
+    /// Deletes rows whose lease has run out; returns how many.
+    pub(crate) fn delete_expired(&self, now: i64) -> Result<usize> {
+        let doing = "deleting expired rows";
+        let mut statement = self.prepare(doing, "DELETE FROM locks WHERE expires_at <= ?")?;
+        bind(doing, &mut statement, 1, now)?;
+        step(doing, &mut statement)?;
+        Ok(self.conn.change_count())
+    }
+
+    /// Renews every live row of `owner` in one statement; never touches an expired row.
+    pub(crate) fn renew(&self, owner: &str, now: i64, expires_at: i64) -> Result<usize> {
+        let doing = "renewing leases";
+        let mut statement = self.prepare(
+            doing,
+            "UPDATE locks SET expires_at = ?, heartbeat_at = ? WHERE owner = ? AND expires_at > ?",
+        )?;
+        bind(doing, &mut statement, 1, expires_at)?;
+        bind(doing, &mut statement, 2, now)?;
+        bind(doing, &mut statement, 3, owner)?;
+        bind(doing, &mut statement, 4, now)?;
+        step(doing, &mut statement)?;
+        Ok(self.conn.change_count())
+    }
+
+    /// This owner's live requests: ticket, whether held, and how many rows.
+    pub(crate) fn owned_requests(&self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>> {
+        let doing = "reading this owner's rows";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT ticket, held, COUNT(*) FROM locks
+             WHERE owner = ? AND expires_at > ? GROUP BY ticket, held",
+        )?;
+        bind(doing, &mut statement, 1, owner)?;
+        bind(doing, &mut statement, 2, now)?;
+        let mut requests = Vec::new();
+        while step(doing, &mut statement)? {
+            requests.push(OwnedRequest {
+                ticket: ticket_of(read(doing, &statement, 0)?),
+                held: read::<i64>(doing, &statement, 1)? != 0,
+                rows: usize::try_from(read::<i64>(doing, &statement, 2)?).unwrap_or(0),
+            });
+        }
+        Ok(requests)
+    }
+
+    /// The earliest lease expiry among other owners' live rows: when a waiter may next be
+    /// unblocked without anyone writing.
+    pub(crate) fn next_foreign_expiry(&self, owner: &str, now: i64) -> Result<Option<i64>> {
+        let doing = "reading the next lease expiry";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT MIN(expires_at) FROM locks WHERE expires_at > ? AND owner != ?",
+        )?;
+        bind(doing, &mut statement, 1, now)?;
+        bind(doing, &mut statement, 2, owner)?;
+        step(doing, &mut statement)?;
+        read::<Option<i64>>(doing, &statement, 0)
+    }
+
+    /// Live rows, of one key or all, ordered by key and ticket.
+    pub(crate) fn live_rows(&self, key: Option<&str>, now: i64) -> Result<Vec<Row>> {
+        let doing = "inspecting locks";
+        let sql = match key {
+            Some(_) => {
+                "SELECT key, mode, operation, owner, ticket, held, requested_at, acquired_at,
+                        expires_at
+                 FROM locks WHERE expires_at > ?1 AND key = ?2 ORDER BY key, ticket"
+            }
+            None => {
+                "SELECT key, mode, operation, owner, ticket, held, requested_at, acquired_at,
+                        expires_at
+                 FROM locks WHERE expires_at > ?1 ORDER BY key, ticket"
+            }
+        };
+        let mut statement = self.prepare(doing, sql)?;
+        bind(doing, &mut statement, 1, now)?;
+        if let Some(key) = key {
+            bind(doing, &mut statement, 2, key)?;
+        }
+        let mut rows = Vec::new();
+        while step(doing, &mut statement)? {
+            let held = read::<i64>(doing, &statement, 5)? != 0;
+            let requested_at: i64 = read(doing, &statement, 6)?;
+            let acquired_at: Option<i64> = read(doing, &statement, 7)?;
+            rows.push(Row {
+                key: read(doing, &statement, 0)?,
+                mode: mode_of(read(doing, &statement, 1)?),
+                operation: read(doing, &statement, 2)?,
+                owner: read(doing, &statement, 3)?,
+                ticket: ticket_of(read(doing, &statement, 4)?),
+                held,
+                since: if held {
+                    acquired_at.unwrap_or(requested_at)
+                } else {
+                    requested_at
+                },
+                expires_at: read(doing, &statement, 8)?,
+            });
+        }
+        Ok(rows)
+    }
+
+    /// Whether `key` has a live held row.
+    pub(crate) fn is_held(&self, key: &str, now: i64) -> Result<bool> {
+        let doing = "checking whether a key is locked";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT EXISTS (SELECT 1 FROM locks WHERE key = ? AND held = 1 AND expires_at > ?)",
+        )?;
+        bind(doing, &mut statement, 1, key)?;
+        bind(doing, &mut statement, 2, now)?;
+        step(doing, &mut statement)?;
+        Ok(read::<i64>(doing, &statement, 0)? != 0)
+    }
+}
+
+fn step(doing: &str, statement: &mut Statement<'_>) -> Result<bool> {
+    match statement.next() {
+        Ok(State::Row) => Ok(true),
+        Ok(State::Done) => Ok(false),
+        Err(error) => Err(storage_error(doing, &error)),
+    }
+}
+
+fn bind<V: sqlite::BindableWithIndex>(
+    doing: &str,
+    statement: &mut Statement<'_>,
+    index: usize,
+    value: V,
+) -> Result<()> {
+    statement
+        .bind((index, value))
+        .map_err(|e| storage_error(doing, &e))
+}
+
+fn read<T: sqlite::ReadableWithIndex>(
+    doing: &str,
+    statement: &Statement<'_>,
+    column: usize,
+) -> Result<T> {
+    statement
+        .read::<T, _>(column)
+        .map_err(|e| storage_error(doing, &e))
+}

@@ -1,0 +1,565 @@
+//! The storage worker: one OS thread per manager that owns the SQLite connection.
+//!
+//! Callers send [`Command`]s and await a reply; no SQLite call and no busy wait ever happens on
+//! a caller's executor thread.
+//!
+//! Invariants:
+//!
+//! 1. Commands are handled in the order they were sent. Writes that are ready together run in one
+//!    `BEGIN IMMEDIATE` transaction; replies go out only after it commits. Reads in the same batch
+//!    run after the writes, so a caller that released (even by dropping a guard) and then
+//!    inspects sees its release.
+//! 2. Every transaction that deletes rows (release, cancel, shutdown, expiry) also promotes every
+//!    waiter the grant rule now allows, whoever owns it, with its ticket kept.
+//! 3. A request is known to the worker by the caller's request id from the moment its rows are
+//!    written until they are deleted. The caller sends `Remove` by that id, so it is right
+//!    whether the acquisition was granted, queued or promoted; and since commands are handled in
+//!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows.
+//! 4. While this owner has waiters, the worker looks for other connections' commits every `poll`
+//!    with `PRAGMA data_version` (a read). Only when something changed, or a foreign lease ran
+//!    out, does it read the queues, and only when a waiter is grantable does it write.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use event_listener::Event;
+use futures::channel::oneshot;
+
+use super::grant::{grantable_now, promotable};
+use super::sqlite::{micros, Counters, Db, OwnedRequest, Row};
+use super::{Common, LeaseLost, LockError, LockRequest};
+use crate::abort::AbortReason;
+use crate::sync::lock;
+
+pub(crate) type Reply<T> = oneshot::Sender<Result<T, LockError>>;
+
+/// At most this many commands go into one transaction.
+const MAX_BATCH: usize = 256;
+
+pub(crate) enum Command {
+    /// Grant now, or queue (`queue`), or report `NotNow`.
+    Acquire {
+        request: u64,
+        requests: Vec<LockRequest>,
+        queue: bool,
+        reply: Reply<Acquired>,
+    },
+    /// Delete this owner's rows of a request, whatever their state (release or cancel).
+    Remove {
+        request: u64,
+        reply: Option<Reply<()>>,
+    },
+    /// Renew this owner's live rows, unless that was done less than half a heartbeat ago.
+    Renew {
+        reply: Reply<()>,
+    },
+    Inspect {
+        key: Option<String>,
+        reply: Reply<Vec<Row>>,
+    },
+    IsLocked {
+        key: String,
+        reply: Reply<bool>,
+    },
+    /// Delete every row of this owner and stop.
+    Shutdown {
+        reply: Reply<()>,
+    },
+    /// Another manager in this process committed to the same file: look now.
+    Poke,
+}
+
+pub(crate) enum Acquired {
+    Granted(u64),
+    Queued(u64, Arc<WaitSlot>),
+    NotNow,
+}
+
+/// Where a queued request learns that it was granted (or can never be).
+#[derive(Debug, Default)]
+pub(crate) struct WaitSlot {
+    state: Mutex<SlotState>,
+    event: Event,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    #[default]
+    Waiting,
+    Granted,
+    Expired,
+    Shutdown,
+}
+
+impl WaitSlot {
+    fn set(&self, state: SlotState) {
+        *lock(&self.state) = state;
+        self.event.notify(usize::MAX);
+    }
+
+    fn get(&self) -> SlotState {
+        *lock(&self.state)
+    }
+
+    /// Resolves when the request is granted, or with the reason it never will be.
+    pub(crate) async fn granted(&self) -> Result<(), LockError> {
+        loop {
+            // Listen, then re-check: a grant in between would otherwise be missed.
+            let listener = self.event.listen();
+            match self.get() {
+                SlotState::Waiting => listener.await,
+                SlotState::Granted => return Ok(()),
+                SlotState::Expired => {
+                    return Err(LockError::Storage(
+                        "while waiting: the waiting request's lease ran out before it was granted \
+                         (was this process paused for longer than the lease?)"
+                            .to_owned(),
+                    ))
+                }
+                SlotState::Shutdown => return Err(LockError::Shutdown),
+            }
+        }
+    }
+}
+
+enum Write {
+    Acquire {
+        request: u64,
+        requests: Vec<LockRequest>,
+        queue: bool,
+        reply: Reply<Acquired>,
+    },
+    Remove {
+        request: u64,
+        reply: Option<Reply<()>>,
+    },
+    Renew {
+        reply: Reply<()>,
+    },
+    Shutdown {
+        reply: Reply<()>,
+    },
+}
+
+/// What a write decided inside the transaction, delivered once it has committed.
+enum Decided {
+    Granted(u64),
+    Queued(u64),
+    NotNow,
+    Done,
+}
+
+pub(crate) struct Worker {
+    db: Db,
+    common: Arc<Common>,
+    rx: Receiver<Command>,
+    /// Request id -> ticket, for every request of this owner that has rows.
+    requests: HashMap<u64, u64>,
+    /// Ticket -> slot, for this owner's queued requests.
+    waits: HashMap<u64, Arc<WaitSlot>>,
+    last_data_version: Option<i64>,
+    next_deadline: Option<i64>,
+    last_look: Instant,
+    poked: bool,
+    last_renewal: Option<i64>,
+}
+
+impl Worker {
+    pub(crate) fn new(db: Db, common: Arc<Common>, rx: Receiver<Command>) -> Self {
+        Worker {
+            db,
+            common,
+            rx,
+            requests: HashMap::new(),
+            waits: HashMap::new(),
+            last_data_version: None,
+            next_deadline: None,
+            last_look: Instant::now(),
+            poked: false,
+            last_renewal: None,
+        }
+    }
+
+    fn now(&self) -> i64 {
+        micros(self.common.clock.now())
+    }
+
+    fn counters(&self) -> &Counters {
+        &self.common.counters
+    }
+
+    fn has_waiters(&self) -> bool {
+        !self.waits.is_empty() || self.common.unqueued.load(Ordering::SeqCst) > 0
+    }
+
+    pub(crate) fn run(mut self) {
+        loop {
+            let received = if self.has_waiters() {
+                let left = self.common.poll.saturating_sub(self.last_look.elapsed());
+                self.rx.recv_timeout(left)
+            } else {
+                self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+            };
+            match received {
+                Ok(first) => {
+                    let mut batch = vec![first];
+                    while batch.len() < MAX_BATCH {
+                        match self.rx.try_recv() {
+                            Ok(command) => batch.push(command),
+                            Err(_) => break,
+                        }
+                    }
+                    if self.handle(batch) {
+                        return;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.close();
+                    return;
+                }
+            }
+            if self.has_waiters() && (self.poked || self.last_look.elapsed() >= self.common.poll) {
+                self.look_for_changes();
+            }
+        }
+    }
+
+    /// Handles one batch; returns whether the worker should stop.
+    fn handle(&mut self, batch: Vec<Command>) -> bool {
+        let mut writes = Vec::new();
+        let mut reads = Vec::new();
+        let mut stop = false;
+        for command in batch {
+            match command {
+                Command::Acquire {
+                    request,
+                    requests,
+                    queue,
+                    reply,
+                } => writes.push(Write::Acquire {
+                    request,
+                    requests,
+                    queue,
+                    reply,
+                }),
+                Command::Remove { request, reply } => {
+                    if self.requests.contains_key(&request) {
+                        writes.push(Write::Remove { request, reply });
+                    } else if let Some(reply) = reply {
+                        // Nothing was written for it (or it is gone already).
+                        let _ = reply.send(Ok(()));
+                    }
+                }
+                Command::Renew { reply } => {
+                    let now = self.now();
+                    let half_beat = micros(self.common.heartbeat / 2);
+                    if self.last_renewal.is_some_and(|at| now < at + half_beat) {
+                        // Rows written since then expire no earlier than a renewal now would
+                        // make them: nothing to do.
+                        let _ = reply.send(Ok(()));
+                    } else {
+                        writes.push(Write::Renew { reply });
+                    }
+                }
+                Command::Shutdown { reply } => {
+                    writes.push(Write::Shutdown { reply });
+                    stop = true;
+                }
+                Command::Poke => self.poked = true,
+                read @ (Command::Inspect { .. } | Command::IsLocked { .. }) => reads.push(read),
+            }
+        }
+        if !writes.is_empty() {
+            self.write(writes);
+        }
+        for read in reads {
+            self.read(read);
+        }
+        stop
+    }
+
+    fn read(&mut self, command: Command) {
+        let now = self.now();
+        match command {
+            Command::Inspect { key, reply } => {
+                let _ = reply.send(self.db.live_rows(key.as_deref(), now));
+            }
+            Command::IsLocked { key, reply } => {
+                let _ = reply.send(self.db.is_held(&key, now));
+            }
+            _ => {}
+        }
+    }
+
+    /// Runs `writes` in one transaction; if that fails, each alone, so one bad write does not
+    /// fail the others.
+    fn write(&mut self, writes: Vec<Write>) {
+        let now = self.now();
+        let outcome = self.transaction(now, |worker, now| {
+            let mut decided = Vec::with_capacity(writes.len());
+            for write in &writes {
+                decided.push(worker.apply(write, now)?);
+            }
+            Ok(decided)
+        });
+        match outcome {
+            Ok((decided, promoted)) => {
+                for (write, decided) in writes.into_iter().zip(decided) {
+                    self.deliver(write, decided, now);
+                }
+                self.after_commit(&promoted);
+            }
+            Err(error) if writes.len() == 1 => {
+                if let Some(write) = writes.into_iter().next() {
+                    fail(write, error);
+                }
+            }
+            Err(_) => {
+                for write in writes {
+                    self.write(vec![write]);
+                }
+            }
+        }
+    }
+
+    /// `BEGIN IMMEDIATE`, `body`, deletion of expired rows, promotion, `COMMIT`. Returns what
+    /// `body` returned and the promoted tickets.
+    fn transaction<T>(
+        &mut self,
+        now: i64,
+        body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
+    ) -> Result<(T, Vec<u64>), LockError> {
+        self.db.begin_immediate("starting a write transaction")?;
+        Counters::bump(&self.counters().write_transactions);
+        let result = (|| {
+            let value = body(self, now)?;
+            self.db.delete_expired(now)?;
+            let promoted = promotable(&self.db.rows_on_waited_keys(now)?);
+            for &ticket in &promoted {
+                self.db.promote(ticket, now)?;
+            }
+            self.db.commit("committing")?;
+            Ok((value, promoted))
+        })();
+        if result.is_err() {
+            self.db.rollback();
+        }
+        result
+    }
+
+    fn apply(&mut self, write: &Write, now: i64) -> Result<Decided, LockError> {
+        let owner = self.common.owner.as_str();
+        match write {
+            Write::Acquire {
+                requests, queue, ..
+            } => {
+                let mut rows = Vec::new();
+                for request in requests {
+                    self.db.rows_on_key(&request.key, now, &mut rows)?;
+                }
+                let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
+                let granted = grantable_now(wanted, &rows);
+                if !granted && !queue {
+                    return Ok(Decided::NotNow);
+                }
+                let ticket = self.db.next_ticket()?;
+                let expires_at = now + micros(self.common.lease);
+                self.db
+                    .insert_request(owner, ticket, requests, granted, now, expires_at)?;
+                Ok(if granted {
+                    Decided::Granted(ticket)
+                } else {
+                    Decided::Queued(ticket)
+                })
+            }
+            Write::Remove { request, .. } => {
+                if let Some(&ticket) = self.requests.get(request) {
+                    self.db.delete_request(owner, ticket)?;
+                }
+                Ok(Decided::Done)
+            }
+            Write::Renew { .. } => {
+                let expires_at = now + micros(self.common.lease);
+                self.db.renew(owner, now, expires_at)?;
+                Ok(Decided::Done)
+            }
+            Write::Shutdown { .. } => {
+                self.db.delete_owner(owner)?;
+                Ok(Decided::Done)
+            }
+        }
+    }
+
+    fn deliver(&mut self, write: Write, decided: Decided, now: i64) {
+        match (write, decided) {
+            (Write::Acquire { request, reply, .. }, Decided::Granted(ticket)) => {
+                self.requests.insert(request, ticket);
+                let _ = reply.send(Ok(Acquired::Granted(ticket)));
+            }
+            (Write::Acquire { request, reply, .. }, Decided::Queued(ticket)) => {
+                self.requests.insert(request, ticket);
+                let slot = Arc::new(WaitSlot::default());
+                self.waits.insert(ticket, slot.clone());
+                // A new wait: take a full look at the next tick, to learn the foreign expiries.
+                self.last_data_version = None;
+                let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
+            }
+            (Write::Acquire { reply, .. }, _) => {
+                let _ = reply.send(Ok(Acquired::NotNow));
+            }
+            (Write::Remove { request, reply }, _) => {
+                if let Some(ticket) = self.requests.remove(&request) {
+                    self.waits.remove(&ticket);
+                }
+                if let Some(reply) = reply {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+            (Write::Renew { reply }, _) => {
+                self.last_renewal = Some(now);
+                self.common.last_renewal.store(
+                    u64::try_from(now).unwrap_or(0),
+                    std::sync::atomic::Ordering::SeqCst,
+                );
+                Counters::bump(&self.counters().heartbeats);
+                let checked = self.check_own_rows(now);
+                let _ = reply.send(checked);
+            }
+            (Write::Shutdown { reply }, _) => {
+                self.requests.clear();
+                for (_, slot) in self.waits.drain() {
+                    slot.set(SlotState::Shutdown);
+                }
+                let reason = AbortReason::new(LeaseLost::shutdown());
+                for (_, entry) in lock(&self.common.guards).entries.drain() {
+                    entry.lost.abort(reason.clone());
+                }
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+
+    /// After a commit: wake the local waiters that were promoted, and tell everyone else.
+    fn after_commit(&mut self, promoted: &[u64]) {
+        for ticket in promoted {
+            if let Some(slot) = self.waits.remove(ticket) {
+                slot.set(SlotState::Granted);
+            }
+        }
+        self.common.changed.notify(usize::MAX);
+        super::siblings::poke(&self.common);
+    }
+
+    /// Compares this owner's live rows with its guards and waits: a guard whose rows are gone
+    /// or expired has lost its lease; a wait whose rows are gone can never be granted.
+    fn check_own_rows(&mut self, now: i64) -> Result<(), LockError> {
+        let owned = self.db.owned_requests(&self.common.owner, now)?;
+        let find = |ticket: u64, held: bool| {
+            owned
+                .iter()
+                .find(|r: &&OwnedRequest| r.ticket == ticket && r.held == held)
+                .map_or(0, |r| r.rows)
+        };
+        {
+            let mut guards = lock(&self.common.guards);
+            let lost: Vec<u64> = guards
+                .entries
+                .iter()
+                .filter(|(ticket, entry)| find(**ticket, true) < entry.rows)
+                .map(|(ticket, _)| *ticket)
+                .collect();
+            for ticket in lost {
+                if let Some(entry) = guards.entries.remove(&ticket) {
+                    tracing::warn!(
+                        ticket,
+                        keys = ?entry.keys,
+                        "lease lost: the lock's rows are gone or expired"
+                    );
+                    entry.lost.abort(AbortReason::new(LeaseLost::expired()));
+                }
+            }
+        }
+        let mut settled = Vec::new();
+        for (&ticket, slot) in &self.waits {
+            if find(ticket, true) > 0 {
+                slot.set(SlotState::Granted);
+                settled.push(ticket);
+            } else if find(ticket, false) == 0 {
+                slot.set(SlotState::Expired);
+                settled.push(ticket);
+            }
+        }
+        for ticket in settled {
+            self.waits.remove(&ticket);
+            if find(ticket, false) == 0 && find(ticket, true) == 0 {
+                self.requests.retain(|_, t| *t != ticket);
+            }
+        }
+        Ok(())
+    }
+
+    /// The poll: a cheap read to see whether anyone else committed (or a foreign lease ran out),
+    /// then, only if so, a look at the queues and a promotion if one is due.
+    fn look_for_changes(&mut self) {
+        self.last_look = Instant::now();
+        let poked = std::mem::take(&mut self.poked);
+        if let Err(error) = self.try_look(poked) {
+            tracing::warn!(%error, "looking for other processes' changes failed; will retry");
+            self.last_data_version = None;
+        }
+    }
+
+    fn try_look(&mut self, poked: bool) -> Result<(), LockError> {
+        let version = self.db.data_version()?;
+        Counters::bump(&self.counters().change_checks);
+        let now = self.now();
+        let due = self.next_deadline.is_some_and(|deadline| now >= deadline);
+        if self.last_data_version == Some(version) && !due && !poked {
+            return Ok(());
+        }
+        self.last_data_version = Some(version);
+
+        if !promotable(&self.db.rows_on_waited_keys(now)?).is_empty() {
+            let ((), promoted) = self.transaction(now, |_, _| Ok(()))?;
+            self.after_commit(&promoted);
+        } else {
+            // Others' changes may matter to waiters that hold no queue position.
+            self.common.changed.notify(usize::MAX);
+        }
+        self.check_own_rows(now)?;
+        self.next_deadline = self.db.next_foreign_expiry(&self.common.owner, now)?;
+        Ok(())
+    }
+
+    /// The manager is gone (every handle dropped): leave no row behind.
+    fn close(&mut self) {
+        let now = self.now();
+        let owner = self.common.owner.clone();
+        if let Err(error) = self.transaction(now, |worker, _| worker.db.delete_owner(&owner)) {
+            tracing::warn!(%error, "could not delete this owner's rows on close; they expire with their lease");
+        }
+    }
+}
+
+fn fail(write: Write, error: LockError) {
+    match write {
+        Write::Acquire { reply, .. } => {
+            let _ = reply.send(Err(error));
+        }
+        Write::Remove { reply, .. } => match reply {
+            Some(reply) => {
+                let _ = reply.send(Err(error));
+            }
+            None => {
+                tracing::warn!(%error, "releasing a dropped guard failed; its rows expire with their lease")
+            }
+        },
+        Write::Renew { reply } | Write::Shutdown { reply } => {
+            let _ = reply.send(Err(error));
+        }
+    }
+}
