@@ -1,0 +1,709 @@
+//! The lock manager's conformance cases (API.md), one test each, plus the manager's own
+//! behaviours: validation, fencing, inspection, leases, shutdown.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::executor::block_on;
+use leasehold::{
+    fork_daemon, AbortController, AbortReason, EntryState, Exit, Fiber, Guard, LockEntry,
+    LockError, LockManager, LockRequest, Mode,
+};
+
+/// Waits until `condition` holds, checking every millisecond, for at most `limit_ms`.
+async fn within<F, Fut>(limit_ms: u64, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_millis(limit_ms);
+    while !condition().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not within {limit_ms} ms: {what}"
+        );
+        smol::Timer::after(Duration::from_millis(1)).await;
+    }
+}
+
+/// The entries of `key`, as (operation, state) pairs in ticket order.
+async fn queue(locks: &LockManager, key: &str) -> Vec<(String, EntryState)> {
+    locks
+        .inspect(Some(key))
+        .await
+        .expect("inspect")
+        .into_iter()
+        .map(|e: LockEntry| (e.operation, e.state))
+        .collect()
+}
+
+fn held(op: &str) -> (String, EntryState) {
+    (op.to_owned(), EntryState::Held)
+}
+
+fn waiting(op: &str, position: usize) -> (String, EntryState) {
+    (op.to_owned(), EntryState::Waiting { position })
+}
+
+/// A log of grants, in the order they happened.
+#[derive(Clone, Default)]
+struct Grants(Arc<Mutex<Vec<String>>>);
+
+impl Grants {
+    fn names(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// Starts an acquisition in the background; it logs its operation when granted and keeps the
+/// guard until the returned fiber is joined.
+fn contend(
+    locks: &LockManager,
+    request: LockRequest,
+    grants: &Grants,
+    signal: Option<&leasehold::AbortSignal>,
+) -> Fiber<Result<Guard, LockError>> {
+    let mut acquisition = locks.acquire(request.clone());
+    if let Some(signal) = signal {
+        acquisition = acquisition.with_signal(signal);
+    }
+    let grants = grants.clone();
+    fork_daemon(async move {
+        let guard = acquisition.await?;
+        grants
+            .0
+            .lock()
+            .unwrap()
+            .push(guard.requests()[0].operation.clone());
+        Ok(guard)
+    })
+}
+
+async fn guard_of(fiber: Fiber<Result<Guard, LockError>>) -> Guard {
+    match fiber.join().await {
+        Exit::Success(Ok(guard)) => guard,
+        other => panic!("expected a guard, got {other:?}"),
+    }
+}
+
+#[test]
+fn case_01_shared_waits_behind_a_queued_exclusive() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let grants = Grants::default();
+        let s1 = locks.shared("k", "S1").await.unwrap();
+        let x = contend(&locks, LockRequest::exclusive("k", "X"), &grants, None);
+        within(5_000, "X queued", || async {
+            queue(&locks, "k").await.len() == 2
+        })
+        .await;
+        let s2 = contend(&locks, LockRequest::shared("k", "S2"), &grants, None);
+        within(5_000, "S2 queued", || async {
+            queue(&locks, "k").await == vec![held("S1"), waiting("X", 0), waiting("S2", 1)]
+        })
+        .await;
+
+        s1.release().await.unwrap();
+        let x = guard_of(x).await;
+        assert_eq!(queue(&locks, "k").await, vec![held("X"), waiting("S2", 0)]);
+        x.release().await.unwrap();
+        let s2 = guard_of(s2).await;
+        assert_eq!(grants.names(), ["X", "S2"]);
+        assert!(s2.fencing_token() > 0);
+    });
+}
+
+#[test]
+fn case_02_interrupting_a_queued_exclusive_lets_the_shared_behind_it_through() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let grants = Grants::default();
+        let holder = locks.exclusive("k", "H").await.unwrap();
+        let stop = AbortController::new();
+        let x = contend(
+            &locks,
+            LockRequest::exclusive("k", "X"),
+            &grants,
+            Some(&stop.signal()),
+        );
+        within(5_000, "X queued", || async {
+            queue(&locks, "k").await.len() == 2
+        })
+        .await;
+        let s = contend(&locks, LockRequest::shared("k", "S"), &grants, None);
+        within(5_000, "S queued", || async {
+            queue(&locks, "k").await.len() == 3
+        })
+        .await;
+
+        stop.abort("not needed");
+        assert!(matches!(
+            x.join().await,
+            Exit::Success(Err(LockError::Interrupted(_)))
+        ));
+        assert_eq!(queue(&locks, "k").await, vec![held("H"), waiting("S", 0)]);
+        holder.release().await.unwrap();
+        let s = guard_of(s).await;
+        assert_eq!(s.requests()[0].mode, Mode::Shared);
+        assert_eq!(grants.names(), ["S"]);
+    });
+}
+
+#[test]
+fn case_03_the_third_exclusive_is_granted_when_the_first_two_are_interrupted() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let grants = Grants::default();
+        let holder = locks.exclusive("k", "H").await.unwrap();
+        let stops = [AbortController::new(), AbortController::new()];
+        let x1 = contend(
+            &locks,
+            LockRequest::exclusive("k", "X1"),
+            &grants,
+            Some(&stops[0].signal()),
+        );
+        let x2 = contend(
+            &locks,
+            LockRequest::exclusive("k", "X2"),
+            &grants,
+            Some(&stops[1].signal()),
+        );
+        within(5_000, "X1, X2 queued", || async {
+            queue(&locks, "k").await.len() == 3
+        })
+        .await;
+        let x3 = contend(&locks, LockRequest::exclusive("k", "X3"), &grants, None);
+        within(5_000, "X3 queued", || async {
+            queue(&locks, "k").await.len() == 4
+        })
+        .await;
+
+        stops[0].abort("first");
+        stops[1].abort("second");
+        assert!(x1.join().await.success().unwrap().is_err());
+        assert!(x2.join().await.success().unwrap().is_err());
+        holder.release().await.unwrap();
+        let x3 = guard_of(x3).await;
+        assert_eq!(queue(&locks, "k").await, vec![held("X3")]);
+        assert_eq!(grants.names(), ["X3"]);
+        drop(x3);
+    });
+}
+
+#[test]
+fn case_04_interrupting_a_queued_request_never_releases_anyone_else() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let grants = Grants::default();
+        let s1 = locks.shared("k", "S1").await.unwrap();
+        let stop = AbortController::new();
+        let x = contend(
+            &locks,
+            LockRequest::exclusive("k", "X"),
+            &grants,
+            Some(&stop.signal()),
+        );
+        within(5_000, "X queued", || async {
+            queue(&locks, "k").await.len() == 2
+        })
+        .await;
+        stop.abort("give up");
+        assert!(x.join().await.success().unwrap().is_err());
+        assert_eq!(queue(&locks, "k").await, vec![held("S1")]);
+        assert!(locks.is_locked("k").await.unwrap());
+        assert!(!s1.lost().is_aborted());
+        // The holder's lock still excludes writers.
+        assert!(locks
+            .try_acquire(LockRequest::exclusive("k", "probe"))
+            .await
+            .unwrap()
+            .is_none());
+        s1.release().await.unwrap();
+    });
+}
+
+#[test]
+fn case_05_an_interrupted_request_returns_the_callers_reason_with_no_trace_left() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let holder = locks.exclusive("k", "H").await.unwrap();
+        let stop = AbortController::new();
+        let reason = AbortReason::from("user cancelled the backup");
+        let waiter = {
+            let locks = locks.clone();
+            let signal = stop.signal();
+            fork_daemon(async move { locks.shared("k", "backup").with_signal(&signal).await })
+        };
+        within(5_000, "backup queued", || async {
+            queue(&locks, "k").await.len() == 2
+        })
+        .await;
+        stop.abort(reason.clone());
+        let error = waiter.join().await.success().unwrap().unwrap_err();
+        assert!(error.abort_reason().unwrap().ptr_eq(&reason));
+        // By the time it returned, its row was gone.
+        assert_eq!(queue(&locks, "k").await, vec![held("H")]);
+        drop(holder);
+    });
+}
+
+#[test]
+fn case_06_shared_locks_are_held_together_and_exclusive_waits_for_all() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let grants = Grants::default();
+        let a = locks.shared("k", "A").await.unwrap();
+        let b = locks.shared("k", "B").await.unwrap();
+        let c = locks.shared("k", "C").await.unwrap();
+        assert_eq!(
+            queue(&locks, "k").await,
+            vec![held("A"), held("B"), held("C")]
+        );
+        let x = contend(&locks, LockRequest::exclusive("k", "X"), &grants, None);
+        within(5_000, "X queued", || async {
+            queue(&locks, "k").await.len() == 4
+        })
+        .await;
+        a.release().await.unwrap();
+        c.release().await.unwrap();
+        assert_eq!(queue(&locks, "k").await, vec![held("B"), waiting("X", 0)]);
+        assert!(!x.is_finished());
+        b.release().await.unwrap();
+        guard_of(x).await.release().await.unwrap();
+        assert_eq!(grants.names(), ["X"]);
+    });
+}
+
+#[test]
+fn case_07_while_exclusive_is_held_later_requests_are_granted_in_arrival_order() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let grants = Grants::default();
+        let holder = locks.exclusive("k", "H").await.unwrap();
+        let order = [
+            LockRequest::exclusive("k", "X1"),
+            LockRequest::shared("k", "S2"),
+            LockRequest::exclusive("k", "X3"),
+            LockRequest::exclusive("k", "X4"),
+            LockRequest::shared("k", "S5"),
+        ];
+        let mut fibers = Vec::new();
+        for (queued, request) in order.iter().enumerate() {
+            fibers.push(contend(&locks, request.clone(), &grants, None));
+            within(5_000, "queued in turn", || async {
+                queue(&locks, "k").await.len() == queued + 2
+            })
+            .await;
+        }
+        holder.release().await.unwrap();
+        for fiber in fibers {
+            guard_of(fiber).await.release().await.unwrap();
+        }
+        assert_eq!(grants.names(), ["X1", "S2", "X3", "X4", "S5"]);
+    });
+}
+
+#[test]
+fn case_08_releasing_exclusive_grants_the_leading_shared_run_together() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let grants = Grants::default();
+        let holder = locks.exclusive("k", "H").await.unwrap();
+        let mut fibers = Vec::new();
+        for (queued, request) in [
+            LockRequest::shared("k", "S1"),
+            LockRequest::shared("k", "S2"),
+            LockRequest::shared("k", "S3"),
+            LockRequest::exclusive("k", "X"),
+            LockRequest::shared("k", "S4"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            fibers.push(contend(&locks, request, &grants, None));
+            within(5_000, "queued in turn", || async {
+                queue(&locks, "k").await.len() == queued + 2
+            })
+            .await;
+        }
+        holder.release().await.unwrap();
+        let mut fibers = fibers.into_iter();
+        let shared: Vec<Guard> =
+            futures::future::join_all(fibers.by_ref().take(3).map(guard_of)).await;
+        assert_eq!(
+            queue(&locks, "k").await,
+            vec![
+                held("S1"),
+                held("S2"),
+                held("S3"),
+                waiting("X", 0),
+                waiting("S4", 1)
+            ]
+        );
+        drop(shared);
+        for fiber in fibers {
+            guard_of(fiber).await.release().await.unwrap();
+        }
+        assert_eq!(grants.names()[3..], ["X", "S4"]);
+    });
+}
+
+#[test]
+fn case_09_many_never_holds_part_of_its_set_and_leaves_nothing_when_interrupted() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let mirror = locks.exclusive("mirror", "prune").await.unwrap();
+        let stop = AbortController::new();
+        let copy = {
+            let locks = locks.clone();
+            let signal = stop.signal();
+            fork_daemon(async move {
+                locks
+                    .many([
+                        LockRequest::shared("source", "copy"),
+                        LockRequest::exclusive("mirror", "copy"),
+                    ])
+                    .with_signal(&signal)
+                    .await
+            })
+        };
+        // However long it waits, it holds nothing of its set, and does not even queue.
+        for _ in 0..20 {
+            smol::Timer::after(Duration::from_millis(2)).await;
+            assert!(!locks.is_locked("source").await.unwrap());
+            assert_eq!(queue(&locks, "mirror").await, vec![held("prune")]);
+        }
+        // Others are not blocked by it.
+        locks
+            .exclusive("source", "check")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        stop.abort("cancelled");
+        assert!(copy.join().await.success().unwrap().is_err());
+        assert_eq!(locks.inspect(None).await.unwrap().len(), 1);
+
+        // Without the interruption, it gets both at once when the mirror is released.
+        let copy = {
+            let locks = locks.clone();
+            fork_daemon(async move {
+                locks
+                    .many([
+                        LockRequest::shared("source", "copy"),
+                        LockRequest::exclusive("mirror", "copy"),
+                    ])
+                    .await
+            })
+        };
+        mirror.release().await.unwrap();
+        let both = copy.join().await.success().unwrap().unwrap();
+        let keys: Vec<_> = locks
+            .inspect(None)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.key)
+            .collect();
+        assert_eq!(keys, ["mirror", "source"]);
+        both.release().await.unwrap();
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+#[test]
+fn case_10_an_already_aborted_signal_runs_nothing_and_writes_nothing() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let before = locks.stats().write_transactions;
+        let stop = AbortController::new();
+        let reason = AbortReason::from("already over");
+        stop.abort(reason.clone());
+        for acquisition in [
+            locks.exclusive("k", "X"),
+            locks.many([LockRequest::shared("a", "S"), LockRequest::shared("b", "S")]),
+            locks.many_queued([LockRequest::shared("a", "S")]),
+        ] {
+            let error = acquisition.with_signal(&stop.signal()).await.unwrap_err();
+            assert!(error.abort_reason().unwrap().ptr_eq(&reason));
+        }
+        assert_eq!(locks.stats().write_transactions, before);
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+#[test]
+fn case_11_release_removes_only_the_callers_rows() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        let alice = LockManager::open(&path).unwrap();
+        let bob = LockManager::open(&path).unwrap();
+        let a = alice.shared("k", "alice").await.unwrap();
+        let b = bob.shared("k", "bob").await.unwrap();
+        let a2 = alice.shared("other", "alice").await.unwrap();
+        a.release().await.unwrap();
+        let left = bob.inspect(None).await.unwrap();
+        assert_eq!(left.len(), 2);
+        assert!(left
+            .iter()
+            .any(|e| e.owner == bob.owner_id() && e.key == "k"));
+        assert!(left
+            .iter()
+            .any(|e| e.owner == alice.owner_id() && e.key == "other"));
+        drop((b, a2));
+    });
+}
+
+#[test]
+fn case_12_a_waiter_in_this_process_is_woken_at_once_even_with_a_long_poll() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        let slow_poll = |path| {
+            LockManager::builder()
+                .poll(Duration::from_secs(30))
+                .open(path)
+                .unwrap()
+        };
+        // Same manager, and a second manager (another owner) on the same file.
+        let first = slow_poll(&path);
+        let second = slow_poll(&path);
+        for waiter_side in [&first, &second] {
+            let holder = first.exclusive("k", "H").await.unwrap();
+            let waiter = {
+                let locks = waiter_side.clone();
+                fork_daemon(async move { locks.exclusive("k", "W").await })
+            };
+            within(5_000, "W queued", || async {
+                queue(&first, "k").await.len() == 2
+            })
+            .await;
+            let released = std::time::Instant::now();
+            holder.release().await.unwrap();
+            let guard = waiter.join().await.success().unwrap().unwrap();
+            // Far sooner than the 30 s poll: only a wake-up can have done it.
+            assert!(released.elapsed() < Duration::from_secs(10));
+            guard.release().await.unwrap();
+        }
+    });
+}
+
+#[test]
+fn invalid_requests_are_refused_before_anything_is_written() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let long = "x".repeat(leasehold::MAX_NAME_BYTES + 1);
+        let cases: Vec<Vec<LockRequest>> = vec![
+            vec![],
+            vec![LockRequest::exclusive("", "op")],
+            vec![LockRequest::exclusive("a\0b", "op")],
+            vec![LockRequest::exclusive("k", "op\0")],
+            vec![LockRequest::exclusive(long.clone(), "op")],
+            vec![LockRequest::exclusive("k", long.clone())],
+            vec![
+                LockRequest::shared("k", "a"),
+                LockRequest::exclusive("k", "b"),
+            ],
+        ];
+        for requests in cases {
+            for acquisition in [
+                locks.many(requests.clone()),
+                locks.many_queued(requests.clone()),
+            ] {
+                let error = acquisition.await.unwrap_err();
+                assert!(
+                    matches!(error, LockError::InvalidRequest(_)),
+                    "{requests:?}: {error}"
+                );
+            }
+        }
+        assert_eq!(locks.stats().write_transactions, 0);
+        let ok = "k".repeat(leasehold::MAX_NAME_BYTES);
+        locks
+            .exclusive(&ok, "")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    });
+}
+
+#[test]
+fn a_lease_shorter_than_two_heartbeats_is_refused() {
+    let error = LockManager::builder()
+        .lease(Duration::from_secs(9))
+        .heartbeat(Duration::from_secs(5))
+        .open_in_memory()
+        .unwrap_err();
+    assert!(matches!(error, LockError::InvalidConfig(_)), "{error}");
+    assert!(LockManager::builder()
+        .lease(Duration::from_secs(10))
+        .heartbeat(Duration::from_secs(5))
+        .open_in_memory()
+        .is_ok());
+    for zero in [
+        LockManager::builder().heartbeat(Duration::ZERO),
+        LockManager::builder().poll(Duration::ZERO),
+    ] {
+        assert!(matches!(
+            zero.open_in_memory(),
+            Err(LockError::InvalidConfig(_))
+        ));
+    }
+}
+
+#[test]
+fn fencing_tokens_increase_across_keys_and_owners() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        let a = LockManager::open(&path).unwrap();
+        let b = LockManager::open(&path).unwrap();
+        let mut last = 0;
+        for round in 0..10 {
+            let locks = if round % 2 == 0 { &a } else { &b };
+            let key = format!("key{}", round % 3);
+            let guard = locks.exclusive(&key, "write").await.unwrap();
+            assert!(guard.fencing_token() > last);
+            last = guard.fencing_token();
+            guard.release().await.unwrap();
+        }
+    });
+}
+
+#[test]
+fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let b = locks.exclusive("b", "holder").await.unwrap();
+        let both = {
+            let locks = locks.clone();
+            fork_daemon(async move {
+                locks
+                    .many_queued([
+                        LockRequest::exclusive("a", "swap"),
+                        LockRequest::exclusive("b", "swap"),
+                    ])
+                    .await
+            })
+        };
+        within(5_000, "queued on both keys", || async {
+            locks.inspect(None).await.unwrap().len() == 3
+        })
+        .await;
+        let entries = locks.inspect(None).await.unwrap();
+        let tickets: Vec<u64> = entries
+            .iter()
+            .filter(|e| e.operation == "swap")
+            .map(|e| e.ticket)
+            .collect();
+        assert_eq!(tickets.len(), 2);
+        assert_eq!(tickets[0], tickets[1]);
+        // Its queued row on "a" keeps later requests on "a" behind it (it never starves).
+        assert!(locks
+            .try_acquire(LockRequest::shared("a", "late"))
+            .await
+            .unwrap()
+            .is_none());
+        b.release().await.unwrap();
+        let both = both.join().await.success().unwrap().unwrap();
+        assert_eq!(both.fencing_token(), tickets[0]);
+        assert!(locks
+            .inspect(None)
+            .await
+            .unwrap()
+            .iter()
+            .all(|e| e.state == EntryState::Held));
+    });
+}
+
+#[test]
+fn dropping_a_queued_acquisition_removes_its_row() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let holder = locks.exclusive("k", "H").await.unwrap();
+        {
+            let mut acquisition = locks.exclusive("k", "dropped");
+            // Poll it until it is queued, then drop it (as losing a select would).
+            within(5_000, "queued", || {
+                let polled = futures::FutureExt::now_or_never(&mut acquisition).is_some();
+                assert!(!polled);
+                async { queue(&locks, "k").await.len() == 2 }
+            })
+            .await;
+        }
+        within(5_000, "the dropped request's row is removed", || async {
+            queue(&locks, "k").await == vec![held("H")]
+        })
+        .await;
+        holder.release().await.unwrap();
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+#[test]
+fn dropping_a_guard_releases_it() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        drop(locks.exclusive("k", "H").await.unwrap());
+        // The release went to the worker before this inspection, so it is already done.
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+#[test]
+fn shutdown_releases_everything_and_ends_waits() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        let locks = LockManager::open(&path).unwrap();
+        let other = LockManager::open(&path).unwrap();
+        let guard = locks.exclusive("k", "H").await.unwrap();
+        let waiter = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("j", "W").await })
+        };
+        let blocker = other.exclusive("j", "blocker").await.unwrap();
+        drop(waiter); // detached; it ends with the shutdown
+        within(5_000, "waiter queued", || async {
+            queue(&other, "j").await.len() == 2
+        })
+        .await;
+        locks.shutdown().await.unwrap();
+        assert!(guard.lost().is_aborted());
+        let rows = other.inspect(None).await.unwrap();
+        assert!(rows.iter().all(|e| e.owner == other.owner_id()), "{rows:?}");
+        assert!(matches!(
+            locks.is_locked("k").await,
+            Err(LockError::Shutdown)
+        ));
+        assert!(locks.shutdown().await.is_ok());
+        drop(blocker);
+    });
+}
+
+#[test]
+fn inspect_reports_modes_owners_positions_and_times() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let grants = Grants::default();
+        let s = locks.shared("k", "S").await.unwrap();
+        let x = contend(&locks, LockRequest::exclusive("k", "X"), &grants, None);
+        within(5_000, "X queued", || async {
+            queue(&locks, "k").await.len() == 2
+        })
+        .await;
+        let entries = locks.inspect(Some("k")).await.unwrap();
+        assert_eq!(entries[0].mode, Mode::Shared);
+        assert_eq!(entries[1].mode, Mode::Exclusive);
+        assert!(entries.iter().all(|e| e.owner == locks.owner_id()));
+        assert!(entries[0].ticket < entries[1].ticket);
+        assert!(entries.iter().all(|e| e.expires_at > e.since));
+        assert!(locks.inspect(Some("nothing")).await.unwrap().is_empty());
+        drop(s);
+        guard_of(x).await.release().await.unwrap();
+    });
+}
