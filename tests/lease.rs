@@ -1,0 +1,209 @@
+//! Leases and heartbeats, driven by `TestClock`s: an owner whose clock never moves never
+//! heartbeats, which is how a frozen or crashed process looks to the others.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::executor::block_on;
+use leasehold::{fork_daemon, EntryState, LeaseLost, LockManager, LockRequest, TestClock};
+
+const LEASE: Duration = Duration::from_secs(10);
+const BEAT: Duration = Duration::from_secs(2);
+
+async fn within<F, Fut>(limit_ms: u64, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_millis(limit_ms);
+    while !condition().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not within {limit_ms} ms: {what}"
+        );
+        smol::Timer::after(Duration::from_millis(1)).await;
+    }
+}
+
+fn manager(path: &std::path::Path, clock: &TestClock) -> LockManager {
+    LockManager::builder()
+        .lease(LEASE)
+        .heartbeat(BEAT)
+        .poll(Duration::from_millis(5))
+        .clock(Arc::new(clock.clone()))
+        .open(path)
+        .unwrap()
+}
+
+/// Advances `clock` in heartbeat steps, waiting after each for `locks` to finish the renewal
+/// that step triggers, so that time never outruns the heartbeats.
+async fn advance_with_heartbeats(clock: &TestClock, locks: &LockManager, total: Duration) {
+    let mut moved = Duration::ZERO;
+    while moved < total {
+        let before = locks.stats().heartbeats;
+        within(5_000, "a heartbeat is sleeping", || async {
+            clock.sleepers() > 0
+        })
+        .await;
+        clock.advance(BEAT);
+        moved += BEAT;
+        within(5_000, "the heartbeat renewed", || async {
+            locks.stats().heartbeats > before
+        })
+        .await;
+    }
+}
+
+#[test]
+fn heartbeats_keep_a_held_lock_past_its_lease() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let locks = manager(&dir.path().join("l.db"), &clock);
+        let guard = locks.exclusive("k", "long job").await.unwrap();
+        advance_with_heartbeats(&clock, &locks, LEASE * 3).await;
+        let entries = locks.inspect(Some("k")).await.unwrap();
+        assert_eq!(entries.len(), 1);
+        assert!(entries[0].expires_at > std::time::Duration::from_secs(0));
+        assert!(!guard.lost().is_aborted());
+        guard.release().await.unwrap();
+    });
+}
+
+#[test]
+fn a_frozen_owners_lock_goes_to_a_waiter_after_its_lease_and_not_before() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let frozen_clock = TestClock::new();
+        let live_clock = TestClock::new();
+        let frozen = manager(&path, &frozen_clock);
+        let live = manager(&path, &live_clock);
+
+        let stale = frozen.exclusive("k", "frozen").await.unwrap();
+        let waiter = {
+            let live = live.clone();
+            fork_daemon(async move { live.exclusive("k", "waiter").await })
+        };
+        within(5_000, "the waiter queued", || async {
+            live.inspect(Some("k")).await.unwrap().len() == 2
+        })
+        .await;
+
+        // Half a lease: the frozen owner's row is still live, so the waiter must wait.
+        advance_with_heartbeats(&live_clock, &live, LEASE / 2).await;
+        for _ in 0..10 {
+            smol::Timer::after(Duration::from_millis(5)).await;
+            assert!(!waiter.is_finished(), "granted before the lease ran out");
+        }
+
+        // Past the lease: granted within a few polls, with a larger fencing token.
+        advance_with_heartbeats(&live_clock, &live, LEASE / 2 + BEAT).await;
+        let guard = waiter.join().await.success().unwrap().unwrap();
+        assert!(guard.fencing_token() > stale.fencing_token());
+
+        // The frozen owner thaws: its next heartbeat finds its row gone and says so.
+        let lost = stale.lost();
+        frozen_clock.advance(LEASE * 2);
+        let reason = lost.aborted().await;
+        assert!(reason.downcast_ref::<LeaseLost>().is_some(), "{reason}");
+        // Its late release must not touch the new holder's row.
+        stale.release().await.unwrap();
+        let entries = live.inspect(Some("k")).await.unwrap();
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].owner, live.owner_id());
+        assert_eq!(entries[0].state, EntryState::Held);
+        guard.release().await.unwrap();
+    });
+}
+
+#[test]
+fn a_heartbeat_renews_a_thousand_locks_in_one_transaction() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let locks = manager(&dir.path().join("l.db"), &clock);
+        let mut guards = Vec::new();
+        for i in 0..1_000 {
+            guards.push(locks.shared(&format!("key{i}"), "hold").await.unwrap());
+        }
+        let before = locks.stats();
+        advance_with_heartbeats(&clock, &locks, BEAT).await;
+        let after = locks.stats();
+        assert_eq!(after.heartbeats - before.heartbeats, 1);
+        assert_eq!(after.write_transactions - before.write_transactions, 1);
+        drop(guards);
+    });
+}
+
+#[test]
+fn waiting_costs_no_write_transactions_however_many_wait() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let locks = manager(&dir.path().join("l.db"), &clock);
+        let holder = locks.exclusive("k", "holder").await.unwrap();
+        let mut waiters = Vec::new();
+        for i in 0..200 {
+            let locks = locks.clone();
+            waiters.push(fork_daemon(async move {
+                locks.shared("k", &format!("waiter {i}")).await
+            }));
+        }
+        within(10_000, "all queued", || async {
+            locks.inspect(Some("k")).await.unwrap().len() == 201
+        })
+        .await;
+        let before = locks.stats();
+        // Let the worker poll for a while (real time): reads only.
+        within(5_000, "several change checks", || async {
+            locks.stats().change_checks >= before.change_checks + 5
+        })
+        .await;
+        // One heartbeat for all 200 waiting rows, however many waiter fibers ask.
+        advance_with_heartbeats(&clock, &locks, BEAT).await;
+        let after = locks.stats();
+        assert_eq!(after.write_transactions - before.write_transactions, 1);
+        holder.release().await.unwrap();
+        for waiter in waiters {
+            waiter
+                .join()
+                .await
+                .success()
+                .unwrap()
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        }
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+#[test]
+fn a_heartbeat_never_revives_an_expired_row() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let clock = TestClock::new();
+        let locks = manager(&path, &clock);
+        let guard = locks.exclusive("k", "paused").await.unwrap();
+        let lost = guard.lost();
+        // Jump past the lease in one step: the heartbeat that then runs must not renew.
+        within(5_000, "the daemon sleeps", || async {
+            clock.sleepers() > 0
+        })
+        .await;
+        clock.advance(LEASE + BEAT);
+        let reason = lost.aborted().await;
+        assert!(reason.downcast_ref::<LeaseLost>().is_some());
+        assert!(locks.inspect(Some("k")).await.unwrap().is_empty());
+        // Another request is granted at once.
+        let next = locks
+            .try_acquire(LockRequest::exclusive("k", "next"))
+            .await
+            .unwrap();
+        assert!(next.is_some());
+        drop(guard);
+    });
+}
