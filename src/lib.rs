@@ -96,3 +96,8 @@ pub use schedule::{Schedule, ScheduleRun};
 pub use scope::{scoped, ExitStatus, Release, Scope, ScopeClosed, Scoped};
 pub use semaphore::{Acquire, Permit, Semaphore};
 pub use spawn::{SmolSpawner, Spawner};
+
+/// The README's examples, compiled and run as doc tests so that they stay true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
