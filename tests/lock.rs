@@ -662,17 +662,20 @@ fn shutdown_releases_everything_and_ends_waits() {
         let locks = LockManager::open(&path).unwrap();
         let other = LockManager::open(&path).unwrap();
         let guard = locks.exclusive("k", "H").await.unwrap();
+        let blocker = other.exclusive("j", "blocker").await.unwrap();
         let waiter = {
             let locks = locks.clone();
             fork_daemon(async move { locks.exclusive("j", "W").await })
         };
-        let blocker = other.exclusive("j", "blocker").await.unwrap();
-        drop(waiter); // detached; it ends with the shutdown
         within(5_000, "waiter queued", || async {
             queue(&other, "j").await.len() == 2
         })
         .await;
         locks.shutdown().await.unwrap();
+        assert!(matches!(
+            waiter.join().await.success().unwrap(),
+            Err(LockError::Shutdown)
+        ));
         assert!(guard.lost().is_aborted());
         let rows = other.inspect(None).await.unwrap();
         assert!(rows.iter().all(|e| e.owner == other.owner_id()), "{rows:?}");
@@ -705,5 +708,22 @@ fn inspect_reports_modes_owners_positions_and_times() {
         assert!(locks.inspect(Some("nothing")).await.unwrap().is_empty());
         drop(s);
         guard_of(x).await.release().await.unwrap();
+    });
+}
+
+#[test]
+fn an_acquisition_dropped_right_after_it_was_sent_leaves_no_row() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        for round in 0..200 {
+            // Polled once (the request is sent), then dropped, usually before the reply: the
+            // removal it sends from `Drop` then reaches the storage worker in the same batch. (If
+            // the reply was quicker, the guard it returned is dropped, which releases it.)
+            let mut attempt = Box::pin(locks.try_acquire(LockRequest::exclusive("k", "dropped")));
+            let _ = futures::FutureExt::now_or_never(&mut attempt);
+            drop(attempt);
+            let left = locks.inspect(None).await.unwrap();
+            assert!(left.is_empty(), "round {round}: {left:?}");
+        }
     });
 }

@@ -144,6 +144,14 @@ enum Write {
     },
 }
 
+/// What a transaction freed, for waking waiters once it has committed.
+struct Freed {
+    /// Whether any row was deleted or promoted.
+    any: bool,
+    /// The promoted tickets, whoever owns them.
+    promoted: Vec<u64>,
+}
+
 /// What a write decided inside the transaction, delivered once it has committed.
 enum Decided {
     Granted(u64),
@@ -165,6 +173,8 @@ pub(crate) struct Worker {
     last_look: Instant,
     poked: bool,
     last_renewal: Option<i64>,
+    /// Whether the current transaction deleted a row of this owner.
+    deleted: bool,
 }
 
 impl Worker {
@@ -180,6 +190,7 @@ impl Worker {
             last_look: Instant::now(),
             poked: false,
             last_renewal: None,
+            deleted: false,
         }
     }
 
@@ -232,6 +243,8 @@ impl Worker {
     fn handle(&mut self, batch: Vec<Command>) -> bool {
         let mut writes = Vec::new();
         let mut reads = Vec::new();
+        // Requests acquired earlier in this batch: a `Remove` for one must run after it.
+        let mut acquiring = Vec::new();
         let mut stop = false;
         for command in batch {
             match command {
@@ -240,17 +253,20 @@ impl Worker {
                     requests,
                     queue,
                     reply,
-                } => writes.push(Write::Acquire {
-                    request,
-                    requests,
-                    queue,
-                    reply,
-                }),
+                } => {
+                    acquiring.push(request);
+                    writes.push(Write::Acquire {
+                        request,
+                        requests,
+                        queue,
+                        reply,
+                    });
+                }
                 Command::Remove { request, reply } => {
-                    if self.requests.contains_key(&request) {
+                    if self.requests.contains_key(&request) || acquiring.contains(&request) {
                         writes.push(Write::Remove { request, reply });
                     } else if let Some(reply) = reply {
-                        // Nothing was written for it (or it is gone already).
+                        // Nothing was ever written for it, or it is gone already.
                         let _ = reply.send(Ok(()));
                     }
                 }
@@ -307,18 +323,32 @@ impl Worker {
             Ok(decided)
         });
         match outcome {
-            Ok((decided, promoted)) => {
+            Ok((decided, freed)) => {
                 for (write, decided) in writes.into_iter().zip(decided) {
                     self.deliver(write, decided, now);
                 }
-                self.after_commit(&promoted);
+                self.after_commit(&freed);
             }
-            Err(error) if writes.len() == 1 => {
+            Err(error) => {
+                // Rolled back: the ids recorded for this batch's acquisitions point at nothing.
+                for write in &writes {
+                    if let Write::Acquire { request, .. } = write {
+                        self.requests.remove(request);
+                    }
+                }
+                self.retry_alone(writes, error);
+            }
+        }
+    }
+
+    fn retry_alone(&mut self, writes: Vec<Write>, error: LockError) {
+        match writes.len() {
+            1 => {
                 if let Some(write) = writes.into_iter().next() {
                     fail(write, error);
                 }
             }
-            Err(_) => {
+            _ => {
                 for write in writes {
                     self.write(vec![write]);
                 }
@@ -327,23 +357,28 @@ impl Worker {
     }
 
     /// `BEGIN IMMEDIATE`, `body`, deletion of expired rows, promotion, `COMMIT`. Returns what
-    /// `body` returned and the promoted tickets.
+    /// `body` returned and what was freed.
     fn transaction<T>(
         &mut self,
         now: i64,
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
-    ) -> Result<(T, Vec<u64>), LockError> {
+    ) -> Result<(T, Freed), LockError> {
         self.db.begin_immediate("starting a write transaction")?;
         Counters::bump(&self.counters().write_transactions);
+        self.deleted = false;
         let result = (|| {
             let value = body(self, now)?;
-            self.db.delete_expired(now)?;
+            let expired = self.db.delete_expired(now)?;
             let promoted = promotable(&self.db.rows_on_waited_keys(now)?);
             for &ticket in &promoted {
                 self.db.promote(ticket, now)?;
             }
             self.db.commit("committing")?;
-            Ok((value, promoted))
+            let freed = Freed {
+                any: self.deleted || expired > 0 || !promoted.is_empty(),
+                promoted,
+            };
+            Ok((value, freed))
         })();
         if result.is_err() {
             self.db.rollback();
@@ -355,7 +390,10 @@ impl Worker {
         let owner = self.common.owner.as_str();
         match write {
             Write::Acquire {
-                requests, queue, ..
+                request,
+                requests,
+                queue,
+                ..
             } => {
                 let mut rows = Vec::new();
                 for request in requests {
@@ -370,6 +408,9 @@ impl Worker {
                 let expires_at = now + micros(self.common.lease);
                 self.db
                     .insert_request(owner, ticket, requests, granted, now, expires_at)?;
+                // Recorded now, not after the commit, so that a `Remove` later in this batch
+                // finds it; `write` forgets it again if the transaction rolls back.
+                self.requests.insert(*request, ticket);
                 Ok(if granted {
                     Decided::Granted(ticket)
                 } else {
@@ -378,7 +419,7 @@ impl Worker {
             }
             Write::Remove { request, .. } => {
                 if let Some(&ticket) = self.requests.get(request) {
-                    self.db.delete_request(owner, ticket)?;
+                    self.deleted |= self.db.delete_request(owner, ticket)? > 0;
                 }
                 Ok(Decided::Done)
             }
@@ -388,7 +429,7 @@ impl Worker {
                 Ok(Decided::Done)
             }
             Write::Shutdown { .. } => {
-                self.db.delete_owner(owner)?;
+                self.deleted |= self.db.delete_owner(owner)? > 0;
                 Ok(Decided::Done)
             }
         }
@@ -396,12 +437,10 @@ impl Worker {
 
     fn deliver(&mut self, write: Write, decided: Decided, now: i64) {
         match (write, decided) {
-            (Write::Acquire { request, reply, .. }, Decided::Granted(ticket)) => {
-                self.requests.insert(request, ticket);
+            (Write::Acquire { reply, .. }, Decided::Granted(ticket)) => {
                 let _ = reply.send(Ok(Acquired::Granted(ticket)));
             }
-            (Write::Acquire { request, reply, .. }, Decided::Queued(ticket)) => {
-                self.requests.insert(request, ticket);
+            (Write::Acquire { reply, .. }, Decided::Queued(ticket)) => {
                 let slot = Arc::new(WaitSlot::default());
                 self.waits.insert(ticket, slot.clone());
                 // A new wait: take a full look at the next tick, to learn the foreign expiries.
@@ -409,6 +448,9 @@ impl Worker {
                 let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
             }
             (Write::Acquire { reply, .. }, _) => {
+                // A waiter without a queue position: take a full look at the next tick, to learn
+                // the foreign expiries that may free its keys.
+                self.last_data_version = None;
                 let _ = reply.send(Ok(Acquired::NotNow));
             }
             (Write::Remove { request, reply }, _) => {
@@ -443,15 +485,18 @@ impl Worker {
         }
     }
 
-    /// After a commit: wake the local waiters that were promoted, and tell everyone else.
-    fn after_commit(&mut self, promoted: &[u64]) {
-        for ticket in promoted {
+    /// After a commit: wake the local waiters that were promoted, and if anything was freed,
+    /// the waiters without a queue position and the other managers of this process.
+    fn after_commit(&mut self, freed: &Freed) {
+        for ticket in &freed.promoted {
             if let Some(slot) = self.waits.remove(ticket) {
                 slot.set(SlotState::Granted);
             }
         }
-        self.common.changed.notify(usize::MAX);
-        super::siblings::poke(&self.common);
+        if freed.any {
+            self.common.changed.notify(usize::MAX);
+            super::siblings::poke(&self.common);
+        }
     }
 
     /// Compares this owner's live rows with its guards and waits: a guard whose rows are gone
@@ -524,8 +569,8 @@ impl Worker {
         self.last_data_version = Some(version);
 
         if !promotable(&self.db.rows_on_waited_keys(now)?).is_empty() {
-            let ((), promoted) = self.transaction(now, |_, _| Ok(()))?;
-            self.after_commit(&promoted);
+            let ((), freed) = self.transaction(now, |_, _| Ok(()))?;
+            self.after_commit(&freed);
         } else {
             // Others' changes may matter to waiters that hold no queue position.
             self.common.changed.notify(usize::MAX);
@@ -539,8 +584,16 @@ impl Worker {
     fn close(&mut self) {
         let now = self.now();
         let owner = self.common.owner.clone();
-        if let Err(error) = self.transaction(now, |worker, _| worker.db.delete_owner(&owner)) {
-            tracing::warn!(%error, "could not delete this owner's rows on close; they expire with their lease");
+        let deleted = self.transaction(now, |worker, _| {
+            worker.deleted |= worker.db.delete_owner(&owner)? > 0;
+            Ok(())
+        });
+        match deleted {
+            Ok(((), freed)) => self.after_commit(&freed),
+            Err(error) => tracing::warn!(
+                %error,
+                "could not delete this owner's rows on close; they expire with their lease"
+            ),
         }
     }
 }
