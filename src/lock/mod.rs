@@ -307,9 +307,27 @@ struct GuardEntry {
 
 /// A handle: the command sender plus what is common.
 pub(crate) struct Shared {
-    tx: Sender<Command>,
+    // In an `Arc` so that other managers can poke this one through a `Weak` without ever
+    // holding (and so possibly dropping, and joining) the whole handle.
+    tx: Arc<Sender<Command>>,
     common: Arc<Common>,
     next_request: AtomicU64,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Shared {
+    /// The last handle is gone: disconnect the worker, and wait for it to delete this owner's
+    /// rows and close the database, so that the file is settled when the drop returns.
+    fn drop(&mut self) {
+        let (disconnected, _) = std::sync::mpsc::channel();
+        drop(std::mem::replace(&mut self.tx, Arc::new(disconnected)));
+        let worker = lock(&self.worker).take();
+        if let Some(worker) = worker {
+            if worker.thread().id() != std::thread::current().id() {
+                let _ = worker.join();
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -468,7 +486,7 @@ impl LockManagerBuilder {
         let (tx, rx) = std::sync::mpsc::channel();
         let open_path = path.map(Path::to_path_buf);
         let worker_common = common.clone();
-        std::thread::Builder::new()
+        let worker = std::thread::Builder::new()
             .name("leasehold-storage".into())
             .spawn(move || match Db::open(open_path.as_deref()) {
                 Ok(db) => {
@@ -484,9 +502,10 @@ impl LockManagerBuilder {
             LockError::Storage("while opening the database: the storage thread stopped".into())
         })??;
         let shared = Arc::new(Shared {
-            tx,
+            tx: Arc::new(tx),
             common,
             next_request: AtomicU64::new(1),
+            worker: Mutex::new(Some(worker)),
         });
         siblings::register(&shared);
         Ok(LockManager { shared })

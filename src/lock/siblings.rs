@@ -2,6 +2,7 @@
 //! instead of waiting for their next poll to notice it.
 
 use std::path::PathBuf;
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 
 use super::worker::Command;
@@ -11,7 +12,7 @@ use crate::sync::lock;
 struct Sibling {
     path: PathBuf,
     owner: String,
-    shared: Weak<Shared>,
+    tx: Weak<Sender<Command>>,
 }
 
 static SIBLINGS: Mutex<Vec<Sibling>> = Mutex::new(Vec::new());
@@ -21,11 +22,11 @@ pub(super) fn register(shared: &Arc<Shared>) {
         return;
     };
     let mut siblings = lock(&SIBLINGS);
-    siblings.retain(|s| s.shared.strong_count() > 0);
+    siblings.retain(|s| s.tx.strong_count() > 0);
     siblings.push(Sibling {
         path,
         owner: shared.common.owner.clone(),
-        shared: Arc::downgrade(shared),
+        tx: Arc::downgrade(&shared.tx),
     });
 }
 
@@ -34,10 +35,10 @@ pub(super) fn poke(common: &Common) {
     let Some(path) = &common.path else {
         return;
     };
-    let targets: Vec<Arc<Shared>> = lock(&SIBLINGS)
+    let targets: Vec<Arc<Sender<Command>>> = lock(&SIBLINGS)
         .iter()
         .filter(|s| &s.path == path && s.owner != common.owner)
-        .filter_map(|s| s.shared.upgrade())
+        .filter_map(|s| s.tx.upgrade())
         .collect();
     for target in targets {
         let _ = target.send(Command::Poke);
