@@ -547,6 +547,11 @@ fn new_owner_id() -> String {
 /// the storage worker, so a later call on this manager already sees it gone). A granted lock is
 /// never lost: if it cannot be handed to the caller, it is released.
 ///
+/// Dropping the last handle (clones, guards and pending acquisitions all hold one) deletes this
+/// owner's remaining rows and closes the database, and waits for that: a single transaction,
+/// usually well under a millisecond. [`shutdown`](LockManager::shutdown) does the same without
+/// blocking.
+///
 /// # Examples
 ///
 /// ```
