@@ -84,6 +84,21 @@ pub fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
     future.poll_unpin(&mut Context::from_waker(noop_waker_ref()))
 }
 
+/// Returns `Pending` once, after asking to be polled again: lets other work run in between.
+pub async fn yield_now() {
+    let mut yielded = false;
+    futures::future::poll_fn(move |cx| {
+        if yielded {
+            Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await
+}
+
 /// An ordered record of what happened, shared by everything a test starts.
 #[derive(Clone, Debug, Default)]
 pub struct Log(Arc<Mutex<Vec<String>>>);
