@@ -210,6 +210,14 @@ fn a_plain_panicking_future_gives_exit_panicked() {
 }
 
 #[test]
+fn a_panic_with_a_non_string_payload_still_gives_exit_panicked() {
+    let fiber = fork_daemon(async {
+        std::panic::panic_any(42_u8);
+    });
+    assert!(matches!(block_on(fiber.join()), Exit::<()>::Panicked(_)));
+}
+
+#[test]
 fn fork_daemon_is_tied_to_no_scope() {
     let started = Flag::new();
     let fiber_started = started.clone();

@@ -455,6 +455,34 @@ fn a_panicking_body_closes_its_scope_and_then_the_panic_propagates() {
     assert!(matches!(statuses.only(), ExitStatus::Failure));
 }
 
+#[test]
+fn a_panicking_body_still_waits_for_the_children_it_drops() {
+    let log = Log::new();
+    let parent_log = log.clone();
+    let work = Scoped::<(), Interrupted>::new(move |parent| async move {
+        slow_finalizer(&parent, &parent_log, "parent", Duration::ZERO);
+        let child = Scoped::<(), Interrupted>::new(move |child| async move {
+            slow_finalizer(&child, &parent_log, "child", SLOW);
+            future::pending().await
+        });
+        let breaks = async {
+            yield_now().await;
+            panic!("a sibling of the child broke");
+        };
+        let (never, ()) = future::join(child, breaks).await;
+        never
+    });
+    let payload = block_on(AssertUnwindSafe(work).catch_unwind()).unwrap_err();
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"a sibling of the child broke")
+    );
+    assert_eq!(
+        log.entries(),
+        ["child start", "child end", "parent start", "parent end"]
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scoped: interruption
 // ---------------------------------------------------------------------------------------------
