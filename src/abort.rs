@@ -7,6 +7,9 @@
 //!    finds it (listen, re-check, then await).
 //! 3. A signal made by [`AbortSignal::any`] is registered as a dependent of each source; a source
 //!    that aborts passes its own reason object on, so `ptr_eq` holds across `any`.
+//! 4. A dependent holds its sources strongly and a source holds its dependents weakly: a source
+//!    that only the combined signal refers to (a `timeout`, or an inner `any`) lives as long as
+//!    the combined signal, and there is no reference cycle.
 //!
 //! Lock order: a signal's `state` lock is never held while another signal's lock is taken.
 
@@ -214,6 +217,8 @@ struct SignalInner {
     aborted: AtomicBool,
     state: Mutex<SignalState>,
     event: Event,
+    /// For a signal made by `any`: keeps sources alive that nobody else holds (invariant 4).
+    sources: Vec<Arc<SignalInner>>,
 }
 
 #[derive(Default)]
@@ -224,10 +229,15 @@ struct SignalState {
 
 impl SignalInner {
     fn new() -> Arc<Self> {
+        SignalInner::depending_on(Vec::new())
+    }
+
+    fn depending_on(sources: Vec<Arc<SignalInner>>) -> Arc<Self> {
         Arc::new(SignalInner {
             aborted: AtomicBool::new(false),
             state: Mutex::new(SignalState::default()),
             event: Event::new(),
+            sources,
         })
     }
 
@@ -407,8 +417,8 @@ impl AbortSignal {
                 inner: sources.into_iter().next(),
             },
             _ => {
-                let inner = SignalInner::new();
-                for source in &sources {
+                let inner = SignalInner::depending_on(sources);
+                for source in &inner.sources {
                     source.add_dependent(&inner);
                 }
                 AbortSignal { inner: Some(inner) }

@@ -583,7 +583,10 @@ enum Outcome<T, E> {
 
 struct ScopedInner<T, E> {
     phase: Phase<T, E>,
-    signals: Vec<(AbortSignal, Option<EventListener>)>,
+    /// Every attached signal, combined with [`AbortSignal::any`] so that the first to abort gives
+    /// the reason, whenever this future happens to be polled.
+    signal: Option<AbortSignal>,
+    listener: Option<EventListener>,
     interrupted: fn(Interrupted) -> E,
     /// `None`: the parent's spawner, or the default one.
     spawner: Option<Arc<dyn Spawner>>,
@@ -654,7 +657,8 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
         Scoped {
             inner: Box::new(ScopedInner {
                 phase: Phase::Init(Box::new(move |scope| Box::pin(body(scope)))),
-                signals: Vec::new(),
+                signal: None,
+                listener: None,
                 interrupted: E::from,
                 spawner: None,
                 inherit: true,
@@ -680,7 +684,12 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
     /// # });
     /// ```
     pub fn with_signal(mut self, signal: &AbortSignal) -> Self {
-        self.inner.signals.push((signal.clone(), None));
+        let combined = match self.inner.signal.take() {
+            None => signal.clone(),
+            Some(attached) => AbortSignal::any([attached, signal.clone()]),
+        };
+        self.inner.signal = Some(combined);
+        self.inner.listener = None;
         self
     }
 
@@ -698,33 +707,26 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
 }
 
 impl<T, E> ScopedInner<T, E> {
-    /// The reason of the first aborted signal; otherwise arranges to be woken by any of them.
+    /// The reason of the first attached signal to abort; otherwise arranges to be woken when one
+    /// does.
     fn check_signals(&mut self, cx: &mut Context<'_>) -> Option<AbortReason> {
-        if self.signals.is_empty() {
-            return None;
-        }
+        let signal = self.signal.as_ref()?;
         loop {
             // Listen first, then check: an abort in between would otherwise be missed.
-            for (signal, listener) in &mut self.signals {
-                if listener.is_none() {
-                    *listener = signal.listen();
-                }
+            if self.listener.is_none() {
+                self.listener = signal.listen();
             }
-            if let Some(reason) = self.signals.iter().find_map(|(signal, _)| signal.reason()) {
+            if let Some(reason) = signal.reason() {
                 return Some(reason);
             }
-            let mut fired = false;
-            for (_, listener) in &mut self.signals {
-                if let Some(l) = listener {
-                    if Pin::new(l).poll(cx).is_ready() {
-                        *listener = None;
-                        fired = true;
-                    }
-                }
-            }
+            let fired = match self.listener.as_mut() {
+                Some(listener) => Pin::new(listener).poll(cx).is_ready(),
+                None => false,
+            };
             if !fired {
                 return None;
             }
+            self.listener = None;
         }
     }
 
@@ -858,7 +860,7 @@ impl<T, E> fmt::Debug for Scoped<T, E> {
         };
         f.debug_struct("Scoped")
             .field("phase", &phase)
-            .field("signals", &self.inner.signals.len())
+            .field("interruptible", &self.inner.signal.is_some())
             .finish()
     }
 }

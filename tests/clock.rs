@@ -1,0 +1,149 @@
+//! Clocks: the system clock, and a test clock that moves only when told.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Wake, Waker};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::{on_every_executor, poll_once};
+use futures::FutureExt;
+use leasehold::{Clock, SystemClock, TestClock};
+
+/// 2024-01-01 00:00:00 UTC.
+const TEST_EPOCH: Duration = Duration::from_secs(1_704_067_200);
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// A waker that counts how often it was woken.
+#[derive(Default)]
+struct CountingWaker(AtomicUsize);
+
+impl Wake for CountingWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_test_clock_starts_at_the_fixed_epoch_and_stands_still() {
+    let clock = TestClock::new();
+    assert_eq!(clock.now(), TEST_EPOCH);
+    assert_eq!(TestClock::default().now(), TEST_EPOCH);
+    std::thread::yield_now();
+    assert_eq!(clock.now(), TEST_EPOCH);
+}
+
+#[test]
+fn advance_moves_time_forward_by_exactly_that_much() {
+    let clock = TestClock::new();
+    clock.advance(Duration::from_millis(1500));
+    clock.advance(secs(2));
+    assert_eq!(clock.now(), TEST_EPOCH + Duration::from_millis(3500));
+}
+
+#[test]
+fn clones_share_one_time_line() {
+    let clock = TestClock::new();
+    let other = clock.clone();
+    other.advance(secs(5));
+    assert_eq!(clock.now(), TEST_EPOCH + secs(5));
+    let mut nap = clock.sleep(secs(1));
+    other.advance(secs(1));
+    assert!(poll_once(&mut nap).is_ready());
+}
+
+#[test]
+fn a_sleeper_is_woken_only_when_time_reaches_its_deadline() {
+    let clock = TestClock::new();
+    let mut nap = clock.sleep(secs(10));
+    let counter = Arc::new(CountingWaker::default());
+    let waker = Waker::from(counter.clone());
+    let mut cx = Context::from_waker(&waker);
+    assert!(nap.poll_unpin(&mut cx).is_pending());
+
+    clock.advance(secs(9));
+    assert_eq!(counter.0.load(Ordering::SeqCst), 0, "woken early");
+    assert!(nap.poll_unpin(&mut cx).is_pending());
+
+    clock.advance(secs(1));
+    assert_eq!(counter.0.load(Ordering::SeqCst), 1);
+    assert!(nap.poll_unpin(&mut cx).is_ready());
+}
+
+#[test]
+fn advancing_past_several_deadlines_wakes_exactly_the_due_sleepers() {
+    let clock = TestClock::new();
+    let mut naps: Vec<_> = [3, 1, 2, 5].map(|s| clock.sleep(secs(s))).into();
+    for nap in &mut naps {
+        assert!(poll_once(nap).is_pending());
+    }
+    clock.advance(secs(3));
+    let ready: Vec<bool> = naps.iter_mut().map(|n| poll_once(n).is_ready()).collect();
+    assert_eq!(ready, [true, true, true, false]);
+    assert_eq!(clock.sleepers(), 1);
+}
+
+#[test]
+fn a_sleep_measures_from_when_it_was_made() {
+    let clock = TestClock::new();
+    clock.advance(secs(100));
+    let mut nap = clock.sleep(secs(1));
+    assert!(poll_once(&mut nap).is_pending());
+    clock.advance(secs(1));
+    assert!(poll_once(&mut nap).is_ready());
+}
+
+#[test]
+fn sleepers_counts_the_sleeps_waiting_for_time_to_move() {
+    let clock = TestClock::new();
+    assert_eq!(clock.sleepers(), 0);
+    let short = clock.sleep(secs(1));
+    let long = clock.sleep(secs(10));
+    let dropped = clock.sleep(secs(5));
+    assert_eq!(clock.sleepers(), 3);
+
+    drop(dropped);
+    assert_eq!(clock.sleepers(), 2);
+    clock.advance(secs(1));
+    assert_eq!(clock.sleepers(), 1);
+    drop((short, long));
+    assert_eq!(clock.sleepers(), 0);
+}
+
+#[test]
+fn a_zero_sleep_is_ready_at_once_and_is_no_sleeper() {
+    let clock = TestClock::new();
+    let mut nap = clock.sleep(Duration::ZERO);
+    assert_eq!(clock.sleepers(), 0);
+    assert!(poll_once(&mut nap).is_ready());
+}
+
+#[test]
+fn a_sleeper_on_another_thread_is_woken_by_advance() {
+    let clock = TestClock::new();
+    let nap = clock.sleep(secs(60));
+    let sleeper = std::thread::spawn(move || futures::executor::block_on(nap));
+    clock.advance(secs(60));
+    sleeper.join().unwrap();
+}
+
+#[test]
+fn the_system_clock_reads_unix_time() {
+    let before = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let now = SystemClock.now();
+    let after = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    assert!(before <= now && now <= after);
+}
+
+#[test]
+fn a_system_clock_sleep_lasts_at_least_its_duration_on_every_executor() {
+    on_every_executor(|| async {
+        let started = Instant::now();
+        SystemClock.sleep(Duration::from_millis(15)).await;
+        assert!(started.elapsed() >= Duration::from_millis(15));
+    });
+}

@@ -1,0 +1,220 @@
+//! Helpers shared by the integration tests.
+//!
+//! Every test binary compiles this module but uses only part of it.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::panic::resume_unwind;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures::task::noop_waker_ref;
+use futures::FutureExt;
+use leasehold::{AbortReason, Clock, ExitStatus, Scope, SystemClock};
+
+/// How long a "within" wait gives a condition before it declares the condition false. Generous on
+/// purpose: a wait returns as soon as the condition holds, so only a failing test pays it.
+pub const GENEROUS: Duration = Duration::from_secs(5);
+
+/// Runs the scenario once on each executor the library promises to work under, one after another:
+/// `futures::executor::block_on`, `smol::block_on`, a tokio current-thread runtime, and a tokio
+/// multi-thread runtime with two workers (where the scenario is spawned, so it may move between
+/// worker threads at every await).
+pub fn on_every_executor<F, Fut>(scenario: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    announce("futures::executor::block_on");
+    futures::executor::block_on(scenario());
+
+    announce("smol::block_on");
+    smol::block_on(scenario());
+
+    announce("tokio current-thread");
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a tokio current-thread runtime")
+        .block_on(scenario());
+
+    announce("tokio multi-thread (2 workers)");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .expect("a tokio multi-thread runtime");
+    let task = runtime.spawn(scenario());
+    if let Err(error) = runtime.block_on(task) {
+        match error.try_into_panic() {
+            Ok(payload) => resume_unwind(payload),
+            Err(error) => panic!("the scenario's task failed: {error}"),
+        }
+    }
+}
+
+/// Printed before each run so that a failure says which executor it happened under (the test
+/// harness shows a failing test's output).
+fn announce(executor: &str) {
+    eprintln!("--- running under {executor}");
+}
+
+/// Waits until `condition` holds, checking every millisecond, for at most `limit`; panics with
+/// `what` if it never does. Sleeps on the library's own clock, so it works under any executor.
+pub async fn within(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !condition() {
+        assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
+        SystemClock.sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// [`within`] for plain (non-async) test code: blocks the calling thread between checks.
+pub fn within_blocking(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !condition() {
+        assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Polls `future` once with a waker that does nothing: for stepping a future by hand in tests
+/// that decide themselves when to poll again.
+pub fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
+    future.poll_unpin(&mut Context::from_waker(noop_waker_ref()))
+}
+
+/// Returns `Pending` once, after asking to be polled again: lets other work run in between.
+pub async fn yield_now() {
+    let mut yielded = false;
+    futures::future::poll_fn(move |cx| {
+        if yielded {
+            Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+/// An ordered record of what happened, shared by everything a test starts.
+#[derive(Clone, Debug, Default)]
+pub struct Log(Arc<Mutex<Vec<String>>>);
+
+impl Log {
+    pub fn new() -> Self {
+        Log::default()
+    }
+
+    pub fn push(&self, entry: impl Into<String>) {
+        self.0.lock().unwrap().push(entry.into());
+    }
+
+    pub fn entries(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+
+    pub fn contains(&self, entry: &str) -> bool {
+        self.0.lock().unwrap().iter().any(|e| e == entry)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+/// A flag that can be set from anywhere and checked from the test.
+#[derive(Clone, Debug, Default)]
+pub struct Flag(Arc<AtomicBool>);
+
+impl Flag {
+    pub fn new() -> Self {
+        Flag::default()
+    }
+
+    pub fn set(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// A counter that can be bumped from anywhere and read from the test.
+#[derive(Clone, Debug, Default)]
+pub struct Counter(Arc<AtomicUsize>);
+
+impl Counter {
+    pub fn new() -> Self {
+        Counter::default()
+    }
+
+    pub fn bump(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The statuses the finalizers of a test were told, in the order they ran.
+#[derive(Clone, Debug, Default)]
+pub struct Statuses(Arc<Mutex<Vec<ExitStatus>>>);
+
+impl Statuses {
+    pub fn new() -> Self {
+        Statuses::default()
+    }
+
+    pub fn push(&self, status: ExitStatus) {
+        self.0.lock().unwrap().push(status);
+    }
+
+    pub fn all(&self) -> Vec<ExitStatus> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// The one status recorded; panics unless there is exactly one.
+    pub fn only(&self) -> ExitStatus {
+        let all = self.all();
+        assert_eq!(all.len(), 1, "expected exactly one status, got {all:?}");
+        all.into_iter().next().unwrap()
+    }
+}
+
+/// Adds a finalizer that logs `"{name} start"`, sleeps `sleep` of real time, then logs
+/// `"{name} end"`: the sleep makes "waited for the finalizer" observable.
+pub fn slow_finalizer(scope: &Scope, log: &Log, name: &str, sleep: Duration) {
+    let log = log.clone();
+    let name = name.to_owned();
+    scope.add_finalizer(move |_| async move {
+        log.push(format!("{name} start"));
+        if !sleep.is_zero() {
+            SystemClock.sleep(sleep).await;
+        }
+        log.push(format!("{name} end"));
+    });
+}
+
+/// Adds a finalizer that records the status it is told.
+pub fn record_status(scope: &Scope, statuses: &Statuses) {
+    let statuses = statuses.clone();
+    scope.add_finalizer(move |status| async move { statuses.push(status) });
+}
+
+/// Whether `status` is an interruption for exactly `reason` (the same object).
+pub fn interrupted_by(status: &ExitStatus, reason: &AbortReason) -> bool {
+    matches!(status, ExitStatus::Interrupted(r) if r.ptr_eq(reason))
+}
+
+/// Whether `status` is an interruption whose reason is an `E`.
+pub fn interrupted_with<E: std::error::Error + 'static>(status: &ExitStatus) -> bool {
+    matches!(status, ExitStatus::Interrupted(r) if r.downcast_ref::<E>().is_some())
+}
+
+/// A short real-time pause for finalizers and bodies that must visibly take time.
+pub const SLOW: Duration = Duration::from_millis(20);

@@ -1,0 +1,326 @@
+//! Schedules: retry and repeat, the step API, and each combinator.
+
+mod common;
+
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use common::{on_every_executor, poll_once, Counter};
+use futures::executor::block_on;
+use leasehold::{Schedule, TestClock};
+
+fn s(secs: u64) -> Duration {
+    Duration::from_secs(secs)
+}
+
+fn ms(millis: u64) -> Duration {
+    Duration::from_millis(millis)
+}
+
+/// The delays a fresh run of `schedule` started at 0 gives for runs ending at `ends`.
+fn delays(schedule: &Schedule, ends: &[Duration]) -> Vec<Option<Duration>> {
+    let mut run = schedule.start(Duration::ZERO);
+    ends.iter().map(|&end| run.next(end)).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// retry and repeat
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn retry_with_recurs_3_makes_4_attempts_and_returns_the_last_error() {
+    let attempts = Counter::new();
+    let result: Result<(), usize> = block_on(Schedule::recurs(3).retry(|| {
+        let n = attempts.bump();
+        async move { Err(n) }
+    }));
+    assert_eq!(result, Err(4));
+    assert_eq!(attempts.get(), 4);
+}
+
+#[test]
+fn retry_with_recurs_0_makes_a_single_attempt() {
+    let attempts = Counter::new();
+    let result: Result<(), usize> = block_on(Schedule::recurs(0).retry(|| {
+        let n = attempts.bump();
+        async move { Err(n) }
+    }));
+    assert_eq!(result, Err(1));
+}
+
+#[test]
+fn retry_returns_the_first_ok() {
+    let attempts = Counter::new();
+    let result: Result<&str, &str> = block_on(Schedule::recurs(10).retry(|| {
+        let n = attempts.bump();
+        async move {
+            if n == 3 {
+                Ok("third time lucky")
+            } else {
+                Err("not yet")
+            }
+        }
+    }));
+    assert_eq!(result, Ok("third time lucky"));
+    assert_eq!(attempts.get(), 3);
+}
+
+#[test]
+fn repeat_with_recurs_3_runs_4_times_and_returns_the_last_value() {
+    let runs = Counter::new();
+    let result: Result<usize, ()> = block_on(Schedule::recurs(3).repeat(|| {
+        let n = runs.bump();
+        async move { Ok(n) }
+    }));
+    assert_eq!(result, Ok(4));
+    assert_eq!(runs.get(), 4);
+}
+
+#[test]
+fn repeat_stops_at_the_first_error() {
+    let runs = Counter::new();
+    let result: Result<usize, String> = block_on(Schedule::recurs(10).repeat(|| {
+        let n = runs.bump();
+        async move {
+            if n == 2 {
+                Err(format!("run {n} failed"))
+            } else {
+                Ok(n)
+            }
+        }
+    }));
+    assert_eq!(result, Err("run 2 failed".to_owned()));
+    assert_eq!(runs.get(), 2);
+}
+
+#[test]
+fn retry_sleeps_on_the_schedules_clock() {
+    let clock = TestClock::new();
+    let schedule = Schedule::spaced(s(10))
+        .intersect(Schedule::recurs(2))
+        .with_clock(Arc::new(clock.clone()));
+    let attempts = Counter::new();
+    let mut retry = Box::pin(schedule.retry(|| {
+        let n = attempts.bump();
+        async move { Err::<(), _>(n) }
+    }));
+
+    assert!(poll_once(&mut retry).is_pending());
+    assert_eq!((attempts.get(), clock.sleepers()), (1, 1));
+
+    clock.advance(s(9));
+    assert!(poll_once(&mut retry).is_pending());
+    assert_eq!(attempts.get(), 1, "retried before the delay had passed");
+
+    clock.advance(s(1));
+    assert!(poll_once(&mut retry).is_pending());
+    assert_eq!((attempts.get(), clock.sleepers()), (2, 1));
+
+    clock.advance(s(10));
+    assert_eq!(poll_once(&mut retry), Poll::Ready(Err(3)));
+    assert_eq!(clock.sleepers(), 0);
+}
+
+#[test]
+fn repeat_sleeps_on_the_schedules_clock() {
+    let clock = TestClock::new();
+    let schedule = Schedule::spaced(s(5))
+        .intersect(Schedule::recurs(1))
+        .with_clock(Arc::new(clock.clone()));
+    let runs = Counter::new();
+    let mut repeat = Box::pin(schedule.repeat(|| {
+        let n = runs.bump();
+        async move { Ok::<_, ()>(n) }
+    }));
+
+    assert!(poll_once(&mut repeat).is_pending());
+    assert_eq!(runs.get(), 1);
+    clock.advance(s(4));
+    assert!(poll_once(&mut repeat).is_pending());
+    clock.advance(s(1));
+    assert_eq!(poll_once(&mut repeat), Poll::Ready(Ok(2)));
+}
+
+#[test]
+fn retry_measures_elapsed_time_on_the_schedules_clock() {
+    let clock = TestClock::new();
+    let schedule = Schedule::spaced(s(1))
+        .up_to(s(25))
+        .with_clock(Arc::new(clock.clone()));
+    let attempts = Counter::new();
+    // Each attempt takes 10 s of the test clock's time.
+    let mut retry = Box::pin(schedule.retry(|| {
+        let n = attempts.bump();
+        clock.advance(s(10));
+        async move { Err::<(), _>(n) }
+    }));
+    // Attempts end at 10 s and 21 s (each then waits 1 s), then at 32 s, past the limit.
+    for _ in 0..2 {
+        assert!(poll_once(&mut retry).is_pending());
+        clock.advance(s(1));
+    }
+    assert_eq!(poll_once(&mut retry), Poll::Ready(Err(3)));
+}
+
+#[test]
+fn combinators_keep_the_clock_given_to_either_side() {
+    let clock = TestClock::new();
+    let schedule = Schedule::recurs(1)
+        .intersect(Schedule::spaced(s(3)).with_clock(Arc::new(clock.clone())))
+        .jittered()
+        .up_to(s(100));
+    let mut retry = Box::pin(schedule.retry(|| async { Err::<(), _>(()) }));
+    assert!(poll_once(&mut retry).is_pending());
+    assert_eq!(
+        clock.sleepers(),
+        1,
+        "the retry is not sleeping on the test clock"
+    );
+    clock.advance(s(4));
+    assert_eq!(poll_once(&mut retry), Poll::Ready(Err(())));
+}
+
+#[test]
+fn retry_on_the_system_clock_sleeps_between_attempts_on_every_executor() {
+    on_every_executor(|| async {
+        let started = Instant::now();
+        let attempts = Counter::new();
+        let result: Result<(), usize> = Schedule::spaced(ms(5))
+            .intersect(Schedule::recurs(2))
+            .retry(|| {
+                let n = attempts.bump();
+                async move { Err(n) }
+            })
+            .await;
+        assert_eq!(result, Err(3));
+        assert!(started.elapsed() >= ms(10));
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The step API: Schedule::start and ScheduleRun::next
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn spaced_waits_the_interval_after_every_run_forever() {
+    let got = delays(&Schedule::spaced(s(2)), &[s(0), s(7), s(1000)]);
+    assert_eq!(got, [Some(s(2)); 3]);
+}
+
+#[test]
+fn recurs_gives_that_many_more_runs_with_no_delay() {
+    let got = delays(&Schedule::recurs(2), &[s(0), s(5), s(9), s(9)]);
+    assert_eq!(got, [Some(s(0)), Some(s(0)), None, None]);
+    assert_eq!(delays(&Schedule::recurs(0), &[s(0)]), [None]);
+}
+
+#[test]
+fn fixed_waits_for_the_next_slot_of_the_grid() {
+    // Slots at 0, 10, 20, 30, ...: quick runs wait for the next one.
+    let got = delays(&Schedule::fixed(s(10)), &[s(1), s(13), s(29)]);
+    assert_eq!(got, [Some(s(9)), Some(s(7)), Some(s(1))]);
+}
+
+#[test]
+fn fixed_follows_a_late_run_at_once_without_a_burst_of_catch_ups() {
+    // The first run overran three slots: the next starts at once, and the one after that is
+    // back on the grid rather than making up the missed slots.
+    let got = delays(&Schedule::fixed(s(10)), &[s(35), s(36), s(41)]);
+    assert_eq!(got, [Some(s(0)), Some(s(4)), Some(s(9))]);
+}
+
+#[test]
+fn fixed_keeps_its_grid_relative_to_the_first_start() {
+    let mut run = Schedule::fixed(s(10)).start(s(1000));
+    assert_eq!(run.next(s(1003)), Some(s(7)));
+    assert_eq!(run.next(s(1012)), Some(s(8)));
+}
+
+#[test]
+fn exponential_multiplies_each_delay_by_the_factor() {
+    let got = delays(&Schedule::exponential(ms(10), 3.0), &[s(0); 4]);
+    assert_eq!(
+        got,
+        [Some(ms(10)), Some(ms(30)), Some(ms(90)), Some(ms(270))]
+    );
+}
+
+#[test]
+fn exponential_saturates_instead_of_overflowing() {
+    let mut run = Schedule::exponential(s(1), 1e12).start(s(0));
+    run.next(s(0));
+    run.next(s(0));
+    assert_eq!(run.next(s(0)), Some(Duration::MAX));
+}
+
+#[test]
+fn up_to_stops_once_the_limit_has_passed_since_the_first_run() {
+    let schedule = Schedule::spaced(s(1)).up_to(s(10));
+    let got = delays(&schedule, &[s(2), s(9), s(10), s(30)]);
+    assert_eq!(got, [Some(s(1)), Some(s(1)), None, None]);
+}
+
+#[test]
+fn up_to_counts_from_the_start_given_to_start() {
+    let mut run = Schedule::spaced(s(1)).up_to(s(10)).start(s(500));
+    assert_eq!(run.next(s(509)), Some(s(1)));
+    assert_eq!(run.next(s(510)), None);
+}
+
+#[test]
+fn up_to_stops_a_schedule_that_would_otherwise_go_on() {
+    let schedule = Schedule::exponential(s(1), 2.0).up_to(s(5));
+    // Runs end at 0, 1, 3, and then 7, past the limit.
+    let got = delays(&schedule, &[s(0), s(1), s(3), s(7)]);
+    assert_eq!(got, [Some(s(1)), Some(s(2)), Some(s(4)), None]);
+}
+
+#[test]
+fn jittered_delays_stay_within_80_to_120_percent() {
+    let mut run = Schedule::spaced(s(10)).jittered().start(s(0));
+    let delays: Vec<Duration> = (0..1000).map(|_| run.next(s(0)).unwrap()).collect();
+    assert!(
+        delays.iter().all(|d| *d >= s(8) && *d < s(12)),
+        "{delays:?}"
+    );
+    // 1000 uniform draws spread over the range, not one value.
+    assert!(delays.iter().any(|d| *d < s(9)) && delays.iter().any(|d| *d > s(11)));
+}
+
+#[test]
+fn jittered_keeps_the_end_of_the_schedule_it_wraps() {
+    let got = delays(&Schedule::recurs(1).jittered(), &[s(0), s(0)]);
+    assert_eq!(got, [Some(s(0)), None]);
+}
+
+#[test]
+fn union_goes_on_while_either_does_with_the_shorter_delay() {
+    let schedule = Schedule::spaced(s(5))
+        .intersect(Schedule::recurs(3))
+        .union(Schedule::spaced(s(2)).intersect(Schedule::recurs(1)));
+    let got = delays(&schedule, &[s(0); 5]);
+    assert_eq!(got, [Some(s(2)), Some(s(5)), Some(s(5)), None, None]);
+}
+
+#[test]
+fn intersect_goes_on_while_both_do_with_the_longer_delay() {
+    let schedule = Schedule::exponential(s(1), 2.0).intersect(Schedule::spaced(s(3)));
+    let got = delays(&schedule, &[s(0); 4]);
+    assert_eq!(got, [Some(s(3)), Some(s(3)), Some(s(4)), Some(s(8))]);
+    let schedule = Schedule::spaced(s(1)).intersect(Schedule::recurs(2));
+    assert_eq!(
+        delays(&schedule, &[s(0); 3]),
+        [Some(s(1)), Some(s(1)), None]
+    );
+}
+
+#[test]
+fn each_start_is_a_fresh_run() {
+    let schedule = Schedule::recurs(1);
+    let mut first = schedule.start(s(0));
+    assert_eq!(first.next(s(0)), Some(s(0)));
+    assert_eq!(first.next(s(0)), None);
+    let mut second = schedule.start(s(0));
+    assert_eq!(second.next(s(0)), Some(s(0)));
+}
