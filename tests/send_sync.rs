@@ -10,6 +10,10 @@ use leasehold::{
     Interrupted, Permit, Schedule, ScheduleRun, Scope, Scoped, Semaphore, SmolSpawner, SystemClock,
     TestClock,
 };
+use leasehold::{
+    EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
+    LockRequest, Mode, StorageStats,
+};
 
 const fn send<T: Send>() {}
 const fn send_sync<T: Send + Sync>() {}
@@ -89,4 +93,43 @@ fn daemon_handle() -> Fiber<u8> {
         leasehold::Clock::sleep(&SystemClock, Duration::from_millis(1)).await;
         1
     })
+}
+
+// The lock manager: handles and values Send + Sync; its futures Send (acquisitions also Unpin).
+const _: () = send_sync::<LockManager>();
+const _: () = send_sync::<LockManagerBuilder>();
+const _: () = send_sync::<Guard>();
+const _: () = send_sync::<LockError>();
+const _: () = send_sync::<LockRequest>();
+const _: () = send_sync::<LockEntry>();
+const _: () = send_sync::<EntryState>();
+const _: () = send_sync::<Mode>();
+const _: () = send_sync::<StorageStats>();
+const _: () = send_sync::<LeaseLost>();
+const _: () = send_unpin::<Scoped<Guard, LockError>>();
+
+fn try_acquire_future(
+    locks: &LockManager,
+) -> impl Future<Output = Result<Option<Guard>, LockError>> + Send + '_ {
+    locks.try_acquire(LockRequest::shared("k", "op"))
+}
+
+fn is_locked_future(
+    locks: &LockManager,
+) -> impl Future<Output = Result<bool, LockError>> + Send + '_ {
+    locks.is_locked("k")
+}
+
+fn inspect_future(
+    locks: &LockManager,
+) -> impl Future<Output = Result<Vec<LockEntry>, LockError>> + Send + '_ {
+    locks.inspect(Some("k"))
+}
+
+fn shutdown_future(locks: &LockManager) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
+    locks.shutdown()
+}
+
+fn release_future(guard: Guard) -> impl Future<Output = Result<(), LockError>> + Send {
+    guard.release()
 }
