@@ -313,7 +313,9 @@ impl Scope {
 
     /// Closes the scope: interrupts and awaits its fibers, then runs its finalizers LIFO.
     ///
-    /// Idempotent: the first status wins; later calls wait for the first close to finish.
+    /// Idempotent: the first status wins; later calls wait for the first close to finish. Called
+    /// from inside the close itself (by one of the scope's own finalizers), it returns at once,
+    /// since waiting would wait for itself.
     ///
     /// # Cancel safety
     ///
@@ -337,8 +339,12 @@ impl Scope {
         if started {
             Box::pin(Closing {
                 work: Some(Box::pin(run_close(self.inner.clone(), status))),
-                spawner: self.inner.spawner.clone(),
+                scope: self.clone(),
             })
+        } else if self.is_closing_here() {
+            // Called from inside this scope's own close (say, by one of its finalizers): waiting
+            // for the close to finish would wait for itself.
+            Box::pin(std::future::ready(()))
         } else {
             let inner = self.inner.clone();
             Box::pin(async move { wait_closed(&inner).await })
@@ -365,6 +371,15 @@ impl Scope {
 
     fn spawner(&self) -> Arc<dyn Spawner> {
         self.inner.spawner.clone()
+    }
+
+    fn address(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
+    fn is_closing_here(&self) -> bool {
+        let address = self.address();
+        CLOSING.with(|closing| closing.borrow().contains(&address))
     }
 
     fn start_unwinding(&self, reason: &AbortReason) {
@@ -504,28 +519,40 @@ async fn wait_closed(inner: &ScopeInner) {
 /// The close work, owned by the caller that started it; handed to the spawner if dropped.
 struct Closing {
     work: Option<BoxFuture<'static, ()>>,
-    spawner: Arc<dyn Spawner>,
+    scope: Scope,
 }
 
 impl Future for Closing {
     type Output = ();
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let Some(work) = self.work.as_mut() else {
+        let this = &mut *self;
+        let Some(work) = this.work.as_mut() else {
             return Poll::Ready(());
         };
-        let poll = work.as_mut().poll(cx);
-        if poll.is_ready() {
-            self.work = None;
+        // While the finalizers run, the closing scope is their ambient parent (so a `Scoped`
+        // started by a finalizer belongs to it), and a `close` of it from inside returns at once.
+        let poll = with_ambient(&this.scope, || {
+            CLOSING.with(|closing| closing.borrow_mut().push(this.scope.address()));
+            let poll = catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(cx)));
+            CLOSING.with(|closing| closing.borrow_mut().pop());
+            poll
+        });
+        match poll {
+            Ok(Poll::Ready(())) => {
+                this.work = None;
+                Poll::Ready(())
+            }
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(payload) => resume_unwind(payload),
         }
-        poll
     }
 }
 
 impl Drop for Closing {
     fn drop(&mut self) {
         if let Some(work) = self.work.take() {
-            self.spawner.spawn(work);
+            self.scope.inner.spawner.spawn(work);
         }
     }
 }
@@ -543,6 +570,8 @@ pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
 thread_local! {
     /// The scope of the `Scoped` whose body this thread is polling, if any.
     static AMBIENT: RefCell<Option<Scope>> = const { RefCell::new(None) };
+    /// The scopes whose close this thread is running, innermost last (by address).
+    static CLOSING: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Makes `scope` the ambient parent while `f` runs (restored even if `f` panics).

@@ -124,6 +124,57 @@ fn a_finalizer_added_while_closing_runs_in_the_same_close() {
 }
 
 #[test]
+fn a_finalizer_that_closes_its_own_scope_does_not_wait_for_itself() {
+    let log = Log::new();
+    let scope = Scope::new();
+    let (inner_scope, inner_log) = (scope.clone(), log.clone());
+    scope.add_finalizer(move |_| async move {
+        inner_scope.close(ExitStatus::Failure).await;
+        inner_log.push("closed from inside");
+    });
+    let closing = std::thread::spawn(move || block_on(scope.close(ExitStatus::Success)));
+    within_blocking(GENEROUS, "the close finished", || closing.is_finished());
+    assert_eq!(log.entries(), ["closed from inside"]);
+}
+
+#[test]
+fn a_scoped_started_by_a_finalizer_belongs_to_the_closing_scope() {
+    let log = Log::new();
+    let scope = Scope::new();
+    let inner_log = log.clone();
+    scope.add_finalizer(move |_| async move {
+        // A nested unit of clean-up that the finalizer abandons half-way (it loses a select).
+        let abandoned = Scoped::<(), Interrupted>::new(move |nested| async move {
+            let log = inner_log.clone();
+            nested.add_finalizer(move |_| async move {
+                // Slow enough that a close that did not wait for it would return first.
+                leasehold::SystemClock
+                    .sleep(Duration::from_millis(50))
+                    .await;
+                log.push("abandoned clean-up finished");
+            });
+            future::pending().await
+        });
+        let _ = future::select(abandoned, future::ready(())).await;
+    });
+    let outer_log = log.clone();
+    block_on(async {
+        let parent = Scoped::<(), Interrupted>::new(move |_| async move {
+            scope.close(ExitStatus::Success).await;
+            outer_log.push("close returned");
+            Ok(())
+        });
+        parent.await.unwrap();
+    });
+    // The closing scope waited for the abandoned clean-up, rather than leaving it to whichever
+    // `Scoped` happened to be polling the close.
+    assert_eq!(
+        log.entries(),
+        ["abandoned clean-up finished", "close returned"]
+    );
+}
+
+#[test]
 fn a_finalizer_added_after_close_runs_at_once_with_the_recorded_status() {
     on_every_executor(|| async {
         let scope = Scope::new();
