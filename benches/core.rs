@@ -41,6 +41,26 @@ fn semaphores(c: &mut Criterion) {
     group.finish();
 }
 
+/// The storage floor: one write transaction done directly with the `sqlite` crate, with the
+/// pragmas the lock manager uses.
+fn raw_transaction(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let conn = sqlite::open(dir.path().join("raw.db")).unwrap();
+    conn.execute(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;
+         CREATE TABLE t (id INTEGER PRIMARY KEY, key TEXT NOT NULL);",
+    )
+    .unwrap();
+    c.bench_function("sqlite: BEGIN IMMEDIATE; INSERT; DELETE; COMMIT", |b| {
+        b.iter(|| {
+            conn.execute(
+                "BEGIN IMMEDIATE; INSERT INTO t (key) VALUES ('k'); DELETE FROM t; COMMIT;",
+            )
+            .unwrap()
+        })
+    });
+}
+
 fn locks(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let on_file = LockManager::open(dir.path().join("bench.db")).unwrap();
@@ -59,5 +79,5 @@ fn locks(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, scopes, fibers, semaphores, locks);
+criterion_group!(benches, scopes, fibers, semaphores, raw_transaction, locks);
 criterion_main!(benches);

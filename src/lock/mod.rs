@@ -488,10 +488,10 @@ impl LockManagerBuilder {
         let worker_common = common.clone();
         let worker = std::thread::Builder::new()
             .name("leasehold-storage".into())
-            .spawn(move || match Db::open(open_path.as_deref()) {
-                Ok(db) => {
+            .spawn(move || match sqlite::connect(open_path.as_deref()) {
+                Ok(conn) => {
                     let _ = opened_tx.send(Ok(()));
-                    Worker::new(db, worker_common, rx).run();
+                    Worker::new(Db::new(&conn), worker_common, rx).run();
                 }
                 Err(error) => {
                     let _ = opened_tx.send(Err(error));

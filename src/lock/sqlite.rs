@@ -5,6 +5,9 @@
 //!
 //! Times are stored as whole microseconds since the Unix epoch, from the manager's `Clock`.
 
+use std::cell::{RefCell, RefMut};
+use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -102,39 +105,83 @@ fn is_busy(error: &sqlite::Error) -> bool {
 
 type Result<T> = std::result::Result<T, LockError>;
 
-/// A connection with the schema in place.
-pub(crate) struct Db {
-    conn: Connection,
+/// Opens (creating if needed) the database at `path`, or an in-memory one for `None`, sets it up
+/// and brings its schema up to date.
+pub(crate) fn connect(path: Option<&Path>) -> Result<Connection> {
+    let flags = OpenFlags::new()
+        .with_create()
+        .with_read_write()
+        .with_no_mutex();
+    let target = path.unwrap_or_else(|| Path::new(":memory:"));
+    let mut conn = Connection::open_with_flags(target, flags)
+        .map_err(|e| storage_error(&format!("opening the database {}", target.display()), &e))?;
+    conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+        .map_err(|e| storage_error("setting the busy timeout", &e))?;
+    let db = Db::new(&conn);
+    db.exec(
+        "configuring the database",
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;",
+    )?;
+    db.migrate()?;
+    drop(db);
+    Ok(conn)
 }
 
-impl Db {
-    /// Opens (creating if needed) the database at `path`, or an in-memory one for `None`.
-    pub(crate) fn open(path: Option<&Path>) -> Result<Db> {
-        let flags = OpenFlags::new()
-            .with_create()
-            .with_read_write()
-            .with_no_mutex();
-        let target = path.unwrap_or_else(|| Path::new(":memory:"));
-        let mut conn = Connection::open_with_flags(target, flags).map_err(|e| {
-            storage_error(&format!("opening the database {}", target.display()), &e)
-        })?;
-        conn.set_busy_timeout(BUSY_TIMEOUT_MS)
-            .map_err(|e| storage_error("setting the busy timeout", &e))?;
-        let db = Db { conn };
-        db.exec(
-            "configuring the database",
-            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;",
-        )?;
-        db.migrate()?;
-        Ok(db)
+/// A connection with the schema in place, and its prepared statements: parsing SQL costs more
+/// than running these statements, so each is prepared once per connection.
+pub(crate) struct Db<'c> {
+    conn: &'c Connection,
+    statements: RefCell<HashMap<&'static str, Statement<'c>>>,
+}
+
+/// A cached statement, reset when dropped so that it never holds a read transaction open.
+struct Cached<'a, 'c> {
+    statement: RefMut<'a, Statement<'c>>,
+}
+
+impl<'c> Deref for Cached<'_, 'c> {
+    type Target = Statement<'c>;
+    fn deref(&self) -> &Statement<'c> {
+        &self.statement
+    }
+}
+
+impl DerefMut for Cached<'_, '_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.statement
+    }
+}
+
+impl Drop for Cached<'_, '_> {
+    fn drop(&mut self) {
+        let _ = self.statement.reset();
+    }
+}
+
+impl<'c> Db<'c> {
+    pub(crate) fn new(conn: &'c Connection) -> Self {
+        Db {
+            conn,
+            statements: RefCell::new(HashMap::new()),
+        }
     }
 
     fn exec(&self, doing: &str, sql: &str) -> Result<()> {
         self.conn.execute(sql).map_err(|e| storage_error(doing, &e))
     }
 
-    fn prepare(&self, doing: &str, sql: &str) -> Result<Statement<'_>> {
-        self.conn.prepare(sql).map_err(|e| storage_error(doing, &e))
+    /// The prepared statement for `sql`, prepared on first use.
+    fn prepare(&self, doing: &str, sql: &'static str) -> Result<Cached<'_, 'c>> {
+        let mut statements = self.statements.borrow_mut();
+        if !statements.contains_key(sql) {
+            let statement = self
+                .conn
+                .prepare(sql)
+                .map_err(|e| storage_error(doing, &e))?;
+            statements.insert(sql, statement);
+        }
+        let statement = RefMut::map(statements, |all| all.get_mut(sql).expect("inserted above"));
+        Ok(Cached { statement })
     }
 
     fn user_version(&self) -> Result<i64> {

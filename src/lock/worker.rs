@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -38,6 +38,9 @@ pub(crate) type Reply<T> = oneshot::Sender<Result<T, LockError>>;
 
 /// At most this many commands go into one transaction.
 const MAX_BATCH: usize = 256;
+
+/// How long the worker keeps looking for the next command before it blocks.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 
 pub(crate) enum Command {
     /// Grant now, or queue (`queue`), or report `NotNow`.
@@ -160,8 +163,8 @@ enum Decided {
     Done,
 }
 
-pub(crate) struct Worker {
-    db: Db,
+pub(crate) struct Worker<'c> {
+    db: Db<'c>,
     common: Arc<Common>,
     rx: Receiver<Command>,
     /// Request id -> ticket, for every request of this owner that has rows.
@@ -177,8 +180,8 @@ pub(crate) struct Worker {
     deleted: bool,
 }
 
-impl Worker {
-    pub(crate) fn new(db: Db, common: Arc<Common>, rx: Receiver<Command>) -> Self {
+impl<'c> Worker<'c> {
+    pub(crate) fn new(db: Db<'c>, common: Arc<Common>, rx: Receiver<Command>) -> Self {
         Worker {
             db,
             common,
@@ -208,11 +211,13 @@ impl Worker {
 
     pub(crate) fn run(mut self) {
         loop {
-            let received = if self.has_waiters() {
-                let left = self.common.poll.saturating_sub(self.last_look.elapsed());
-                self.rx.recv_timeout(left)
-            } else {
-                self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+            let received = match self.spin() {
+                Some(received) => received,
+                None if self.has_waiters() => {
+                    let left = self.common.poll.saturating_sub(self.last_look.elapsed());
+                    self.rx.recv_timeout(left)
+                }
+                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
             };
             match received {
                 Ok(first) => {
@@ -235,6 +240,24 @@ impl Worker {
             }
             if self.has_waiters() && (self.poked || self.last_look.elapsed() >= self.common.poll) {
                 self.look_for_changes();
+            }
+        }
+    }
+
+    /// Right after a batch, callers often send again at once (release after acquire, the next
+    /// request of a busy task). Waking a blocked thread costs tens of microseconds on small
+    /// virtual machines, more than a transaction, so look for a while before blocking. This
+    /// spends the worker's own time, never a caller's.
+    fn spin(&self) -> Option<Result<Command, RecvTimeoutError>> {
+        let until = Instant::now() + SPIN;
+        loop {
+            match self.rx.try_recv() {
+                Ok(command) => return Some(Ok(command)),
+                Err(TryRecvError::Disconnected) => {
+                    return Some(Err(RecvTimeoutError::Disconnected))
+                }
+                Err(TryRecvError::Empty) if Instant::now() < until => std::thread::yield_now(),
+                Err(TryRecvError::Empty) => return None,
             }
         }
     }
@@ -315,7 +338,10 @@ impl Worker {
     /// fail the others.
     fn write(&mut self, writes: Vec<Write>) {
         let now = self.now();
-        let outcome = self.transaction(now, |worker, now| {
+        let may_free = writes
+            .iter()
+            .any(|write| matches!(write, Write::Remove { .. } | Write::Shutdown { .. }));
+        let outcome = self.transaction(now, may_free, |worker, now| {
             let mut decided = Vec::with_capacity(writes.len());
             for write in &writes {
                 decided.push(worker.apply(write, now)?);
@@ -356,11 +382,14 @@ impl Worker {
         }
     }
 
-    /// `BEGIN IMMEDIATE`, `body`, deletion of expired rows, promotion, `COMMIT`. Returns what
-    /// `body` returned and what was freed.
+    /// `BEGIN IMMEDIATE`, `body`, then (if `may_free`: the body may delete rows, or time may have
+    /// freed some) deletion of expired rows and promotion, `COMMIT`. Returns what `body`
+    /// returned and what was freed. A transaction that only adds rows frees nothing, and expired
+    /// rows are ignored by every decision, so it skips the queue pass.
     fn transaction<T>(
         &mut self,
         now: i64,
+        may_free: bool,
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
     ) -> Result<(T, Freed), LockError> {
         self.db.begin_immediate("starting a write transaction")?;
@@ -368,16 +397,19 @@ impl Worker {
         self.deleted = false;
         let result = (|| {
             let value = body(self, now)?;
-            let expired = self.db.delete_expired(now)?;
-            let promoted = promotable(&self.db.rows_on_waited_keys(now)?);
-            for &ticket in &promoted {
-                self.db.promote(ticket, now)?;
+            let mut freed = Freed {
+                any: self.deleted,
+                promoted: Vec::new(),
+            };
+            if may_free {
+                let expired = self.db.delete_expired(now)?;
+                freed.promoted = promotable(&self.db.rows_on_waited_keys(now)?);
+                for &ticket in &freed.promoted {
+                    self.db.promote(ticket, now)?;
+                }
+                freed.any |= expired > 0 || !freed.promoted.is_empty();
             }
             self.db.commit("committing")?;
-            let freed = Freed {
-                any: self.deleted || expired > 0 || !promoted.is_empty(),
-                promoted,
-            };
             Ok((value, freed))
         })();
         if result.is_err() {
@@ -569,7 +601,7 @@ impl Worker {
         self.last_data_version = Some(version);
 
         if !promotable(&self.db.rows_on_waited_keys(now)?).is_empty() {
-            let ((), freed) = self.transaction(now, |_, _| Ok(()))?;
+            let ((), freed) = self.transaction(now, true, |_, _| Ok(()))?;
             self.after_commit(&freed);
         } else {
             // Others' changes may matter to waiters that hold no queue position.
@@ -584,7 +616,7 @@ impl Worker {
     fn close(&mut self) {
         let now = self.now();
         let owner = self.common.owner.clone();
-        let deleted = self.transaction(now, |worker, _| {
+        let deleted = self.transaction(now, true, |worker, _| {
             worker.deleted |= worker.db.delete_owner(&owner)? > 0;
             Ok(())
         });
