@@ -2,14 +2,15 @@
 //!
 //! Invariants:
 //!
-//! 1. `permits` counts the permits not handed out. Waiters in `queue` are served strictly in
-//!    order: a request at the head that does not fit blocks everything behind it.
-//! 2. The fast path (no queue) takes permits with a compare-and-swap; it is used only while
-//!    `waiters` is zero, so it cannot overtake a queued request except in the instant a waiter is
-//!    enqueuing, which is a race the waiter could equally have lost.
-//! 3. A waiter increments `waiters` and then (under the queue lock) re-checks the permits; a
-//!    release adds permits and then checks `waiters`. Both use `SeqCst`, so at least one of them
-//!    sees the other and no permit is stranded while someone waits.
+//! 1. `state` holds the free permits in its low bits and, in its top bit, whether the queue is
+//!    non-empty. Waiters in `queue` are served strictly in order: a request at the head that does
+//!    not fit blocks everything behind it.
+//! 2. The fast path takes permits with one compare-and-swap, and only while the queue flag is
+//!    clear, so it never overtakes a queued request (except in the instant a waiter is enqueuing,
+//!    a race the waiter could equally have lost).
+//! 3. A waiter sets the queue flag (under the queue lock) and then serves the queue; a release
+//!    adds permits and learns the flag from the same atomic add. So at least one of them sees the
+//!    other, and no permit is stranded while someone waits.
 //!
 //! Lock order: only the queue lock exists; it is never held while waking a task.
 
@@ -27,10 +28,14 @@ use futures::task::AtomicWaker;
 use crate::scope::Release;
 use crate::sync::lock;
 
+/// The top bit of `state`: the queue is not empty.
+const QUEUED: usize = 1 << (usize::BITS - 1);
+/// The low bits of `state`: free permits.
+const FREE: usize = !QUEUED;
+
 struct Inner {
     capacity: usize,
-    permits: AtomicUsize,
-    waiters: AtomicUsize,
+    state: AtomicUsize,
     queue: Mutex<VecDeque<Arc<Waiter>>>,
 }
 
@@ -65,12 +70,16 @@ pub struct Semaphore {
 
 impl Semaphore {
     /// A semaphore with `permits` permits.
+    ///
+    /// # Panics
+    ///
+    /// If `permits` does not fit in 63 bits.
     pub fn new(permits: usize) -> Self {
+        assert!(permits <= FREE, "a semaphore holds at most {FREE} permits");
         Semaphore {
             inner: Arc::new(Inner {
                 capacity: permits,
-                permits: AtomicUsize::new(permits),
-                waiters: AtomicUsize::new(0),
+                state: AtomicUsize::new(permits),
                 queue: Mutex::new(VecDeque::new()),
             }),
         }
@@ -99,14 +108,14 @@ impl Semaphore {
     /// drop(permit);
     /// # });
     /// ```
-    pub fn acquire(&self, permits: usize) -> Acquire {
+    pub fn acquire(&self, permits: usize) -> Acquire<'_> {
         assert!(
             permits <= self.inner.capacity,
             "requested {permits} permits from a semaphore of {}",
             self.inner.capacity
         );
         Acquire {
-            semaphore: self.clone(),
+            semaphore: self,
             permits,
             waiter: None,
         }
@@ -126,16 +135,14 @@ impl Semaphore {
     /// assert!(semaphore.try_acquire(2).is_none()); // more than it has: never
     /// ```
     pub fn try_acquire(&self, permits: usize) -> Option<Permit> {
-        if self.inner.waiters.load(SeqCst) == 0 && self.inner.take(permits) {
-            Some(self.permit(permits))
-        } else {
-            None
-        }
+        self.inner
+            .take_unqueued(permits)
+            .then(|| self.permit(permits))
     }
 
     /// Permits free right now.
     pub fn available(&self) -> usize {
-        self.inner.permits.load(SeqCst)
+        self.inner.state.load(SeqCst) & FREE
     }
 
     fn permit(&self, permits: usize) -> Permit {
@@ -147,17 +154,31 @@ impl Semaphore {
 }
 
 impl Inner {
-    /// Takes `n` permits if that many are free.
-    fn take(&self, n: usize) -> bool {
-        self.permits
-            .fetch_update(SeqCst, SeqCst, |free| free.checked_sub(n))
+    /// Takes `n` permits if that many are free and nobody is queued (the fast path).
+    fn take_unqueued(&self, n: usize) -> bool {
+        self.state
+            .fetch_update(SeqCst, SeqCst, |state| {
+                if state & QUEUED == 0 {
+                    state.checked_sub(n)
+                } else {
+                    None
+                }
+            })
             .is_ok()
     }
 
-    /// Returns `n` permits and serves the queue.
+    /// Takes `n` permits for the head of the queue if that many are free.
+    fn take_queued(&self, n: usize) -> bool {
+        self.state
+            .fetch_update(SeqCst, SeqCst, |state| {
+                (state & FREE >= n).then(|| state - n)
+            })
+            .is_ok()
+    }
+
+    /// Returns `n` permits and serves the queue if it is not empty.
     fn give(&self, n: usize) {
-        self.permits.fetch_add(n, SeqCst);
-        if self.waiters.load(SeqCst) > 0 {
+        if self.state.fetch_add(n, SeqCst) & QUEUED != 0 {
             self.serve();
         }
     }
@@ -168,13 +189,15 @@ impl Inner {
         {
             let mut queue = lock(&self.queue);
             while let Some(head) = queue.front() {
-                if !self.take(head.permits) {
+                if !self.take_queued(head.permits) {
                     break;
                 }
                 let head = queue.pop_front().expect("front exists");
-                self.waiters.fetch_sub(1, SeqCst);
                 head.granted.store(true, SeqCst);
                 woken.push(head);
+            }
+            if queue.is_empty() {
+                self.state.fetch_and(FREE, SeqCst);
             }
         }
         for waiter in woken {
@@ -185,13 +208,13 @@ impl Inner {
 
 /// The future of [`Semaphore::acquire`].
 #[must_use = "futures do nothing unless awaited"]
-pub struct Acquire {
-    semaphore: Semaphore,
+pub struct Acquire<'a> {
+    semaphore: &'a Semaphore,
     permits: usize,
     waiter: Option<Arc<Waiter>>,
 }
 
-impl Future for Acquire {
+impl Future for Acquire<'_> {
     type Output = Permit;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Permit> {
@@ -199,7 +222,7 @@ impl Future for Acquire {
         let inner = &this.semaphore.inner;
         match &this.waiter {
             None => {
-                if inner.waiters.load(SeqCst) == 0 && inner.take(this.permits) {
+                if inner.take_unqueued(this.permits) {
                     return Poll::Ready(this.semaphore.permit(this.permits));
                 }
                 let waiter = Arc::new(Waiter {
@@ -210,10 +233,10 @@ impl Future for Acquire {
                 waiter.waker.register(cx.waker());
                 {
                     let mut queue = lock(&inner.queue);
-                    inner.waiters.fetch_add(1, SeqCst);
                     queue.push_back(waiter.clone());
+                    inner.state.fetch_or(QUEUED, SeqCst);
                 }
-                // Permits may have been returned before `waiters` was raised (invariant 3).
+                // Permits may have been returned before the flag was raised (invariant 3).
                 inner.serve();
                 this.waiter = Some(waiter);
             }
@@ -230,7 +253,7 @@ impl Future for Acquire {
     }
 }
 
-impl Drop for Acquire {
+impl Drop for Acquire<'_> {
     fn drop(&mut self) {
         let Some(waiter) = self.waiter.take() else {
             return;
@@ -241,7 +264,6 @@ impl Drop for Acquire {
             let position = queue.iter().position(|w| Arc::ptr_eq(w, &waiter));
             position.map(|at| {
                 queue.remove(at);
-                inner.waiters.fetch_sub(1, SeqCst);
             })
         };
         match removed {
@@ -253,7 +275,7 @@ impl Drop for Acquire {
     }
 }
 
-impl fmt::Debug for Acquire {
+impl fmt::Debug for Acquire<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Acquire")
             .field("permits", &self.permits)
@@ -304,7 +326,7 @@ impl fmt::Debug for Semaphore {
         f.debug_struct("Semaphore")
             .field("capacity", &self.inner.capacity)
             .field("available", &self.available())
-            .field("waiters", &self.inner.waiters.load(SeqCst))
+            .field("waiters", &lock(&self.inner.queue).len())
             .finish()
     }
 }

@@ -132,7 +132,8 @@ fn an_acquire_dropped_before_its_first_poll_changes_nothing() {
 #[test]
 #[should_panic(expected = "requested 3 permits from a semaphore of 2")]
 fn acquiring_more_than_the_capacity_panics() {
-    let _never = Semaphore::new(2).acquire(3);
+    let semaphore = Semaphore::new(2);
+    let _never = semaphore.acquire(3);
 }
 
 #[test]
