@@ -44,7 +44,7 @@ const _: () = send::<Exit<NotSync>>();
 // Futures that are named types: Send + Unpin, so they can be stored and `select!`ed freely.
 const _: () = send_unpin::<Scoped<u32, Interrupted>>();
 const _: () = send_unpin::<Scoped<NotSync, Interrupted>>();
-const _: () = send_unpin::<Acquire>();
+const _: () = send_unpin::<Acquire<'static>>();
 
 // Futures returned by methods and functions: Send.
 fn close_future(scope: &Scope) -> impl Future<Output = ()> + Send + '_ {
@@ -84,7 +84,7 @@ fn scoped_shorthand_future() -> impl Future<Output = Result<u8, Interrupted>> + 
     leasehold::scoped(|_scope| async { Ok(1) })
 }
 
-fn acquire_future(semaphore: &Semaphore) -> Acquire {
+fn acquire_future(semaphore: &Semaphore) -> Acquire<'_> {
     semaphore.acquire(1)
 }
 
