@@ -913,8 +913,20 @@ impl LockManager {
     fn start(&self, requests: Vec<LockRequest>, policy: Policy) -> Scoped<Guard, LockError> {
         let shared = self.shared.clone();
         let spawner = shared.common.spawner.clone();
-        Scoped::new(move |scope| acquire_in_scope(shared, scope, requests, policy))
-            .on_spawner(spawner)
+        let span = tracing::debug_span!(
+            "acquire",
+            keys = ?requests.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(),
+            modes = ?requests.iter().map(|r| r.mode).collect::<Vec<_>>(),
+            operation = requests.first().map_or("", |r| r.operation.as_str()),
+            owner = %shared.common.owner,
+        );
+        Scoped::new(move |scope| {
+            tracing::Instrument::instrument(
+                acquire_in_scope(shared, scope, requests, policy),
+                span,
+            )
+        })
+        .on_spawner(spawner)
     }
 }
 
