@@ -14,12 +14,14 @@
 //! 3. A request is known to the worker by the caller's request id from the moment its rows are
 //!    written until they are deleted. The caller sends `Remove` by that id, so it is right
 //!    whether the acquisition was granted, queued or promoted; and since commands are handled in
-//!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows.
+//!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows,
+//!    even when both arrive in one batch (it then finds the ticket taken earlier in the same
+//!    transaction, before the acquisition is delivered).
 //! 4. While this owner has waiters, the worker looks for other connections' commits every `poll`
 //!    with `PRAGMA data_version` (a read). Only when something changed, or a foreign lease ran
 //!    out, does it read the queues, and only when a waiter is grantable does it write.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -233,6 +235,8 @@ impl Worker {
         let mut writes = Vec::new();
         let mut reads = Vec::new();
         let mut stop = false;
+        // Requests whose acquisition is in this batch: not in `self.requests` until delivered.
+        let mut acquiring = HashSet::new();
         for command in batch {
             match command {
                 Command::Acquire {
@@ -240,14 +244,17 @@ impl Worker {
                     requests,
                     queue,
                     reply,
-                } => writes.push(Write::Acquire {
-                    request,
-                    requests,
-                    queue,
-                    reply,
-                }),
+                } => {
+                    acquiring.insert(request);
+                    writes.push(Write::Acquire {
+                        request,
+                        requests,
+                        queue,
+                        reply,
+                    });
+                }
                 Command::Remove { request, reply } => {
-                    if self.requests.contains_key(&request) {
+                    if self.requests.contains_key(&request) || acquiring.contains(&request) {
                         writes.push(Write::Remove { request, reply });
                     } else if let Some(reply) = reply {
                         // Nothing was written for it (or it is gone already).
@@ -301,8 +308,19 @@ impl Worker {
         let now = self.now();
         let outcome = self.transaction(now, |worker, now| {
             let mut decided = Vec::with_capacity(writes.len());
+            // Tickets taken in this transaction, for a removal that follows its acquisition in
+            // the same batch (an interruption or drop that came while the worker was busy).
+            let mut taken = HashMap::new();
             for write in &writes {
-                decided.push(worker.apply(write, now)?);
+                let outcome = worker.apply(write, now, &taken)?;
+                if let (
+                    Write::Acquire { request, .. },
+                    Decided::Granted(ticket) | Decided::Queued(ticket),
+                ) = (write, &outcome)
+                {
+                    taken.insert(*request, *ticket);
+                }
+                decided.push(outcome);
             }
             Ok(decided)
         });
@@ -351,7 +369,12 @@ impl Worker {
         result
     }
 
-    fn apply(&mut self, write: &Write, now: i64) -> Result<Decided, LockError> {
+    fn apply(
+        &mut self,
+        write: &Write,
+        now: i64,
+        taken: &HashMap<u64, u64>,
+    ) -> Result<Decided, LockError> {
         let owner = self.common.owner.as_str();
         match write {
             Write::Acquire {
@@ -377,7 +400,7 @@ impl Worker {
                 })
             }
             Write::Remove { request, .. } => {
-                if let Some(&ticket) = self.requests.get(request) {
+                if let Some(&ticket) = self.requests.get(request).or_else(|| taken.get(request)) {
                     self.db.delete_request(owner, ticket)?;
                 }
                 Ok(Decided::Done)

@@ -1,0 +1,93 @@
+//! The storage worker's ordering and cost, pinned down where the interleavings are narrow.
+//!
+//! To make a command meet another in one batch, these tests hold SQLite's write lock from a
+//! connection of their own: the worker then stalls in `BEGIN IMMEDIATE` on an earlier command,
+//! and whatever is sent meanwhile reaches it together.
+
+mod lock_support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use futures::executor::block_on;
+use leasehold::{fork_daemon, AbortController, AbortReason, LockError, LockManager, LockRequest};
+use lock_support::{bounded, join_within, rows_of, temp_db};
+
+/// SQLite's write lock on a database file, held by a connection of the test's own until dropped.
+struct WriteLock(sqlite::Connection);
+
+impl WriteLock {
+    fn take(path: &Path) -> WriteLock {
+        let mut connection = sqlite::Connection::open(path).expect("open the database");
+        connection
+            .set_busy_timeout(10_000)
+            .expect("set a busy timeout");
+        connection
+            .execute("BEGIN IMMEDIATE")
+            .expect("take the write lock");
+        WriteLock(connection)
+    }
+}
+
+impl Drop for WriteLock {
+    fn drop(&mut self) {
+        let _ = self.0.execute("ROLLBACK");
+    }
+}
+
+/// Starts a write on `locks` that stalls in `BEGIN IMMEDIATE` while a `WriteLock` is held, and
+/// gives the worker time to take it off its queue alone. Too short a pause could only make the
+/// command under test share the stalled batch, which hides a bug; it cannot fail a correct build.
+fn stall_worker(
+    locks: &LockManager,
+) -> leasehold::Fiber<Result<Option<leasehold::Guard>, LockError>> {
+    let locks = locks.clone();
+    let blocker = fork_daemon(async move {
+        locks
+            .try_acquire(LockRequest::exclusive("blocker", "blocker"))
+            .await
+    });
+    std::thread::sleep(Duration::from_millis(30));
+    blocker
+}
+
+#[test]
+fn an_interruption_that_reaches_the_worker_with_its_acquire_leaves_no_row() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let locks = LockManager::open(&path).unwrap();
+        for attempt in 0..3 {
+            let operation = format!("interrupted-{attempt}");
+            let write_lock = WriteLock::take(&path);
+            let blocker = stall_worker(&locks);
+
+            let stop = AbortController::new();
+            let reason = AbortReason::from("stop");
+            let mut acquisition =
+                Box::pin(locks.exclusive("k", &operation).with_signal(&stop.signal()));
+            // The first poll sends the acquisition to the worker, the second its removal.
+            assert!(futures::poll!(acquisition.as_mut()).is_pending());
+            stop.abort(reason.clone());
+            assert!(futures::poll!(acquisition.as_mut()).is_pending());
+            drop(write_lock);
+
+            let error = bounded(10_000, "the interrupted acquisition", acquisition)
+                .await
+                .unwrap_err();
+            assert!(error.abort_reason().unwrap().ptr_eq(&reason), "{error}");
+            assert!(
+                rows_of(&locks, &operation).await.is_empty(),
+                "attempt {attempt}: the interrupted request left {:?}",
+                rows_of(&locks, &operation).await
+            );
+            let blocker = join_within(10_000, "the blocker", blocker).await;
+            drop(blocker);
+            // Nothing blocks the key: a later exclusive request is granted at once.
+            let probe = locks
+                .try_acquire(LockRequest::exclusive("k", "probe"))
+                .await
+                .unwrap();
+            assert!(probe.is_some(), "attempt {attempt}: the key is still taken");
+        }
+    });
+}
