@@ -91,3 +91,57 @@ fn an_interruption_that_reaches_the_worker_with_its_acquire_leaves_no_row() {
         }
     });
 }
+
+#[test]
+fn an_acquisition_sent_right_after_shutdown_leaves_no_row() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let locks = LockManager::open(&path).unwrap();
+        let observer = LockManager::open(&path).unwrap();
+        let write_lock = WriteLock::take(&path);
+        let blocker = stall_worker(&locks);
+
+        let mut shutdown = Box::pin(locks.shutdown());
+        assert!(futures::poll!(shutdown.as_mut()).is_pending());
+        let mut late = Box::pin(locks.exclusive("k", "late"));
+        assert!(futures::poll!(late.as_mut()).is_pending());
+        drop(write_lock);
+
+        bounded(10_000, "shutdown", shutdown).await.unwrap();
+        let late = bounded(10_000, "the late acquisition", late).await;
+        assert!(
+            observer.inspect(None).await.unwrap().is_empty(),
+            "after shutdown: {:?} (the late acquisition returned {late:?})",
+            observer.inspect(None).await.unwrap()
+        );
+        assert!(matches!(late, Err(LockError::Shutdown)), "{late:?}");
+        drop(join_within(10_000, "the blocker", blocker).await);
+    });
+}
+
+#[test]
+fn a_guard_granted_in_the_batch_that_shuts_down_is_told_it_is_lost() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let locks = LockManager::open(&path).unwrap();
+        let observer = LockManager::open(&path).unwrap();
+        let write_lock = WriteLock::take(&path);
+        let blocker = stall_worker(&locks);
+
+        let mut early = Box::pin(locks.exclusive("k", "early"));
+        assert!(futures::poll!(early.as_mut()).is_pending());
+        let mut shutdown = Box::pin(locks.shutdown());
+        assert!(futures::poll!(shutdown.as_mut()).is_pending());
+        drop(write_lock);
+
+        bounded(10_000, "shutdown", shutdown).await.unwrap();
+        // Granted, then deleted by the shutdown in the same transaction: whoever holds the guard
+        // must learn that it protects nothing.
+        match bounded(10_000, "the early acquisition", early).await {
+            Ok(guard) => assert!(guard.lost().is_aborted(), "{guard:?}"),
+            Err(error) => assert!(matches!(error, LockError::Shutdown), "{error}"),
+        }
+        assert!(observer.inspect(None).await.unwrap().is_empty());
+        drop(join_within(10_000, "the blocker", blocker).await);
+    });
+}

@@ -20,6 +20,8 @@
 //! 4. While this owner has waiters, the worker looks for other connections' commits every `poll`
 //!    with `PRAGMA data_version` (a read). Only when something changed, or a foreign lease ran
 //!    out, does it read the queues, and only when a waiter is grantable does it write.
+//! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
+//!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -238,6 +240,11 @@ impl Worker {
         // Requests whose acquisition is in this batch: not in `self.requests` until delivered.
         let mut acquiring = HashSet::new();
         for command in batch {
+            if stop {
+                // Nothing is done after a shutdown, not even what reached it in the same batch:
+                // dropping the command's reply tells its caller `Shutdown`.
+                continue;
+            }
             match command {
                 Command::Acquire {
                     request,
@@ -458,9 +465,12 @@ impl Worker {
                     slot.set(SlotState::Shutdown);
                 }
                 let reason = AbortReason::new(LeaseLost::shutdown());
-                for (_, entry) in lock(&self.common.guards).entries.drain() {
+                let mut guards = lock(&self.common.guards);
+                guards.shut_down = true;
+                for (_, entry) in guards.entries.drain() {
                     entry.lost.abort(reason.clone());
                 }
+                drop(guards);
                 let _ = reply.send(Ok(()));
             }
         }
