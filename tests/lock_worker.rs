@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::executor::block_on;
 use leasehold::{fork_daemon, AbortController, AbortReason, LockError, LockManager, LockRequest};
-use lock_support::{bounded, join_within, rows_of, temp_db};
+use lock_support::{bounded, join_within, rows_of, temp_db, within};
 
 /// SQLite's write lock on a database file, held by a connection of the test's own until dropped.
 struct WriteLock(sqlite::Connection);
@@ -143,5 +143,63 @@ fn a_guard_granted_in_the_batch_that_shuts_down_is_told_it_is_lost() {
         }
         assert!(observer.inspect(None).await.unwrap().is_empty());
         drop(join_within(10_000, "the blocker", blocker).await);
+    });
+}
+
+#[test]
+fn waiting_manys_cost_no_write_transactions_even_beside_a_sibling() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        // Two owners of one process, each with a `many` waiting on the same held key: neither
+        // may retry, or wake the other, while nothing changes.
+        let holder = LockManager::open(&path).unwrap();
+        let owners = [
+            LockManager::open(&path).unwrap(),
+            LockManager::open(&path).unwrap(),
+        ];
+        let mirror = holder.exclusive("mirror", "prune").await.unwrap();
+        let copies: Vec<_> = owners
+            .iter()
+            .enumerate()
+            .map(|(n, locks)| {
+                let locks = locks.clone();
+                fork_daemon(async move {
+                    locks
+                        .many([
+                            LockRequest::shared("source", format!("copy{n}")),
+                            LockRequest::shared("mirror", format!("copy{n}")),
+                        ])
+                        .await
+                })
+            })
+            .collect();
+        within(5_000, "each made its first attempt", || async {
+            owners.iter().all(|o| o.stats().write_transactions >= 1)
+        })
+        .await;
+        // Settle, then measure a quiet window: a failed attempt must not wake anyone.
+        smol::Timer::after(Duration::from_millis(20)).await;
+        let before: Vec<u64> = owners
+            .iter()
+            .map(|o| o.stats().write_transactions)
+            .collect();
+        smol::Timer::after(Duration::from_millis(200)).await;
+        for (owner, before) in owners.iter().zip(before) {
+            let spent = owner.stats().write_transactions - before;
+            assert!(
+                spent <= 2,
+                "{spent} write transactions in 200 ms while waiting with nothing changing"
+            );
+        }
+
+        mirror.release().await.unwrap();
+        for copy in copies {
+            let both = join_within(5_000, "a copy", copy)
+                .await
+                .success()
+                .unwrap()
+                .unwrap();
+            assert_eq!(both.requests().len(), 2);
+        }
     });
 }

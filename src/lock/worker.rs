@@ -10,7 +10,8 @@
 //!    run after the writes, so a caller that released (even by dropping a guard) and then
 //!    inspects sees its release.
 //! 2. Every transaction that deletes rows (release, cancel, shutdown, expiry) also promotes every
-//!    waiter the grant rule now allows, whoever owns it, with its ticket kept.
+//!    waiter the grant rule now allows, whoever owns it, with its ticket kept. Only a commit
+//!    that freed or promoted something wakes waiters and sibling managers.
 //! 3. A request is known to the worker by the caller's request id from the moment its rows are
 //!    written until they are deleted. The caller sends `Remove` by that id, so it is right
 //!    whether the acquisition was granted, queued or promoted; and since commands are handled in
@@ -148,6 +149,14 @@ enum Write {
     },
 }
 
+/// What a committed transaction did that waiters may be waiting for.
+struct Changes {
+    /// Tickets promoted from waiting to held.
+    promoted: Vec<u64>,
+    /// Whether any row was deleted (released, cancelled, shut down or expired).
+    freed: bool,
+}
+
 /// What a write decided inside the transaction, delivered once it has committed.
 enum Decided {
     Granted(u64),
@@ -169,6 +178,8 @@ pub(crate) struct Worker {
     last_look: Instant,
     poked: bool,
     last_renewal: Option<i64>,
+    /// Rows deleted so far in the open transaction.
+    freed: usize,
 }
 
 impl Worker {
@@ -184,6 +195,7 @@ impl Worker {
             last_look: Instant::now(),
             poked: false,
             last_renewal: None,
+            freed: 0,
         }
     }
 
@@ -332,11 +344,11 @@ impl Worker {
             Ok(decided)
         });
         match outcome {
-            Ok((decided, promoted)) => {
+            Ok((decided, changes)) => {
                 for (write, decided) in writes.into_iter().zip(decided) {
                     self.deliver(write, decided, now);
                 }
-                self.after_commit(&promoted);
+                self.after_commit(&changes);
             }
             Err(error) if writes.len() == 1 => {
                 if let Some(write) = writes.into_iter().next() {
@@ -352,23 +364,28 @@ impl Worker {
     }
 
     /// `BEGIN IMMEDIATE`, `body`, deletion of expired rows, promotion, `COMMIT`. Returns what
-    /// `body` returned and the promoted tickets.
+    /// `body` returned and what the transaction freed or promoted.
     fn transaction<T>(
         &mut self,
         now: i64,
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
-    ) -> Result<(T, Vec<u64>), LockError> {
+    ) -> Result<(T, Changes), LockError> {
         self.db.begin_immediate("starting a write transaction")?;
         Counters::bump(&self.counters().write_transactions);
+        self.freed = 0;
         let result = (|| {
             let value = body(self, now)?;
-            self.db.delete_expired(now)?;
+            self.freed += self.db.delete_expired(now)?;
             let promoted = promotable(&self.db.rows_on_waited_keys(now)?);
             for &ticket in &promoted {
                 self.db.promote(ticket, now)?;
             }
             self.db.commit("committing")?;
-            Ok((value, promoted))
+            let changes = Changes {
+                promoted,
+                freed: self.freed > 0,
+            };
+            Ok((value, changes))
         })();
         if result.is_err() {
             self.db.rollback();
@@ -408,7 +425,7 @@ impl Worker {
             }
             Write::Remove { request, .. } => {
                 if let Some(&ticket) = self.requests.get(request).or_else(|| taken.get(request)) {
-                    self.db.delete_request(owner, ticket)?;
+                    self.freed += self.db.delete_request(owner, ticket)?;
                 }
                 Ok(Decided::Done)
             }
@@ -418,7 +435,7 @@ impl Worker {
                 Ok(Decided::Done)
             }
             Write::Shutdown { .. } => {
-                self.db.delete_owner(owner)?;
+                self.freed += self.db.delete_owner(owner)?;
                 Ok(Decided::Done)
             }
         }
@@ -476,15 +493,21 @@ impl Worker {
         }
     }
 
-    /// After a commit: wake the local waiters that were promoted, and tell everyone else.
-    fn after_commit(&mut self, promoted: &[u64]) {
-        for ticket in promoted {
+    /// After a commit: wake the local waiters that were promoted, and, if anything was freed
+    /// or promoted, tell everyone else. A commit that only added or renewed rows can grant
+    /// nobody anything; waking the waiters without a queue position for it would make each of
+    /// their failed attempts (itself a commit) wake them again, a busy loop of write
+    /// transactions, and siblings would echo it between managers.
+    fn after_commit(&mut self, changes: &Changes) {
+        for ticket in &changes.promoted {
             if let Some(slot) = self.waits.remove(ticket) {
                 slot.set(SlotState::Granted);
             }
         }
-        self.common.changed.notify(usize::MAX);
-        super::siblings::poke(&self.common);
+        if changes.freed || !changes.promoted.is_empty() {
+            self.common.changed.notify(usize::MAX);
+            super::siblings::poke(&self.common);
+        }
     }
 
     /// Compares this owner's live rows with its guards and waits: a guard whose rows are gone
@@ -557,8 +580,8 @@ impl Worker {
         self.last_data_version = Some(version);
 
         if !promotable(&self.db.rows_on_waited_keys(now)?).is_empty() {
-            let ((), promoted) = self.transaction(now, |_, _| Ok(()))?;
-            self.after_commit(&promoted);
+            let ((), changes) = self.transaction(now, |_, _| Ok(()))?;
+            self.after_commit(&changes);
         } else {
             // Others' changes may matter to waiters that hold no queue position.
             self.common.changed.notify(usize::MAX);
