@@ -296,6 +296,9 @@ pub(crate) struct Common {
 struct Guards {
     entries: HashMap<u64, GuardEntry>,
     daemon_running: bool,
+    /// Set (under this lock, as the entries are drained) when the worker has shut down, so that
+    /// a guard made afterwards is born lost instead of missing the drain.
+    shut_down: bool,
 }
 
 struct GuardEntry {
@@ -921,10 +924,7 @@ impl LockManager {
             owner = %shared.common.owner,
         );
         Scoped::new(move |scope| {
-            tracing::Instrument::instrument(
-                acquire_in_scope(shared, scope, requests, policy),
-                span,
-            )
+            tracing::Instrument::instrument(acquire_in_scope(shared, scope, requests, policy), span)
         })
         .on_spawner(spawner)
     }
@@ -1121,19 +1121,31 @@ impl Guard {
         let now = common.clock.now();
         let lost = AbortController::new();
         let signal = lost.signal();
-        {
+        let shut_down = {
             let mut guards = lock(&common.guards);
-            guards.entries.insert(
-                ticket,
-                GuardEntry {
-                    rows: requests.len(),
-                    keys: requests.iter().map(|r| r.key.clone()).collect(),
-                    lost,
-                    granted_at: micros(now),
-                },
-            );
+            if guards.shut_down {
+                Some(lost)
+            } else {
+                guards.entries.insert(
+                    ticket,
+                    GuardEntry {
+                        rows: requests.len(),
+                        keys: requests.iter().map(|r| r.key.clone()).collect(),
+                        lost,
+                        granted_at: micros(now),
+                    },
+                );
+                None
+            }
+        };
+        match shut_down {
+            // Granted in the batch that shut the manager down, whose deletion took it again:
+            // the shutdown has already told the other guards, so tell this one here.
+            Some(lost) => {
+                lost.abort(AbortReason::new(LeaseLost::shutdown()));
+            }
+            None => heartbeat::ensure_daemon(shared),
         }
-        heartbeat::ensure_daemon(shared);
         for request in &requests {
             tracing::debug!(
                 key = %request.key,

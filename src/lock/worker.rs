@@ -18,6 +18,8 @@
 //! 4. While this owner has waiters, the worker looks for other connections' commits every `poll`
 //!    with `PRAGMA data_version` (a read). Only when something changed, or a foreign lease ran
 //!    out, does it read the queues, and only when a waiter is grantable does it write.
+//! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
+//!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -270,6 +272,11 @@ impl<'c> Worker<'c> {
         let mut acquiring = Vec::new();
         let mut stop = false;
         for command in batch {
+            if stop {
+                // Nothing is done after a shutdown, not even what reached it in the same batch:
+                // dropping the command's reply tells its caller `Shutdown`.
+                continue;
+            }
             match command {
                 Command::Acquire {
                     request,
@@ -475,14 +482,11 @@ impl<'c> Worker<'c> {
             (Write::Acquire { reply, .. }, Decided::Queued(ticket)) => {
                 let slot = Arc::new(WaitSlot::default());
                 self.waits.insert(ticket, slot.clone());
-                // A new wait: take a full look at the next tick, to learn the foreign expiries.
-                self.last_data_version = None;
+                self.remember_view(now);
                 let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
             }
             (Write::Acquire { reply, .. }, _) => {
-                // A waiter without a queue position: take a full look at the next tick, to learn
-                // the foreign expiries that may free its keys.
-                self.last_data_version = None;
+                self.remember_view(now);
                 let _ = reply.send(Ok(Acquired::NotNow));
             }
             (Write::Remove { request, reply }, _) => {
@@ -509,9 +513,12 @@ impl<'c> Worker<'c> {
                     slot.set(SlotState::Shutdown);
                 }
                 let reason = AbortReason::new(LeaseLost::shutdown());
-                for (_, entry) in lock(&self.common.guards).entries.drain() {
+                let mut guards = lock(&self.common.guards);
+                guards.shut_down = true;
+                for (_, entry) in guards.entries.drain() {
                     entry.lost.abort(reason.clone());
                 }
+                drop(guards);
                 let _ = reply.send(Ok(()));
             }
         }
@@ -587,6 +594,23 @@ impl<'c> Worker<'c> {
         if let Err(error) = self.try_look(poked) {
             tracing::warn!(%error, "looking for other processes' changes failed; will retry");
             self.last_data_version = None;
+        }
+    }
+
+    /// A new wait starts from what the database looks like now: later looks compare with this
+    /// version (so they wake waiters only for a real change) and this next foreign expiry.
+    fn remember_view(&mut self, now: i64) {
+        let view = self.db.data_version().and_then(|version| {
+            let deadline = self.db.next_foreign_expiry(&self.common.owner, now)?;
+            Ok((version, deadline))
+        });
+        match view {
+            Ok((version, deadline)) => {
+                self.last_data_version = Some(version);
+                self.next_deadline = deadline;
+            }
+            // Unknown: the next tick takes a full look, which wakes every waiter once.
+            Err(_) => self.last_data_version = None,
         }
     }
 

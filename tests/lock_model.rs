@@ -1,0 +1,728 @@
+//! The lock manager against a model of the grant rule.
+//!
+//! Random sequences of operations run on two or three owners (separate managers, each with its
+//! own `TestClock`) sharing one database file and two or three keys: acquisitions that may
+//! queue, `many` and `many_queued`, `try_acquire`, releases, interruptions of waiting requests,
+//! and the expiry of an owner, simulated by freezing its clock (so it never heartbeats again)
+//! while the others' clocks move on and their heartbeats keep their own leases alive.
+//!
+//! The model knows every live request: who made it, what it wants, how it was asked for, and the
+//! ticket it was given (read once from `inspect`, and never allowed to change). From these the
+//! rule says which requests must hold and which must wait; after every step the test waits,
+//! within a bound, until `inspect` shows exactly that. Every snapshot it reads on the way, even
+//! before the system settles, must be safe: no row of a dead request, no holder with a
+//! conflicting row ahead of it, all rows of one request together. The pure rule is unit-tested in
+//! `src/lock/grant.rs`; this is the manager built around it.
+
+mod lock_support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::executor::block_on;
+use leasehold::{
+    fork_daemon, AbortController, AbortReason, Clock, Exit, Fiber, Guard, LockEntry, LockError,
+    LockManager, LockRequest, Mode, TestClock,
+};
+use lock_support::{entries, join_within, rows_of, temp_db};
+use proptest::prelude::*;
+
+const LEASE: Duration = Duration::from_secs(6);
+const HEARTBEAT: Duration = Duration::from_secs(1);
+const POLL: Duration = Duration::from_millis(2);
+/// How long the system may take to settle after one step.
+const SETTLE_MS: u64 = 5_000;
+
+#[derive(Clone, Copy, Debug)]
+enum Policy {
+    /// `acquire`: one key, queued.
+    Single,
+    /// `many_queued`: every key under one ticket, queued.
+    Queued,
+    /// `many`: no queue position until granted everything at once.
+    Unqueued,
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Acquire {
+        owner: usize,
+        key: usize,
+        exclusive: bool,
+    },
+    TryAcquire {
+        owner: usize,
+        key: usize,
+        exclusive: bool,
+    },
+    Many {
+        owner: usize,
+        first: (usize, bool),
+        second: (usize, bool),
+        queued: bool,
+    },
+    Release {
+        pick: usize,
+    },
+    Interrupt {
+        pick: usize,
+    },
+    Expire {
+        owner: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let owner = 0..3usize;
+    let key = 0..3usize;
+    prop_oneof![
+        6 => (owner.clone(), key.clone(), any::<bool>())
+            .prop_map(|(owner, key, exclusive)| Op::Acquire { owner, key, exclusive }),
+        1 => (owner.clone(), key.clone(), any::<bool>())
+            .prop_map(|(owner, key, exclusive)| Op::TryAcquire { owner, key, exclusive }),
+        2 => (owner.clone(), (key.clone(), any::<bool>()), (key, any::<bool>()), any::<bool>())
+            .prop_map(|(owner, first, second, queued)| Op::Many { owner, first, second, queued }),
+        4 => any::<usize>().prop_map(|pick| Op::Release { pick }),
+        2 => any::<usize>().prop_map(|pick| Op::Interrupt { pick }),
+        1 => owner.prop_map(|owner| Op::Expire { owner }),
+    ]
+}
+
+struct Owner {
+    locks: LockManager,
+    clock: TestClock,
+    frozen: bool,
+}
+
+enum State {
+    Pending {
+        fiber: Fiber<Result<Guard, LockError>>,
+        stop: AbortController,
+    },
+    Held(Guard),
+    /// Only while a finished acquisition is being joined.
+    Joining,
+}
+
+struct Request {
+    /// Its operation name, unique in the run: how its rows are recognised.
+    name: String,
+    owner: usize,
+    wants: Vec<(String, Mode)>,
+    policy: Policy,
+    ticket: Option<u64>,
+    state: State,
+}
+
+impl Request {
+    fn is_pending(&self) -> bool {
+        matches!(self.state, State::Pending { .. })
+    }
+
+    fn is_finished(&self) -> bool {
+        matches!(&self.state, State::Pending { fiber, .. } if fiber.is_finished())
+    }
+}
+
+/// Whether a request for `mode` on `key` with `ticket` is granted by the rule, given `rows`:
+/// shared needs no exclusive row ahead of it; exclusive needs no row at all ahead of it.
+fn allowed(rows: &[LockEntry], key: &str, mode: Mode, ticket: u64) -> bool {
+    rows.iter()
+        .filter(|row| row.key == key && row.ticket < ticket)
+        .all(|row| mode == Mode::Shared && row.mode == Mode::Shared)
+}
+
+struct World {
+    owners: Vec<Owner>,
+    keys: Vec<String>,
+    requests: Vec<Request>,
+    /// Requests of frozen owners: kept alive, and out of the model.
+    graveyard: Vec<Request>,
+    next_name: usize,
+    /// The largest ticket seen before the current step.
+    max_ticket: u64,
+    log: Vec<String>,
+}
+
+impl World {
+    fn open(owners: usize, keys: usize) -> (tempfile::TempDir, World) {
+        let (dir, path) = temp_db();
+        let owners = (0..owners)
+            .map(|_| {
+                let clock = TestClock::new();
+                let locks = LockManager::builder()
+                    .lease(LEASE)
+                    .heartbeat(HEARTBEAT)
+                    .poll(POLL)
+                    .clock(Arc::new(clock.clone()))
+                    .open(&path)
+                    .expect("open a manager");
+                Owner {
+                    locks,
+                    clock,
+                    frozen: false,
+                }
+            })
+            .collect();
+        let world = World {
+            owners,
+            keys: (0..keys).map(|k| format!("key{k}")).collect(),
+            requests: Vec::new(),
+            graveyard: Vec::new(),
+            next_name: 0,
+            max_ticket: 0,
+            log: Vec::new(),
+        };
+        (dir, world)
+    }
+
+    /// A live owner: the model's view of the database is the live owners' view.
+    fn observer(&self) -> &LockManager {
+        &self
+            .owners
+            .iter()
+            .find(|owner| !owner.frozen)
+            .expect("one owner always stays live")
+            .locks
+    }
+
+    /// The live owner for a generated index (frozen owners take no more requests).
+    fn live_owner(&self, index: usize) -> usize {
+        let live: Vec<usize> = (0..self.owners.len())
+            .filter(|&o| !self.owners[o].frozen)
+            .collect();
+        live[index % live.len()]
+    }
+
+    fn key(&self, index: usize) -> String {
+        self.keys[index % self.keys.len()].clone()
+    }
+
+    fn fail(&self, what: &str, rows: &[LockEntry]) -> ! {
+        let rows: Vec<String> = rows
+            .iter()
+            .map(|e| {
+                format!(
+                    "{}:{}:{:?}:t{}:{:?}:{}",
+                    e.operation,
+                    e.key,
+                    e.mode,
+                    e.ticket,
+                    e.state,
+                    self.owners
+                        .iter()
+                        .position(|o| o.locks.owner_id() == e.owner)
+                        .map_or("?".to_owned(), |o| format!("o{o}"))
+                )
+            })
+            .collect();
+        panic!(
+            "{what}\nrows: {rows:#?}\nsteps:\n  {}",
+            self.log.join("\n  ")
+        );
+    }
+
+    async fn step(&mut self, op: &Op) {
+        match *op {
+            Op::Acquire {
+                owner,
+                key,
+                exclusive,
+            } => {
+                let mode = if exclusive {
+                    Mode::Exclusive
+                } else {
+                    Mode::Shared
+                };
+                let owner = self.live_owner(owner);
+                let key = self.key(key);
+                self.start(owner, vec![(key, mode)], Policy::Single);
+            }
+            Op::Many {
+                owner,
+                first,
+                second,
+                queued,
+            } => {
+                let owner = self.live_owner(owner);
+                let n = self.keys.len();
+                let a = first.0 % n;
+                // A different key: `many` refuses a key named twice.
+                let b = (a + 1 + second.0 % (n - 1)) % n;
+                let mode = |x: bool| if x { Mode::Exclusive } else { Mode::Shared };
+                let wants = vec![
+                    (self.keys[a].clone(), mode(first.1)),
+                    (self.keys[b].clone(), mode(second.1)),
+                ];
+                let policy = if queued {
+                    Policy::Queued
+                } else {
+                    Policy::Unqueued
+                };
+                self.start(owner, wants, policy);
+            }
+            Op::TryAcquire {
+                owner,
+                key,
+                exclusive,
+            } => {
+                let mode = if exclusive {
+                    Mode::Exclusive
+                } else {
+                    Mode::Shared
+                };
+                let owner = self.live_owner(owner);
+                self.try_acquire(owner, self.key(key), mode).await;
+            }
+            Op::Release { pick } => self.release(pick).await,
+            Op::Interrupt { pick } => {
+                let pending: Vec<usize> = (0..self.requests.len())
+                    .filter(|&r| self.requests[r].is_pending())
+                    .collect();
+                if !pending.is_empty() {
+                    self.interrupt(pending[pick % pending.len()]).await;
+                }
+            }
+            Op::Expire { owner } => self.expire(owner % self.owners.len()).await,
+        }
+        self.settle().await;
+    }
+
+    fn start(&mut self, owner: usize, wants: Vec<(String, Mode)>, policy: Policy) {
+        let name = format!("r{}", self.next_name);
+        self.next_name += 1;
+        self.log
+            .push(format!("{name}: o{owner} {policy:?} {wants:?}"));
+        let requests: Vec<LockRequest> = wants
+            .iter()
+            .map(|(key, mode)| LockRequest {
+                key: key.clone(),
+                mode: *mode,
+                operation: name.clone(),
+            })
+            .collect();
+        let locks = &self.owners[owner].locks;
+        let stop = AbortController::new();
+        let acquisition = match policy {
+            Policy::Single => locks.acquire(requests[0].clone()),
+            Policy::Queued => locks.many_queued(requests),
+            Policy::Unqueued => locks.many(requests),
+        }
+        .with_signal(&stop.signal());
+        self.requests.push(Request {
+            name,
+            owner,
+            wants,
+            policy,
+            ticket: None,
+            state: State::Pending {
+                fiber: fork_daemon(acquisition),
+                stop,
+            },
+        });
+    }
+
+    async fn try_acquire(&mut self, owner: usize, key: String, mode: Mode) {
+        let name = format!("r{}", self.next_name);
+        self.next_name += 1;
+        self.log
+            .push(format!("{name}: o{owner} try_acquire {key} {mode:?}"));
+        // The system is settled: nothing changes between this look and the attempt.
+        let rows = entries(self.observer()).await;
+        let expected = allowed(&rows, &key, mode, u64::MAX);
+        let request = LockRequest {
+            key: key.clone(),
+            mode,
+            operation: name.clone(),
+        };
+        let granted = self.owners[owner]
+            .locks
+            .try_acquire(request)
+            .await
+            .expect("try_acquire");
+        if granted.is_some() != expected {
+            self.fail(
+                &format!("{name}: try_acquire gave {granted:?}; the rule says {expected}"),
+                &rows,
+            );
+        }
+        if let Some(guard) = granted {
+            self.requests.push(Request {
+                name,
+                owner,
+                wants: vec![(key, mode)],
+                policy: Policy::Single,
+                ticket: None,
+                state: State::Held(guard),
+            });
+        }
+    }
+
+    async fn release(&mut self, pick: usize) {
+        let held: Vec<usize> = (0..self.requests.len())
+            .filter(|&r| matches!(self.requests[r].state, State::Held(_)))
+            .collect();
+        if held.is_empty() {
+            return;
+        }
+        let request = self.requests.remove(held[pick % held.len()]);
+        self.log.push(format!("release {}", request.name));
+        let State::Held(guard) = request.state else {
+            unreachable!("picked among held requests")
+        };
+        guard.release().await.expect("release");
+        let left = rows_of(&self.owners[request.owner].locks, &request.name).await;
+        if !left.is_empty() {
+            self.fail(&format!("{} left rows after release", request.name), &left);
+        }
+    }
+
+    async fn interrupt(&mut self, index: usize) {
+        let request = self.requests.remove(index);
+        self.log.push(format!("interrupt {}", request.name));
+        let State::Pending { fiber, stop } = request.state else {
+            unreachable!("picked among pending requests")
+        };
+        let reason = AbortReason::from(format!("interrupt {}", request.name));
+        stop.abort(reason.clone());
+        // Settled, and the rule says it waits: nothing can grant it meanwhile.
+        match join_within(SETTLE_MS, "an interrupted acquisition", fiber).await {
+            Exit::Success(Err(error))
+                if error.abort_reason().is_some_and(|r| r.ptr_eq(&reason)) => {}
+            other => self.fail(
+                &format!("{} interrupted returned {other:?}", request.name),
+                &[],
+            ),
+        }
+        let left = rows_of(&self.owners[request.owner].locks, &request.name).await;
+        if !left.is_empty() {
+            self.fail(
+                &format!("{} left rows when its interruption returned", request.name),
+                &left,
+            );
+        }
+    }
+
+    /// Freezes `owner` (its clock never moves again, so it never renews) and moves the other
+    /// owners' clocks past its lease, one heartbeat at a time so that they renew theirs.
+    async fn expire(&mut self, owner: usize) {
+        let live = self.owners.iter().filter(|o| !o.frozen).count();
+        if self.owners[owner].frozen || live < 2 {
+            return;
+        }
+        self.log.push(format!("expire o{owner}"));
+        self.owners[owner].frozen = true;
+        let (dead, alive): (Vec<Request>, Vec<Request>) = std::mem::take(&mut self.requests)
+            .into_iter()
+            .partition(|r| r.owner == owner);
+        self.requests = alive;
+        self.graveyard.extend(dead);
+
+        let ticks = (LEASE.as_millis() / HEARTBEAT.as_millis()) as usize;
+        for tick in 1..=ticks {
+            for o in (0..self.owners.len()).filter(|&o| !self.owners[o].frozen) {
+                // Every heartbeat of the owner is asleep on its clock before the clock moves.
+                let waiting = self
+                    .requests
+                    .iter()
+                    .filter(|r| {
+                        r.owner == o && r.is_pending() && !matches!(r.policy, Policy::Unqueued)
+                    })
+                    .count();
+                let holding = self
+                    .requests
+                    .iter()
+                    .any(|r| r.owner == o && matches!(r.state, State::Held(_)));
+                let beats = waiting + usize::from(holding);
+                let clock = &self.owners[o].clock;
+                lock_support::within(SETTLE_MS, "heartbeats asleep", || async {
+                    clock.sleepers() >= beats
+                })
+                .await;
+            }
+            for o in self.owners.iter().filter(|o| !o.frozen) {
+                o.clock.advance(HEARTBEAT);
+            }
+            if tick == ticks {
+                // The frozen owner's rows have just run out: let `settle` judge what follows.
+                break;
+            }
+            for o in self.owners.iter().filter(|o| !o.frozen) {
+                let now = o.clock.now();
+                let id = o.locks.owner_id();
+                lock_support::within(SETTLE_MS, "every live row renewed", || async {
+                    entries(&o.locks)
+                        .await
+                        .iter()
+                        .filter(|e| e.owner == id)
+                        .all(|e| e.expires_at == now + LEASE)
+                })
+                .await;
+            }
+        }
+    }
+
+    /// Waits until the system is quiescent and matches the model; checks every snapshot on the
+    /// way for safety.
+    async fn settle(&mut self) {
+        let deadline = Instant::now() + Duration::from_millis(SETTLE_MS);
+        loop {
+            // Read before the snapshot: an acquisition that had returned then must hold in it.
+            let finished: Vec<bool> = self.requests.iter().map(Request::is_finished).collect();
+            let rows = entries(self.observer()).await;
+            let by_request = self.check_safety(&rows, &finished);
+            match self.quiescent(&rows, &by_request, &finished) {
+                Ok(()) => {
+                    self.absorb(&rows, &by_request).await;
+                    return;
+                }
+                Err(why) if Instant::now() > deadline => {
+                    self.fail(&format!("not settled within {SETTLE_MS} ms: {why}"), &rows)
+                }
+                Err(_) => {
+                    smol::Timer::after(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+
+    /// Safety, true of every snapshot. Returns, per request index, its rows' ticket and whether
+    /// they are held.
+    fn check_safety(&self, rows: &[LockEntry], finished: &[bool]) -> HashMap<usize, (u64, bool)> {
+        let index: HashMap<&str, usize> = self
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.name.as_str(), i))
+            .collect();
+        let mut grouped: BTreeMap<usize, Vec<&LockEntry>> = BTreeMap::new();
+        for row in rows {
+            match index.get(row.operation.as_str()) {
+                Some(&r) => grouped.entry(r).or_default().push(row),
+                None => self.fail(
+                    &format!(
+                        "a row of {}, which is released, interrupted or of an expired owner",
+                        row.operation
+                    ),
+                    rows,
+                ),
+            }
+        }
+        let mut by_request = HashMap::new();
+        for (&r, own) in &grouped {
+            let request = &self.requests[r];
+            let name = &request.name;
+            let mut seen: Vec<String> = own
+                .iter()
+                .map(|e| format!("{}:{:?}", e.key, e.mode))
+                .collect();
+            let mut wanted: Vec<String> = request
+                .wants
+                .iter()
+                .map(|(key, mode)| format!("{key}:{mode:?}"))
+                .collect();
+            seen.sort();
+            wanted.sort();
+            if seen != wanted {
+                self.fail(&format!("{name} has rows {seen:?}, wants {wanted:?}"), rows);
+            }
+            let owner = self.owners[request.owner].locks.owner_id();
+            if own.iter().any(|e| e.owner != owner) {
+                self.fail(&format!("{name} has a row of another owner"), rows);
+            }
+            let ticket = own[0].ticket;
+            let held = own[0].state == leasehold::EntryState::Held;
+            if own
+                .iter()
+                .any(|e| e.ticket != ticket || (e.state == leasehold::EntryState::Held) != held)
+            {
+                self.fail(&format!("{name}'s rows differ in ticket or state"), rows);
+            }
+            if request.ticket.is_some_and(|t| t != ticket) {
+                self.fail(&format!("{name}'s ticket changed"), rows);
+            }
+            if matches!(request.policy, Policy::Unqueued) && !held {
+                self.fail(&format!("{name} is a `many` but waits in the queue"), rows);
+            }
+            by_request.insert(r, (ticket, held));
+        }
+        for (r, request) in self.requests.iter().enumerate() {
+            if finished[r] && !by_request.get(&r).is_some_and(|&(_, held)| held) {
+                self.fail(
+                    &format!("{} returned but does not hold", request.name),
+                    rows,
+                );
+            }
+        }
+        for key in &self.keys {
+            let holders: Vec<&LockEntry> = rows
+                .iter()
+                .filter(|e| &e.key == key && e.state == leasehold::EntryState::Held)
+                .collect();
+            if holders.len() > 1 && holders.iter().any(|e| e.mode == Mode::Exclusive) {
+                self.fail(&format!("an exclusive holder of {key} is not alone"), rows);
+            }
+        }
+        // No holder has a conflicting row ahead of it (held or waiting): grants follow tickets.
+        for row in rows
+            .iter()
+            .filter(|e| e.state == leasehold::EntryState::Held)
+        {
+            if !allowed(rows, &row.key, row.mode, row.ticket) {
+                self.fail(
+                    &format!(
+                        "{} holds {} although a conflicting row is ahead of it",
+                        row.operation, row.key
+                    ),
+                    rows,
+                );
+            }
+        }
+        by_request
+    }
+
+    /// Whether the snapshot is what the rule says the model must settle to.
+    fn quiescent(
+        &self,
+        rows: &[LockEntry],
+        by_request: &HashMap<usize, (u64, bool)>,
+        finished: &[bool],
+    ) -> Result<(), String> {
+        for (r, request) in self.requests.iter().enumerate() {
+            let name = &request.name;
+            match (by_request.get(&r), request.policy) {
+                (None, Policy::Unqueued) => {
+                    let grantable = request
+                        .wants
+                        .iter()
+                        .all(|(key, mode)| allowed(rows, key, *mode, u64::MAX));
+                    if grantable {
+                        return Err(format!("{name} (a `many`) could be granted but is not"));
+                    }
+                }
+                (None, _) => return Err(format!("{name} has no rows yet")),
+                (Some(&(ticket, held)), _) => {
+                    let must_hold = request
+                        .wants
+                        .iter()
+                        .all(|(key, mode)| allowed(rows, key, *mode, ticket));
+                    if must_hold != held {
+                        return Err(format!(
+                            "{name} (ticket {ticket}) {} but the rule says it must {}",
+                            if held { "holds" } else { "waits" },
+                            if must_hold { "hold" } else { "wait" }
+                        ));
+                    }
+                    if held && request.is_pending() && !finished[r] {
+                        return Err(format!(
+                            "{name} holds, but its acquisition has not returned"
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes what a settled snapshot taught: new tickets, and the guards of returned acquisitions.
+    async fn absorb(&mut self, rows: &[LockEntry], by_request: &HashMap<usize, (u64, bool)>) {
+        let before = self.max_ticket;
+        for (&r, &(ticket, held)) in by_request {
+            if self.requests[r].ticket.is_none() {
+                if ticket <= before {
+                    self.fail(
+                        &format!(
+                            "{} got ticket {ticket}, not above the {before} seen before",
+                            self.requests[r].name
+                        ),
+                        rows,
+                    );
+                }
+                self.requests[r].ticket = Some(ticket);
+            }
+            self.max_ticket = self.max_ticket.max(ticket);
+            if held && self.requests[r].is_pending() {
+                let State::Pending { fiber, .. } =
+                    std::mem::replace(&mut self.requests[r].state, State::Joining)
+                else {
+                    unreachable!("checked pending")
+                };
+                let guard = match fiber.join().await {
+                    Exit::Success(Ok(guard)) => guard,
+                    other => self.fail(
+                        &format!("{} holds but returned {other:?}", self.requests[r].name),
+                        rows,
+                    ),
+                };
+                assert_eq!(guard.fencing_token(), ticket, "{}", self.requests[r].name);
+                self.requests[r].state = State::Held(guard);
+            }
+        }
+    }
+
+    /// Everyone lets go: the waiting are interrupted (from the back of the queues, so that no
+    /// interruption grants anyone), the holders release, and nothing is left.
+    async fn finish(mut self, path: &std::path::Path) {
+        loop {
+            let last = (0..self.requests.len())
+                .filter(|&r| self.requests[r].is_pending())
+                .max_by_key(|&r| self.requests[r].ticket.unwrap_or(u64::MAX));
+            let Some(last) = last else { break };
+            self.interrupt(last).await;
+            self.settle().await;
+        }
+        while !self.requests.is_empty() {
+            self.release(0).await;
+        }
+        let left = entries(self.observer()).await;
+        if !left.is_empty() {
+            self.fail("rows left after everyone let go", &left);
+        }
+        // The frozen owners' requests, then every owner: afterwards not even an expired row may
+        // remain (a fresh clock, back at the start, would see it live).
+        for request in std::mem::take(&mut self.graveyard) {
+            if let State::Pending { fiber, stop } = request.state {
+                stop.abort("the end");
+                drop(join_within(SETTLE_MS, "a frozen owner's acquisition", fiber).await);
+            }
+        }
+        for owner in &self.owners {
+            owner.locks.shutdown().await.expect("shutdown");
+        }
+        let fresh = LockManager::builder()
+            .lease(LEASE)
+            .heartbeat(HEARTBEAT)
+            .clock(Arc::new(TestClock::new()))
+            .open(path)
+            .unwrap();
+        let left = entries(&fresh).await;
+        if !left.is_empty() {
+            self.fail("rows left after every owner shut down", &left);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        failure_persistence: None,
+        max_shrink_time: 60_000,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn the_manager_grants_what_the_rule_says(
+        owners in 2..=3usize,
+        keys in 2..=3usize,
+        ops in proptest::collection::vec(op(), 1..=30),
+    ) {
+        block_on(async {
+            let (dir, mut world) = World::open(owners, keys);
+            for op in &ops {
+                world.step(op).await;
+            }
+            world.finish(&dir.path().join("locks.db")).await;
+        });
+    }
+}

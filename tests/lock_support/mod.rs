@@ -1,0 +1,62 @@
+//! Helpers shared by the lock manager's property, abort, worker and process tests.
+//!
+//! Each test file uses only some of them.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use leasehold::{Exit, Fiber, LockEntry, LockManager};
+
+/// Waits until `condition` holds, checking every millisecond, for at most `limit_ms`.
+pub async fn within<F, Fut>(limit_ms: u64, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_millis(limit_ms);
+    while !condition().await {
+        assert!(
+            Instant::now() < deadline,
+            "not within {limit_ms} ms: {what}"
+        );
+        smol::Timer::after(Duration::from_millis(1)).await;
+    }
+}
+
+/// `future`'s output, or a panic naming `what` if it takes longer than `limit_ms`.
+pub async fn bounded<T>(limit_ms: u64, what: &str, future: impl Future<Output = T>) -> T {
+    let timer = smol::Timer::after(Duration::from_millis(limit_ms));
+    futures::select! {
+        value = future.fuse() => value,
+        _ = FutureExt::fuse(timer) => panic!("not within {limit_ms} ms: {what}"),
+    }
+}
+
+/// Joins a fiber, failing the test if it does not end within `limit_ms`.
+pub async fn join_within<T: Send + 'static>(limit_ms: u64, what: &str, fiber: Fiber<T>) -> Exit<T> {
+    bounded(limit_ms, what, fiber.join()).await
+}
+
+/// A fresh database file in a temporary folder (kept alive by the returned guard).
+pub fn temp_db() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let path = dir.path().join("locks.db");
+    (dir, path)
+}
+
+/// Every live entry, as seen by `locks`.
+pub async fn entries(locks: &LockManager) -> Vec<LockEntry> {
+    locks.inspect(None).await.expect("inspect")
+}
+
+/// The live entries whose operation is `operation`.
+pub async fn rows_of(locks: &LockManager, operation: &str) -> Vec<LockEntry> {
+    entries(locks)
+        .await
+        .into_iter()
+        .filter(|e| e.operation == operation)
+        .collect()
+}

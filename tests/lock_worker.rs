@@ -1,0 +1,205 @@
+//! The storage worker's ordering and cost, pinned down where the interleavings are narrow.
+//!
+//! To make a command meet another in one batch, these tests hold SQLite's write lock from a
+//! connection of their own: the worker then stalls in `BEGIN IMMEDIATE` on an earlier command,
+//! and whatever is sent meanwhile reaches it together.
+
+mod lock_support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use futures::executor::block_on;
+use leasehold::{fork_daemon, AbortController, AbortReason, LockError, LockManager, LockRequest};
+use lock_support::{bounded, join_within, rows_of, temp_db, within};
+
+/// SQLite's write lock on a database file, held by a connection of the test's own until dropped.
+struct WriteLock(sqlite::Connection);
+
+impl WriteLock {
+    fn take(path: &Path) -> WriteLock {
+        let mut connection = sqlite::Connection::open(path).expect("open the database");
+        connection
+            .set_busy_timeout(10_000)
+            .expect("set a busy timeout");
+        connection
+            .execute("BEGIN IMMEDIATE")
+            .expect("take the write lock");
+        WriteLock(connection)
+    }
+}
+
+impl Drop for WriteLock {
+    fn drop(&mut self) {
+        let _ = self.0.execute("ROLLBACK");
+    }
+}
+
+/// Starts a write on `locks` that stalls in `BEGIN IMMEDIATE` while a `WriteLock` is held, and
+/// gives the worker time to take it off its queue alone. Too short a pause could only make the
+/// command under test share the stalled batch, which hides a bug; it cannot fail a correct build.
+fn stall_worker(
+    locks: &LockManager,
+) -> leasehold::Fiber<Result<Option<leasehold::Guard>, LockError>> {
+    let locks = locks.clone();
+    let blocker = fork_daemon(async move {
+        locks
+            .try_acquire(LockRequest::exclusive("blocker", "blocker"))
+            .await
+    });
+    std::thread::sleep(Duration::from_millis(30));
+    blocker
+}
+
+#[test]
+fn an_interruption_that_reaches_the_worker_with_its_acquire_leaves_no_row() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let locks = LockManager::open(&path).unwrap();
+        for attempt in 0..3 {
+            let operation = format!("interrupted-{attempt}");
+            let write_lock = WriteLock::take(&path);
+            let blocker = stall_worker(&locks);
+
+            let stop = AbortController::new();
+            let reason = AbortReason::from("stop");
+            let mut acquisition =
+                Box::pin(locks.exclusive("k", &operation).with_signal(&stop.signal()));
+            // The first poll sends the acquisition to the worker, the second its removal.
+            assert!(futures::poll!(acquisition.as_mut()).is_pending());
+            stop.abort(reason.clone());
+            assert!(futures::poll!(acquisition.as_mut()).is_pending());
+            drop(write_lock);
+
+            let error = bounded(10_000, "the interrupted acquisition", acquisition)
+                .await
+                .unwrap_err();
+            assert!(error.abort_reason().unwrap().ptr_eq(&reason), "{error}");
+            assert!(
+                rows_of(&locks, &operation).await.is_empty(),
+                "attempt {attempt}: the interrupted request left {:?}",
+                rows_of(&locks, &operation).await
+            );
+            let blocker = join_within(10_000, "the blocker", blocker).await;
+            drop(blocker);
+            // Nothing blocks the key: a later exclusive request is granted at once.
+            let probe = locks
+                .try_acquire(LockRequest::exclusive("k", "probe"))
+                .await
+                .unwrap();
+            assert!(probe.is_some(), "attempt {attempt}: the key is still taken");
+        }
+    });
+}
+
+#[test]
+fn an_acquisition_sent_right_after_shutdown_leaves_no_row() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let locks = LockManager::open(&path).unwrap();
+        let observer = LockManager::open(&path).unwrap();
+        let write_lock = WriteLock::take(&path);
+        let blocker = stall_worker(&locks);
+
+        let mut shutdown = Box::pin(locks.shutdown());
+        assert!(futures::poll!(shutdown.as_mut()).is_pending());
+        let mut late = Box::pin(locks.exclusive("k", "late"));
+        assert!(futures::poll!(late.as_mut()).is_pending());
+        drop(write_lock);
+
+        bounded(10_000, "shutdown", shutdown).await.unwrap();
+        let late = bounded(10_000, "the late acquisition", late).await;
+        assert!(
+            observer.inspect(None).await.unwrap().is_empty(),
+            "after shutdown: {:?} (the late acquisition returned {late:?})",
+            observer.inspect(None).await.unwrap()
+        );
+        assert!(matches!(late, Err(LockError::Shutdown)), "{late:?}");
+        drop(join_within(10_000, "the blocker", blocker).await);
+    });
+}
+
+#[test]
+fn a_guard_granted_in_the_batch_that_shuts_down_is_told_it_is_lost() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let locks = LockManager::open(&path).unwrap();
+        let observer = LockManager::open(&path).unwrap();
+        let write_lock = WriteLock::take(&path);
+        let blocker = stall_worker(&locks);
+
+        let mut early = Box::pin(locks.exclusive("k", "early"));
+        assert!(futures::poll!(early.as_mut()).is_pending());
+        let mut shutdown = Box::pin(locks.shutdown());
+        assert!(futures::poll!(shutdown.as_mut()).is_pending());
+        drop(write_lock);
+
+        bounded(10_000, "shutdown", shutdown).await.unwrap();
+        // Granted, then deleted by the shutdown in the same transaction: whoever holds the guard
+        // must learn that it protects nothing.
+        match bounded(10_000, "the early acquisition", early).await {
+            Ok(guard) => assert!(guard.lost().is_aborted(), "{guard:?}"),
+            Err(error) => assert!(matches!(error, LockError::Shutdown), "{error}"),
+        }
+        assert!(observer.inspect(None).await.unwrap().is_empty());
+        drop(join_within(10_000, "the blocker", blocker).await);
+    });
+}
+
+#[test]
+fn waiting_manys_cost_no_write_transactions_even_beside_a_sibling() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        // Two owners of one process, each with a `many` waiting on the same held key: neither
+        // may retry, or wake the other, while nothing changes.
+        let holder = LockManager::open(&path).unwrap();
+        let owners = [
+            LockManager::open(&path).unwrap(),
+            LockManager::open(&path).unwrap(),
+        ];
+        let mirror = holder.exclusive("mirror", "prune").await.unwrap();
+        let copies: Vec<_> = owners
+            .iter()
+            .enumerate()
+            .map(|(n, locks)| {
+                let locks = locks.clone();
+                fork_daemon(async move {
+                    locks
+                        .many([
+                            LockRequest::shared("source", format!("copy{n}")),
+                            LockRequest::shared("mirror", format!("copy{n}")),
+                        ])
+                        .await
+                })
+            })
+            .collect();
+        within(5_000, "each made its first attempt", || async {
+            owners.iter().all(|o| o.stats().write_transactions >= 1)
+        })
+        .await;
+        // Settle, then measure a quiet window: a failed attempt must not wake anyone.
+        smol::Timer::after(Duration::from_millis(20)).await;
+        let before: Vec<u64> = owners
+            .iter()
+            .map(|o| o.stats().write_transactions)
+            .collect();
+        smol::Timer::after(Duration::from_millis(200)).await;
+        for (owner, before) in owners.iter().zip(before) {
+            let spent = owner.stats().write_transactions - before;
+            assert!(
+                spent <= 2,
+                "{spent} write transactions in 200 ms while waiting with nothing changing"
+            );
+        }
+
+        mirror.release().await.unwrap();
+        for copy in copies {
+            let both = join_within(5_000, "a copy", copy)
+                .await
+                .success()
+                .unwrap()
+                .unwrap();
+            assert_eq!(both.requests().len(), 2);
+        }
+    });
+}
