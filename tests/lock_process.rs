@@ -1,0 +1,465 @@
+//! Owners in real child processes sharing one database file with the test.
+//!
+//! The test binary is its own child: `child_entry` does nothing unless `LEASEHOLD_CHILD` names a
+//! role, and the parent runs `current_exe() --exact child_entry --nocapture` with it set. Parent
+//! and child coordinate through marker files in a temporary folder (written whole, then renamed
+//! into place). Every wait has a deadline, children write their output to a log file that a
+//! failure shows, and a child is killed and reaped whenever its handle is dropped, so that a
+//! failing test leaves neither a hung test nor a zombie.
+
+mod lock_support;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::executor::block_on;
+use leasehold::{fork_daemon, EntryState, Exit, LockManager, LockRequest, Mode};
+use lock_support::{entries, join_within, within};
+
+const ROLE: &str = "LEASEHOLD_CHILD";
+const DB: &str = "LEASEHOLD_CHILD_DB";
+const FOLDER: &str = "LEASEHOLD_CHILD_FOLDER";
+const ID: &str = "LEASEHOLD_CHILD_ID";
+
+/// How long a child waits for the parent at any one point before giving up on its own.
+const CHILD_PATIENCE: Duration = Duration::from_secs(30);
+
+const SHORT_LEASE: Duration = Duration::from_secs(1);
+const SHORT_HEARTBEAT: Duration = Duration::from_millis(200);
+
+/// Microseconds since the Unix epoch: both processes read the same system clock.
+fn unix_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("a clock after 1970")
+        .as_micros() as u64
+}
+
+/// Writes a marker whole: a reader never sees it half written.
+fn mark(folder: &Path, name: &str, content: &str) {
+    let part = folder.join(format!("{name}.part"));
+    fs::write(&part, content).expect("write a marker");
+    fs::rename(&part, folder.join(name)).expect("publish a marker");
+}
+
+/// Waits (in the child) for a marker of the parent's.
+fn await_marker(folder: &Path, name: &str) {
+    let deadline = Instant::now() + CHILD_PATIENCE;
+    while !folder.join(name).exists() {
+        assert!(
+            Instant::now() < deadline,
+            "child: no {name} from the parent"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The child's side. Returns at once unless this process was started as a child.
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let db = PathBuf::from(std::env::var(DB).expect("database path"));
+    let folder = PathBuf::from(std::env::var(FOLDER).expect("marker folder"));
+    match role.as_str() {
+        "hold-then-release" => block_on(hold_then_release(&db, &folder)),
+        "hold-until-killed" => block_on(hold_until_killed(&db, &folder)),
+        "contend" => {
+            let id = std::env::var(ID).expect("child id");
+            block_on(contend(&db, &folder, &id));
+        }
+        other => panic!("unknown child role {other:?}"),
+    }
+}
+
+/// Holds `k` exclusively until the parent says `release`, noting when it began releasing.
+async fn hold_then_release(db: &Path, folder: &Path) {
+    let locks = LockManager::open(db).unwrap();
+    let guard = locks.exclusive("k", "child").await.unwrap();
+    mark(folder, "held", "");
+    await_marker(folder, "release");
+    mark(folder, "releasing", &unix_micros().to_string());
+    guard.release().await.unwrap();
+    mark(folder, "released", &unix_micros().to_string());
+}
+
+/// Holds `k` exclusively with a short lease, renewing, until killed (or, if the parent is gone,
+/// until its patience runs out).
+async fn hold_until_killed(db: &Path, folder: &Path) {
+    let locks = LockManager::builder()
+        .lease(SHORT_LEASE)
+        .heartbeat(SHORT_HEARTBEAT)
+        .open(db)
+        .unwrap();
+    let _guard = locks.exclusive("k", "child").await.unwrap();
+    mark(folder, "held", "");
+    smol::Timer::after(CHILD_PATIENCE).await;
+}
+
+const CONTEND_ROUNDS: usize = 15;
+
+/// Takes `k` exclusively `CONTEND_ROUNDS` times once the parent says `go`, logging entry and
+/// exit with the fencing token.
+async fn contend(db: &Path, folder: &Path, id: &str) {
+    let locks = LockManager::open(db).unwrap();
+    mark(folder, &format!("ready-{id}"), "");
+    await_marker(folder, "go");
+    contend_rounds(&locks, &folder.join("log"), id).await;
+}
+
+async fn contend_rounds(locks: &LockManager, log: &Path, id: &str) {
+    for round in 0..CONTEND_ROUNDS {
+        let guard = locks
+            .exclusive("k", &format!("{id}-{round}"))
+            .await
+            .unwrap();
+        append(log, &format!("+ {id} {}\n", guard.fencing_token()));
+        smol::Timer::after(Duration::from_millis(1)).await;
+        append(log, &format!("- {id}\n"));
+        guard.release().await.unwrap();
+    }
+}
+
+fn append(log: &Path, line: &str) {
+    use std::io::Write;
+    let mut file = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("open the log");
+    file.write_all(line.as_bytes()).expect("append to the log");
+}
+
+/// A running child: killed and reaped when dropped, whatever happened.
+struct ChildProcess {
+    child: Child,
+    log: PathBuf,
+}
+
+impl ChildProcess {
+    fn spawn(role: &str, db: &Path, folder: &Path, id: &str) -> ChildProcess {
+        let log = folder.join(format!("child-{role}-{id}.log"));
+        let output = fs::File::create(&log).expect("create the child's log");
+        let child = Command::new(std::env::current_exe().expect("the test binary"))
+            .args(["--exact", "child_entry", "--nocapture"])
+            .env(ROLE, role)
+            .env(DB, db)
+            .env(FOLDER, folder)
+            .env(ID, id)
+            .stdin(Stdio::null())
+            .stdout(output.try_clone().expect("share the log"))
+            .stderr(output)
+            .spawn()
+            .expect("start a child");
+        ChildProcess { child, log }
+    }
+
+    fn output(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits for `marker`, failing at once if the child exits first.
+    fn await_marker(&mut self, folder: &Path, marker: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while !folder.join(marker).exists() {
+            if let Some(status) = self.child.try_wait().expect("poll the child") {
+                panic!(
+                    "the child exited ({status}) before {marker}:\n{}",
+                    self.output()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {marker} from the child within {limit:?}:\n{}",
+                self.output()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("poll the child") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the child did not exit within {limit:?}:\n{}",
+                self.output()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn assert_success(&mut self, limit: Duration) {
+        let status = self.wait(limit);
+        assert!(
+            status.success(),
+            "the child failed ({status}):\n{}",
+            self.output()
+        );
+    }
+
+    /// SIGKILL on Unix: no destructor, no clean-up, as in a crash.
+    fn kill(&mut self) {
+        self.child.kill().expect("kill the child");
+        self.wait(Duration::from_secs(10));
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn folder_and_db() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let folder = dir.path().to_path_buf();
+    let db = folder.join("locks.db");
+    (dir, folder, db)
+}
+
+async fn waits_for(locks: &LockManager, operation: &str) -> bool {
+    entries(locks)
+        .await
+        .iter()
+        .any(|e| e.operation == operation && matches!(e.state, EntryState::Waiting { .. }))
+}
+
+#[test]
+fn a_lock_is_handed_over_from_a_child_process_within_about_one_poll() {
+    let (_dir, folder, db) = folder_and_db();
+    let mut child = ChildProcess::spawn("hold-then-release", &db, &folder, "0");
+    child.await_marker(&folder, "held", Duration::from_secs(20));
+    block_on(async {
+        let locks = LockManager::open(&db).unwrap();
+        let waiter = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("k", "parent").await })
+        };
+        within(5_000, "the parent queued behind the child", || {
+            waits_for(&locks, "parent")
+        })
+        .await;
+        // However long it waits, it is not granted while the child holds.
+        smol::Timer::after(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "granted while the child held");
+        assert!(locks.is_locked("k").await.unwrap());
+
+        mark(&folder, "release", "");
+        let guard = match join_within(10_000, "the parent's grant", waiter).await {
+            Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}\n{}", child.output()),
+        };
+        let granted_at = unix_micros();
+        let releasing = fs::read_to_string(folder.join("releasing"))
+            .expect("granted before the child began to release");
+        let releasing: u64 = releasing.parse().unwrap();
+        let waited = Duration::from_micros(granted_at.saturating_sub(releasing));
+        assert!(
+            waited < Duration::from_secs(2),
+            "granted {waited:?} after the child released (poll 10 ms)"
+        );
+        assert_eq!(guard.requests()[0].operation, "parent");
+        guard.release().await.unwrap();
+    });
+    child.assert_success(Duration::from_secs(20));
+}
+
+#[test]
+fn a_killed_childs_lock_is_granted_when_its_lease_runs_out_and_not_before() {
+    let (_dir, folder, db) = folder_and_db();
+    let mut child = ChildProcess::spawn("hold-until-killed", &db, &folder, "0");
+    child.await_marker(&folder, "held", Duration::from_secs(20));
+    block_on(async {
+        let locks = LockManager::builder()
+            .lease(SHORT_LEASE)
+            .heartbeat(SHORT_HEARTBEAT)
+            .open(&db)
+            .unwrap();
+        let waiter = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("k", "parent").await })
+        };
+        within(5_000, "the parent queued behind the child", || {
+            waits_for(&locks, "parent")
+        })
+        .await;
+
+        // Kill it right after a renewal, so that its lease has nearly all of its second to run.
+        let child_expiry = || async {
+            entries(&locks)
+                .await
+                .into_iter()
+                .find(|e| e.operation == "child")
+                .map(|e| e.expires_at)
+        };
+        let first = child_expiry().await.expect("the child's row");
+        within(5_000, "the child renewed its lease", || async {
+            child_expiry().await.is_some_and(|e| e > first)
+        })
+        .await;
+        let expires_at = child_expiry().await.expect("the child's row");
+        child.kill();
+        let killed = Instant::now();
+
+        // Not before the lease runs out: not within half a lease of the kill...
+        while killed.elapsed() < SHORT_LEASE / 2 {
+            assert!(
+                !waiter.is_finished(),
+                "granted {:?} after the kill",
+                killed.elapsed()
+            );
+            smol::Timer::after(Duration::from_millis(5)).await;
+        }
+        // ...but soon after it.
+        let guard = match join_within(3_000, "the grant after the lease ran out", waiter).await {
+            Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}"),
+        };
+        let granted_at = Duration::from_micros(unix_micros());
+        assert!(
+            granted_at >= expires_at,
+            "granted at {granted_at:?}, before the child's lease ran out at {expires_at:?}"
+        );
+        assert!(killed.elapsed() < SHORT_LEASE + Duration::from_secs(2));
+        let rows = entries(&locks).await;
+        assert!(
+            rows.iter().all(|e| e.operation == "parent"),
+            "the dead child's row is still visible: {rows:?}"
+        );
+        guard.release().await.unwrap();
+    });
+}
+
+#[test]
+fn owners_in_several_processes_take_turns() {
+    let (_dir, folder, db) = folder_and_db();
+    let mut children: Vec<ChildProcess> = ["a", "b"]
+        .iter()
+        .map(|id| ChildProcess::spawn("contend", &db, &folder, id))
+        .collect();
+    for (child, id) in children.iter_mut().zip(["a", "b"]) {
+        child.await_marker(&folder, &format!("ready-{id}"), Duration::from_secs(20));
+    }
+    let log = folder.join("log");
+    block_on(async {
+        let locks = LockManager::open(&db).unwrap();
+        mark(&folder, "go", "");
+        contend_rounds(&locks, &log, "parent").await;
+    });
+    for child in &mut children {
+        child.assert_success(Duration::from_secs(30));
+    }
+    // The log must be a sequence of "+ who token" / "- who" pairs, never overlapping, with
+    // tokens that only grow.
+    let log = fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines.len(), 3 * CONTEND_ROUNDS * 2, "{log}");
+    let mut last_token = 0;
+    for pair in lines.chunks(2) {
+        let entry: Vec<&str> = pair[0].split(' ').collect();
+        assert_eq!(entry[0], "+", "overlapping holders:\n{log}");
+        assert_eq!(
+            pair[1],
+            format!("- {}", entry[1]),
+            "overlapping holders:\n{log}"
+        );
+        let token: u64 = entry[2].parse().unwrap();
+        assert!(token > last_token, "fencing tokens out of order:\n{log}");
+        last_token = token;
+    }
+}
+
+#[test]
+fn several_owners_in_one_process_hand_off_correctly() {
+    const OWNERS: usize = 3;
+    const TASKS_PER_OWNER: usize = 3;
+    const ROUNDS: usize = 20;
+    const KEYS: [&str; 3] = ["k0", "k1", "k2"];
+    let (_dir, _folder, db) = folder_and_db();
+    block_on(async {
+        let owners: Vec<LockManager> = (0..OWNERS)
+            .map(|_| LockManager::open(&db).unwrap())
+            .collect();
+        // Per key: -1 while held exclusively, else the number of shared holders; and the largest
+        // fencing token of an exclusive grant, which every later grant must exceed.
+        let held: Arc<Vec<AtomicI64>> = Arc::new(KEYS.iter().map(|_| AtomicI64::new(0)).collect());
+        let fences: Arc<Vec<Mutex<u64>>> = Arc::new(KEYS.iter().map(|_| Mutex::new(0)).collect());
+        let mut tasks = Vec::new();
+        for (o, locks) in owners.iter().enumerate() {
+            for t in 0..TASKS_PER_OWNER {
+                let (locks, held, fences) = (locks.clone(), held.clone(), fences.clone());
+                tasks.push(fork_daemon(async move {
+                    for round in 0..ROUNDS {
+                        // A fixed, varied pattern: keys and modes differ by owner, task and round.
+                        let k = (o + t + round) % KEYS.len();
+                        let exclusive = (o * 7 + t * 3 + round) % 3 == 0;
+                        let mode = if exclusive {
+                            Mode::Exclusive
+                        } else {
+                            Mode::Shared
+                        };
+                        let request = LockRequest {
+                            key: KEYS[k].to_owned(),
+                            mode,
+                            operation: format!("o{o}t{t}r{round}"),
+                        };
+                        let guard = locks.acquire(request).await.unwrap();
+                        {
+                            let mut fence = fences[k].lock().unwrap();
+                            assert!(
+                                guard.fencing_token() > *fence,
+                                "{} granted token {} after an exclusive grant of {}",
+                                KEYS[k],
+                                guard.fencing_token(),
+                                *fence
+                            );
+                            if exclusive {
+                                *fence = guard.fencing_token();
+                            }
+                        }
+                        let entered = if exclusive {
+                            held[k].compare_exchange(0, -1, Ordering::SeqCst, Ordering::SeqCst)
+                        } else {
+                            held[k].fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                                (n >= 0).then_some(n + 1)
+                            })
+                        };
+                        assert!(
+                            entered.is_ok(),
+                            "{} held alongside a conflicting holder",
+                            KEYS[k]
+                        );
+                        smol::Timer::after(Duration::from_micros(500)).await;
+                        if exclusive {
+                            held[k].store(0, Ordering::SeqCst);
+                        } else {
+                            held[k].fetch_sub(1, Ordering::SeqCst);
+                        }
+                        guard.release().await.unwrap();
+                    }
+                }));
+            }
+        }
+        for task in tasks {
+            match join_within(30_000, "a contending task", task).await {
+                Exit::Success(()) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        for locks in &owners {
+            assert!(entries(locks).await.is_empty());
+        }
+    });
+}
