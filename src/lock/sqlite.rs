@@ -118,10 +118,11 @@ pub(crate) fn connect(path: Option<&Path>) -> Result<Connection> {
     conn.set_busy_timeout(BUSY_TIMEOUT_MS)
         .map_err(|e| storage_error("setting the busy timeout", &e))?;
     let db = Db::new(&conn);
-    db.exec(
-        "configuring the database",
-        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;",
-    )?;
+    // Switching a new file to WAL takes an exclusive lock, and SQLite reports a clash with
+    // another process opening it at the same moment as busy without waiting: retry.
+    retry_busy("configuring the database", || {
+        conn.execute("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;")
+    })?;
     db.migrate()?;
     drop(db);
     Ok(conn)
@@ -244,33 +245,13 @@ impl<'c> Db<'c> {
         Ok(())
     }
 
-    /// `BEGIN IMMEDIATE`, retried while another connection holds the write lock: a busy
-    /// database is a reason to wait, not an error, up to `BUSY_GIVE_UP`.
+    /// `BEGIN IMMEDIATE`, retried while another connection holds the write lock.
     pub(crate) fn begin_immediate(&self, doing: &str) -> Result<()> {
-        let started = std::time::Instant::now();
-        loop {
-            match self.conn.execute("BEGIN IMMEDIATE") {
-                Ok(()) => return Ok(()),
-                Err(error) if is_busy(&error) && started.elapsed() < BUSY_GIVE_UP => {
-                    tracing::debug!(doing, "database busy; retrying BEGIN IMMEDIATE");
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(error) => return Err(storage_error(doing, &error)),
-            }
-        }
+        retry_busy(doing, || self.conn.execute("BEGIN IMMEDIATE"))
     }
 
     pub(crate) fn commit(&self, doing: &str) -> Result<()> {
-        let started = std::time::Instant::now();
-        loop {
-            match self.conn.execute("COMMIT") {
-                Ok(()) => return Ok(()),
-                Err(error) if is_busy(&error) && started.elapsed() < BUSY_GIVE_UP => {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(error) => return Err(storage_error(doing, &error)),
-            }
-        }
+        retry_busy(doing, || self.conn.execute("COMMIT"))
     }
 
     /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
@@ -539,6 +520,23 @@ impl<'c> Db<'c> {
         bind(doing, &mut statement, 2, now)?;
         step(doing, &mut statement)?;
         Ok(read::<i64>(doing, &statement, 0)? != 0)
+    }
+}
+
+/// Runs `attempt` until it is not refused as busy, for up to `BUSY_GIVE_UP`: a busy database is
+/// a reason to wait, not an error. (SQLite's own busy handler waits inside each attempt, but some
+/// clashes it reports at once.)
+fn retry_busy(doing: &str, mut attempt: impl FnMut() -> sqlite::Result<()>) -> Result<()> {
+    let started = std::time::Instant::now();
+    loop {
+        match attempt() {
+            Ok(()) => return Ok(()),
+            Err(error) if is_busy(&error) && started.elapsed() < BUSY_GIVE_UP => {
+                tracing::debug!(doing, "database busy; retrying");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(error) => return Err(storage_error(doing, &error)),
+        }
     }
 }
 

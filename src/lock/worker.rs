@@ -304,8 +304,10 @@ impl<'c> Worker<'c> {
                     let now = self.now();
                     let half_beat = micros(self.common.heartbeat / 2);
                     if self.last_renewal.is_some_and(|at| now < at + half_beat) {
-                        // Rows written since then expire no earlier than a renewal now would
-                        // make them: nothing to do.
+                        // Every live row got a full lease then (or since, when written), and
+                        // the next heartbeat comes before any of them runs out (the lease is at
+                        // least two heartbeats): nothing to do. Lost leases are looked for at
+                        // that next renewal.
                         let _ = reply.send(Ok(()));
                     } else {
                         writes.push(Write::Renew { reply });
