@@ -319,6 +319,13 @@ fn handoff_cross_process_p50_us(dir: &Path, kind: &str, rounds: usize) -> Result
     }
     let theirs = read_events(&child_events)?;
     let mut samples = handoffs(&ours, &theirs);
+    if samples.len() < rounds / 4 {
+        return Err(format!(
+            "the {kind} lock changed hands only {} times in {rounds} rounds",
+            samples.len()
+        )
+        .into());
+    }
     Ok(median(&mut samples))
 }
 
@@ -331,6 +338,9 @@ enum Event {
 fn ping_pong(kind: &str, target: &Path, rounds: usize) -> Result<Vec<Event>, Error> {
     let mut events = Vec::with_capacity(2 * rounds);
     let hold = Duration::from_millis(2);
+    // After releasing, wait before asking again, so that the other side (already waiting) takes
+    // its turn even under an unfair lock: this pause is outside every measured interval.
+    let rest = Duration::from_millis(1);
     match kind {
         "lock" => {
             let locks = LockManager::open(target)?;
@@ -341,6 +351,7 @@ fn ping_pong(kind: &str, target: &Path, rounds: usize) -> Result<Vec<Event>, Err
                     SystemClock.sleep(hold).await;
                     guard.release().await?;
                     events.push(Event::Released(unix_micros()));
+                    SystemClock.sleep(rest).await;
                 }
                 Ok::<(), Error>(())
             })?;
@@ -357,6 +368,7 @@ fn ping_pong(kind: &str, target: &Path, rounds: usize) -> Result<Vec<Event>, Err
                 std::thread::sleep(hold);
                 fs4::FileExt::unlock(&file)?;
                 events.push(Event::Released(unix_micros()));
+                std::thread::sleep(rest);
             }
         }
     }
