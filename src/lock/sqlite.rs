@@ -90,6 +90,10 @@ fn ticket_of(value: i64) -> u64 {
     u64::try_from(value).unwrap_or(0)
 }
 
+fn sql_ticket(ticket: u64) -> i64 {
+    i64::try_from(ticket).unwrap_or(i64::MAX)
+}
+
 /// A storage error with the SQLite code and what was being done.
 pub(crate) fn storage_error(doing: &str, error: &sqlite::Error) -> LockError {
     let message = error.message.as_deref().unwrap_or("unknown error");
@@ -222,23 +226,23 @@ impl<'c> Db<'c> {
                      last INTEGER NOT NULL
                  );
                  INSERT INTO tickets (id, last) VALUES (1, 0);
+                 -- Keyed by what every grant decision reads (the live rows of a key in ticket
+                 -- order) and with no secondary index: each index is one more page written by
+                 -- every commit, and the other lookups (by owner, by expiry) scan a table that
+                 -- holds only live requests.
                  CREATE TABLE locks (
-                     id INTEGER PRIMARY KEY,
                      key TEXT NOT NULL,
+                     ticket INTEGER NOT NULL,
                      mode INTEGER NOT NULL,
                      operation TEXT NOT NULL,
                      owner TEXT NOT NULL,
-                     ticket INTEGER NOT NULL,
                      held INTEGER NOT NULL,
                      requested_at INTEGER NOT NULL,
                      acquired_at INTEGER,
                      expires_at INTEGER NOT NULL,
-                     heartbeat_at INTEGER NOT NULL
-                 );
-                 CREATE INDEX locks_by_key ON locks (key, ticket);
-                 CREATE INDEX locks_by_owner ON locks (owner, ticket);
-                 CREATE INDEX locks_by_expiry ON locks (expires_at);
-                 CREATE INDEX locks_waiting ON locks (held, key);
+                     heartbeat_at INTEGER NOT NULL,
+                     PRIMARY KEY (key, ticket)
+                 ) WITHOUT ROWID;
                  PRAGMA user_version = 1;",
             )?;
         }
@@ -346,7 +350,7 @@ impl<'c> Db<'c> {
                                 acquired_at, expires_at, heartbeat_at)
              VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )?;
-        let ticket = i64::try_from(ticket).unwrap_or(i64::MAX);
+        let ticket = sql_ticket(ticket);
         for request in requests {
             statement.reset().map_err(|e| storage_error(doing, &e))?;
             bind(doing, &mut statement, 1, request.key.as_str())?;
@@ -364,38 +368,33 @@ impl<'c> Db<'c> {
         Ok(())
     }
 
-    /// Turns the waiting rows of `ticket` into held rows, keeping the ticket.
-    pub(crate) fn promote(&self, ticket: u64, now: i64) -> Result<()> {
+    /// Turns the waiting row of `ticket` on `key` into a held row, keeping the ticket.
+    pub(crate) fn promote(&self, key: &str, ticket: u64, now: i64) -> Result<()> {
         let doing = "promoting a waiting request";
         let mut statement = self.prepare(
             doing,
-            "UPDATE locks SET held = 1, acquired_at = ? WHERE ticket = ? AND held = 0",
+            "UPDATE locks SET held = 1, acquired_at = ? WHERE key = ? AND ticket = ? AND held = 0",
         )?;
         bind(doing, &mut statement, 1, now)?;
-        bind(
-            doing,
-            &mut statement,
-            2,
-            i64::try_from(ticket).unwrap_or(i64::MAX),
-        )?;
+        bind(doing, &mut statement, 2, key)?;
+        bind(doing, &mut statement, 3, sql_ticket(ticket))?;
         step(doing, &mut statement)?;
         Ok(())
     }
 
-    /// Deletes this owner's rows of `ticket` (held or waiting); returns how many there were.
-    pub(crate) fn delete_request(&self, owner: &str, ticket: u64) -> Result<usize> {
+    /// Deletes this owner's row of `ticket` on `key` (held or waiting); returns whether there
+    /// was one.
+    pub(crate) fn delete_row(&self, owner: &str, key: &str, ticket: u64) -> Result<bool> {
         let doing = "deleting a request's rows";
-        let mut statement =
-            self.prepare(doing, "DELETE FROM locks WHERE owner = ? AND ticket = ?")?;
-        bind(doing, &mut statement, 1, owner)?;
-        bind(
+        let mut statement = self.prepare(
             doing,
-            &mut statement,
-            2,
-            i64::try_from(ticket).unwrap_or(i64::MAX),
+            "DELETE FROM locks WHERE key = ? AND ticket = ? AND owner = ?",
         )?;
+        bind(doing, &mut statement, 1, key)?;
+        bind(doing, &mut statement, 2, sql_ticket(ticket))?;
+        bind(doing, &mut statement, 3, owner)?;
         step(doing, &mut statement)?;
-        Ok(self.conn.change_count())
+        Ok(self.conn.change_count() > 0)
     }
 
     /// Deletes every row of this owner; returns how many there were.

@@ -149,6 +149,12 @@ enum Write {
     },
 }
 
+/// What the worker remembers of a request whose rows it wrote.
+struct Written {
+    ticket: u64,
+    keys: Vec<String>,
+}
+
 /// What a transaction freed, for waking waiters once it has committed.
 struct Freed {
     /// Whether any row was deleted or promoted.
@@ -169,8 +175,8 @@ pub(crate) struct Worker<'c> {
     db: Db<'c>,
     common: Arc<Common>,
     rx: Receiver<Command>,
-    /// Request id -> ticket, for every request of this owner that has rows.
-    requests: HashMap<u64, u64>,
+    /// Request id -> its ticket and keys, for every request of this owner that has rows.
+    requests: HashMap<u64, Written>,
     /// Ticket -> slot, for this owner's queued requests.
     waits: HashMap<u64, Arc<WaitSlot>>,
     last_data_version: Option<i64>,
@@ -412,9 +418,12 @@ impl<'c> Worker<'c> {
             };
             if may_free {
                 let expired = self.db.delete_expired(now)?;
-                freed.promoted = promotable(&self.db.rows_on_waited_keys(now)?);
-                for &ticket in &freed.promoted {
-                    self.db.promote(ticket, now)?;
+                let rows = self.db.rows_on_waited_keys(now)?;
+                freed.promoted = promotable(&rows);
+                for row in rows.iter().filter(|row| !row.held) {
+                    if freed.promoted.binary_search(&row.ticket).is_ok() {
+                        self.db.promote(&row.key, row.ticket, now)?;
+                    }
                 }
                 freed.any |= expired > 0 || !freed.promoted.is_empty();
             }
@@ -451,7 +460,8 @@ impl<'c> Worker<'c> {
                     .insert_request(owner, ticket, requests, granted, now, expires_at)?;
                 // Recorded now, not after the commit, so that a `Remove` later in this batch
                 // finds it; `write` forgets it again if the transaction rolls back.
-                self.requests.insert(*request, ticket);
+                let keys = requests.iter().map(|r| r.key.clone()).collect();
+                self.requests.insert(*request, Written { ticket, keys });
                 Ok(if granted {
                     Decided::Granted(ticket)
                 } else {
@@ -459,8 +469,10 @@ impl<'c> Worker<'c> {
                 })
             }
             Write::Remove { request, .. } => {
-                if let Some(&ticket) = self.requests.get(request) {
-                    self.deleted |= self.db.delete_request(owner, ticket)? > 0;
+                if let Some(written) = self.requests.get(request) {
+                    for key in &written.keys {
+                        self.deleted |= self.db.delete_row(owner, key, written.ticket)?;
+                    }
                 }
                 Ok(Decided::Done)
             }
@@ -492,7 +504,7 @@ impl<'c> Worker<'c> {
                 let _ = reply.send(Ok(Acquired::NotNow));
             }
             (Write::Remove { request, reply }, _) => {
-                if let Some(ticket) = self.requests.remove(&request) {
+                if let Some(Written { ticket, .. }) = self.requests.remove(&request) {
                     self.waits.remove(&ticket);
                 }
                 if let Some(reply) = reply {
@@ -582,7 +594,7 @@ impl<'c> Worker<'c> {
         for ticket in settled {
             self.waits.remove(&ticket);
             if find(ticket, false) == 0 && find(ticket, true) == 0 {
-                self.requests.retain(|_, t| *t != ticket);
+                self.requests.retain(|_, written| written.ticket != ticket);
             }
         }
         Ok(())
