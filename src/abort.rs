@@ -219,6 +219,16 @@ struct SignalInner {
     event: Event,
     /// For a signal made by `any`: keeps sources alive that nobody else holds (invariant 4).
     sources: Vec<Arc<SignalInner>>,
+    /// Notified when the signal is dropped, so a timer waiting to abort it can stop early.
+    dropped: Option<Arc<Event>>,
+}
+
+impl Drop for SignalInner {
+    fn drop(&mut self) {
+        if let Some(dropped) = &self.dropped {
+            dropped.notify(usize::MAX);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -238,6 +248,7 @@ impl SignalInner {
             state: Mutex::new(SignalState::default()),
             event: Event::new(),
             sources,
+            dropped: None,
         })
     }
 
@@ -384,12 +395,25 @@ impl AbortSignal {
     /// # });
     /// ```
     pub fn timeout(after: Duration) -> Self {
-        let inner = SignalInner::new();
+        let dropped = Arc::new(Event::new());
+        // Listen before the signal exists, so that its drop cannot be missed.
+        let gone = dropped.listen();
+        let inner = Arc::new(SignalInner {
+            aborted: AtomicBool::new(false),
+            state: Mutex::new(SignalState::default()),
+            event: Event::new(),
+            sources: Vec::new(),
+            dropped: Some(dropped),
+        });
         let weak = Arc::downgrade(&inner);
         SmolSpawner.spawn(Box::pin(async move {
-            SystemClock.sleep(after).await;
-            if let Some(inner) = weak.upgrade() {
-                inner.abort(AbortReason::new(TimedOut));
+            // The timer task ends when the signal is dropped, so many short-lived timeouts do
+            // not leave as many sleeping tasks behind.
+            let timer = SystemClock.sleep(after);
+            if let futures::future::Either::Left(_) = futures::future::select(timer, gone).await {
+                if let Some(inner) = weak.upgrade() {
+                    inner.abort(AbortReason::new(TimedOut));
+                }
             }
         }));
         AbortSignal { inner: Some(inner) }

@@ -340,6 +340,7 @@ impl Scope {
             Box::pin(Closing {
                 work: Some(Box::pin(run_close(self.inner.clone(), status))),
                 scope: self.clone(),
+                handed_off: false,
             })
         } else if self.is_closing_here() {
             // Called from inside this scope's own close (say, by one of its finalizers): waiting
@@ -520,6 +521,8 @@ async fn wait_closed(inner: &ScopeInner) {
 struct Closing {
     work: Option<BoxFuture<'static, ()>>,
     scope: Scope,
+    /// Already the spawner's: if the spawner drops it too, there is nowhere left to go.
+    handed_off: bool,
 }
 
 impl Future for Closing {
@@ -551,8 +554,17 @@ impl Future for Closing {
 
 impl Drop for Closing {
     fn drop(&mut self) {
+        if self.handed_off {
+            return;
+        }
         if let Some(work) = self.work.take() {
-            self.scope.inner.spawner.spawn(work);
+            // Still wrapped, so that the rest of the close keeps its ambient parent and its
+            // "closing here" mark.
+            self.scope.inner.spawner.spawn(Box::pin(Closing {
+                work: Some(work),
+                scope: self.scope.clone(),
+                handed_off: true,
+            }));
         }
     }
 }

@@ -930,8 +930,10 @@ impl LockManager {
     }
 }
 
-/// The body of every acquisition. Whatever it writes is removed by the finalizer registered
-/// before the first write, unless the body hands a `Guard` out (status `Success`).
+/// The body of every acquisition. Whatever it writes is removed unless the body hands a `Guard`
+/// out: at once, through the worker, if the body is dropped (the removal is queued behind the
+/// acquisition, so it finds what that wrote); and by the finalizer registered before the first
+/// write, which waits for the removal, so that an interrupted acquisition reports only after it.
 async fn acquire_in_scope(
     shared: Arc<Shared>,
     scope: Scope,
@@ -944,14 +946,18 @@ async fn acquire_in_scope(
     let undo = shared.clone();
     scope.add_finalizer(move |status| async move {
         if !matches!(status, ExitStatus::Success) {
-            // Runs after the acquisition command (commands are handled in order), so it finds
-            // and deletes whatever that wrote: a waiting row, or one a peer promoted.
-            if let Err(error) = undo.remove(id).await {
-                tracing::warn!(%error, "removing an abandoned lock request failed; its rows expire with their lease");
+            match undo.remove(id).await {
+                // A shut-down manager has deleted every row of its owner already.
+                Ok(()) | Err(LockError::Shutdown) => {}
+                Err(error) => tracing::warn!(
+                    %error,
+                    "removing an abandoned lock request failed; the worker retries it"
+                ),
             }
         }
     });
-    match policy {
+    let removal = RemoveOnDrop::new(&shared, id);
+    let ticket = match policy {
         Policy::Queue => {
             let acquired = shared
                 .call(|reply| Command::Acquire {
@@ -961,7 +967,7 @@ async fn acquire_in_scope(
                     reply,
                 })
                 .await?;
-            let ticket = match acquired {
+            match acquired {
                 Acquired::Granted(ticket) => ticket,
                 Acquired::Queued(ticket, slot) => {
                     scope.fork(heartbeat::waiter(shared.clone()));
@@ -973,8 +979,7 @@ async fn acquire_in_scope(
                         "while acquiring: a queued request was refused".into(),
                     ))
                 }
-            };
-            Ok(Guard::new(&shared, id, ticket, requests, Some(started)))
+            }
         }
         Policy::NoQueue => {
             let _waiting = UnqueuedWaiter::new(&shared.common);
@@ -990,14 +995,14 @@ async fn acquire_in_scope(
                     })
                     .await?;
                 match acquired {
-                    Acquired::Granted(ticket) => {
-                        return Ok(Guard::new(&shared, id, ticket, requests, Some(started)))
-                    }
+                    Acquired::Granted(ticket) => break ticket,
                     Acquired::NotNow | Acquired::Queued(..) => changed.await,
                 }
             }
         }
-    }
+    };
+    removal.disarm();
+    Ok(Guard::new(&shared, id, ticket, requests, Some(started)))
 }
 
 /// Counts a waiter without a queue position while it lives.
@@ -1016,8 +1021,8 @@ impl Drop for UnqueuedWaiter<'_> {
     }
 }
 
-/// Sends a `Remove` for a request if dropped before being disarmed (for `try_acquire`, which is
-/// a plain future and has no scope).
+/// Sends a `Remove` for a request if dropped before being disarmed: the synchronous half of
+/// every acquisition's clean-up.
 struct RemoveOnDrop<'a> {
     shared: &'a Shared,
     request: u64,

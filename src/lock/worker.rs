@@ -186,6 +186,11 @@ pub(crate) struct Worker<'c> {
     last_renewal: Option<i64>,
     /// Whether the current transaction deleted a row of this owner.
     deleted: bool,
+    /// Take a full look at the next tick even if nothing changed (a wait started).
+    look_soon: bool,
+    /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
+    /// live on, renewed with this owner's others.
+    failed_removals: Vec<u64>,
 }
 
 impl<'c> Worker<'c> {
@@ -202,6 +207,8 @@ impl<'c> Worker<'c> {
             poked: false,
             last_renewal: None,
             deleted: false,
+            look_soon: false,
+            failed_removals: Vec::new(),
         }
     }
 
@@ -290,6 +297,13 @@ impl<'c> Worker<'c> {
                     queue,
                     reply,
                 } => {
+                    if !queue && self.refused_by_a_read(&requests) {
+                        // A waiter without a queue position, still blocked: no need to take the
+                        // write lock to tell it so.
+                        self.remember_view();
+                        let _ = reply.send(Ok(Acquired::NotNow));
+                        continue;
+                    }
                     acquiring.push(request);
                     writes.push(Write::Acquire {
                         request,
@@ -316,6 +330,12 @@ impl<'c> Worker<'c> {
                         // that next renewal.
                         let _ = reply.send(Ok(()));
                     } else {
+                        for request in std::mem::take(&mut self.failed_removals) {
+                            writes.push(Write::Remove {
+                                request,
+                                reply: None,
+                            });
+                        }
                         writes.push(Write::Renew { reply });
                     }
                 }
@@ -334,6 +354,19 @@ impl<'c> Worker<'c> {
             self.read(read);
         }
         stop
+    }
+
+    /// Whether a read shows `requests` cannot be granted now. (An error answers "not known":
+    /// the write transaction then decides.)
+    fn refused_by_a_read(&self, requests: &[LockRequest]) -> bool {
+        let now = self.now();
+        let mut rows = Vec::new();
+        for request in requests {
+            if self.db.rows_on_key(&request.key, now, &mut rows).is_err() {
+                return false;
+            }
+        }
+        !grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &rows)
     }
 
     fn read(&mut self, command: Command) {
@@ -386,7 +419,7 @@ impl<'c> Worker<'c> {
         match writes.len() {
             1 => {
                 if let Some(write) = writes.into_iter().next() {
-                    fail(write, error);
+                    fail(write, error, &mut self.failed_removals);
                 }
             }
             _ => {
@@ -496,11 +529,11 @@ impl<'c> Worker<'c> {
             (Write::Acquire { reply, .. }, Decided::Queued(ticket)) => {
                 let slot = Arc::new(WaitSlot::default());
                 self.waits.insert(ticket, slot.clone());
-                self.remember_view(now);
+                self.remember_view();
                 let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
             }
             (Write::Acquire { reply, .. }, _) => {
-                self.remember_view(now);
+                self.remember_view();
                 let _ = reply.send(Ok(Acquired::NotNow));
             }
             (Write::Remove { request, reply }, _) => {
@@ -533,6 +566,8 @@ impl<'c> Worker<'c> {
                     entry.lost.abort(reason.clone());
                 }
                 drop(guards);
+                // Waiters without a queue position wake, try again, and find the manager shut.
+                self.common.changed.notify(usize::MAX);
                 let _ = reply.send(Ok(()));
             }
         }
@@ -611,21 +646,11 @@ impl<'c> Worker<'c> {
         }
     }
 
-    /// A new wait starts from what the database looks like now: later looks compare with this
-    /// version (so they wake waiters only for a real change) and this next foreign expiry.
-    fn remember_view(&mut self, now: i64) {
-        let view = self.db.data_version().and_then(|version| {
-            let deadline = self.db.next_foreign_expiry(&self.common.owner, now)?;
-            Ok((version, deadline))
-        });
-        match view {
-            Ok((version, deadline)) => {
-                self.last_data_version = Some(version);
-                self.next_deadline = deadline;
-            }
-            // Unknown: the next tick takes a full look, which wakes every waiter once.
-            Err(_) => self.last_data_version = None,
-        }
+    /// A new wait: take a full look at the next tick (to learn the foreign expiries that may
+    /// free it), comparing with the version of the last full look, not with a version read now,
+    /// which could silently include another process's promotion of one of our waiters.
+    fn remember_view(&mut self) {
+        self.look_soon = true;
     }
 
     fn try_look(&mut self, poked: bool) -> Result<(), LockError> {
@@ -633,16 +658,20 @@ impl<'c> Worker<'c> {
         Counters::bump(&self.counters().change_checks);
         let now = self.now();
         let due = self.next_deadline.is_some_and(|deadline| now >= deadline);
-        if self.last_data_version == Some(version) && !due && !poked {
+        let changed = self.last_data_version != Some(version) || due || poked;
+        if !changed && !std::mem::take(&mut self.look_soon) {
             return Ok(());
         }
+        self.look_soon = false;
         self.last_data_version = Some(version);
 
         if !promotable(&self.db.rows_on_waited_keys(now)?).is_empty() {
             let ((), freed) = self.transaction(now, true, |_, _| Ok(()))?;
             self.after_commit(&freed);
-        } else {
-            // Others' changes may matter to waiters that hold no queue position.
+        } else if changed {
+            // Others' changes may matter to waiters that hold no queue position. (Not on a look
+            // taken only because a wait started: that would wake the refused `many` that
+            // started it, which would try again, start a wait again: a loop of writes.)
             self.common.changed.notify(usize::MAX);
         }
         self.check_own_rows(now)?;
@@ -668,19 +697,29 @@ impl<'c> Worker<'c> {
     }
 }
 
-fn fail(write: Write, error: LockError) {
+impl Drop for Worker<'_> {
+    /// However the worker stops (shutdown, every handle gone, or a panic), no waiter is left
+    /// waiting for it.
+    fn drop(&mut self) {
+        for (_, slot) in self.waits.drain() {
+            slot.set(SlotState::Shutdown);
+        }
+        self.common.changed.notify(usize::MAX);
+    }
+}
+
+fn fail(write: Write, error: LockError, failed_removals: &mut Vec<u64>) {
     match write {
         Write::Acquire { reply, .. } => {
             let _ = reply.send(Err(error));
         }
-        Write::Remove { reply, .. } => match reply {
-            Some(reply) => {
+        Write::Remove { request, reply } => {
+            tracing::warn!(%error, "removing a lock's rows failed; retrying with every heartbeat");
+            failed_removals.push(request);
+            if let Some(reply) = reply {
                 let _ = reply.send(Err(error));
             }
-            None => {
-                tracing::warn!(%error, "releasing a dropped guard failed; its rows expire with their lease")
-            }
-        },
+        }
         Write::Renew { reply } | Write::Shutdown { reply } => {
             let _ = reply.send(Err(error));
         }
