@@ -31,7 +31,7 @@ use event_listener::Event;
 use futures::channel::oneshot;
 
 use super::grant::{grantable_now, promotable};
-use super::sqlite::{micros, Counters, Db, OwnedRequest, Row};
+use super::sqlite::{micros, Counters, Db, FileIdentity, OwnedRequest, Row};
 use super::{Common, LeaseLost, LockError, LockRequest};
 use crate::abort::AbortReason;
 use crate::sync::lock;
@@ -186,10 +186,17 @@ pub(crate) struct Worker<'c> {
     last_renewal: Option<i64>,
     /// Whether the current transaction deleted a row of this owner.
     deleted: bool,
+    /// The database file as opened; checked before every write and every look.
+    file: Option<FileIdentity>,
 }
 
 impl<'c> Worker<'c> {
-    pub(crate) fn new(db: Db<'c>, common: Arc<Common>, rx: Receiver<Command>) -> Self {
+    pub(crate) fn new(
+        db: Db<'c>,
+        common: Arc<Common>,
+        rx: Receiver<Command>,
+        file: Option<FileIdentity>,
+    ) -> Self {
         Worker {
             db,
             common,
@@ -202,6 +209,7 @@ impl<'c> Worker<'c> {
             poked: false,
             last_renewal: None,
             deleted: false,
+            file,
         }
     }
 
@@ -407,6 +415,9 @@ impl<'c> Worker<'c> {
         may_free: bool,
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
     ) -> Result<(T, Freed), LockError> {
+        if let Some(file) = &self.file {
+            file.check()?;
+        }
         self.db.begin_immediate("starting a write transaction")?;
         Counters::bump(&self.counters().write_transactions);
         self.deleted = false;
@@ -629,6 +640,9 @@ impl<'c> Worker<'c> {
     }
 
     fn try_look(&mut self, poked: bool) -> Result<(), LockError> {
+        if let Some(file) = &self.file {
+            file.check()?;
+        }
         let version = self.db.data_version()?;
         Counters::bump(&self.counters().change_checks);
         let now = self.now();
