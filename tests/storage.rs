@@ -1,6 +1,6 @@
 //! Storage faults give clear errors: no panic, no hang.
 
-use leasehold::{LockError, LockManager};
+use leasehold::{LockError, LockManager, LockRequest};
 
 #[test]
 fn a_database_from_a_newer_version_is_refused() {
@@ -61,5 +61,252 @@ fn a_second_open_of_an_existing_database_keeps_its_rows() {
         assert_eq!(entries.len(), 1);
         assert_eq!(entries[0].owner, first.owner_id());
         guard.release().await.unwrap();
+    });
+}
+
+/// Marks an existing database read-only the way SQLite itself understands: a file-format write
+/// version above 2 in the header. (Permissions cannot simulate this when the tests run as root,
+/// which ignores them.)
+fn make_read_only(path: &std::path::Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[18] = 3;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_read_only_database_is_a_storage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    drop(LockManager::open(&path).unwrap());
+    // Back to a rollback journal first, so that the whole database is in the main file.
+    sqlite::open(&path)
+        .unwrap()
+        .execute("PRAGMA journal_mode = DELETE")
+        .unwrap();
+    make_read_only(&path);
+    match LockManager::open(&path) {
+        Err(LockError::Storage(message)) => {
+            assert!(message.contains("SQLite code"), "{message}");
+            assert!(message.contains("readonly"), "{message}");
+        }
+        other => panic!("expected a storage error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_database_file_without_write_permission_is_refused_or_still_works() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    drop(LockManager::open(&path).unwrap());
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let writable = std::fs::OpenOptions::new().write(true).open(&path).is_ok();
+    match LockManager::open(&path) {
+        Err(LockError::Storage(message)) => {
+            assert!(!writable, "refused a writable file: {message}");
+            assert!(message.contains("SQLite code"), "{message}");
+        }
+        // Running as root, permissions do not stop writes, and neither should they stop us.
+        Ok(locks) if writable => futures::executor::block_on(async {
+            locks
+                .exclusive("k", "w")
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        }),
+        other => panic!("expected a storage error, got {other:?}"),
+    }
+}
+
+fn remove_database(path: &std::path::Path) {
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.as_os_str().to_owned();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
+}
+
+/// After the file under a running manager is deleted or replaced, its next write is refused
+/// with a clear error, and the guard it held is told it is lost within about one lease; a
+/// manager on the new file starts from nothing.
+fn assert_file_loss_is_reported(replace: bool) {
+    use std::time::{Duration, Instant};
+    futures::executor::block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        let locks = LockManager::builder()
+            .lease(Duration::from_secs(1))
+            .heartbeat(Duration::from_millis(200))
+            .open(&path)
+            .unwrap();
+        let guard = locks.exclusive("k", "held").await.unwrap();
+        remove_database(&path);
+        if replace {
+            let other = dir.path().join("other.db");
+            drop(LockManager::open(&other).unwrap());
+            std::fs::rename(&other, &path).unwrap();
+        }
+        match locks.exclusive("j", "after").await {
+            Err(LockError::Storage(message)) => {
+                assert!(message.contains("deleted or replaced"), "{message}");
+            }
+            other => panic!("expected a storage error, got {other:?}"),
+        }
+        let started = Instant::now();
+        while !guard.lost().is_aborted() {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the guard was not told it is lost"
+            );
+            smol::Timer::after(Duration::from_millis(10)).await;
+        }
+        assert!(matches!(
+            guard.release().await,
+            Err(LockError::Storage(_)) | Ok(())
+        ));
+        let fresh = LockManager::open(&path).unwrap();
+        assert!(fresh.inspect(None).await.unwrap().is_empty());
+        fresh
+            .exclusive("k", "new")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        drop(locks);
+    });
+}
+
+#[test]
+fn a_database_deleted_while_a_manager_runs_is_reported_and_loses_its_guards() {
+    assert_file_loss_is_reported(false);
+}
+
+#[test]
+fn a_database_replaced_while_a_manager_runs_is_reported_and_loses_its_guards() {
+    assert_file_loss_is_reported(true);
+}
+
+const HAMMER_CHILD: &str = "LEASEHOLD_HAMMER_DB";
+const HAMMER_PROCESSES: usize = 8;
+const HAMMER_ROUNDS: usize = 60;
+
+/// A child of `eight_processes_hammering_one_file_never_see_busy`: opens the shared file at
+/// the same moment as the others (which races to switch it to WAL) and takes and releases locks
+/// as fast as it can. Any error fails the child.
+#[test]
+fn hammer_child() {
+    let Some(db) = std::env::var_os(HAMMER_CHILD) else {
+        return;
+    };
+    let db = std::path::PathBuf::from(db);
+    let log = db.with_file_name("exclusive.log");
+    let id = std::process::id();
+    futures::executor::block_on(async {
+        let locks = LockManager::open(&db).expect("open");
+        for round in 0..HAMMER_ROUNDS {
+            let guard = match round % 4 {
+                0 => locks.exclusive("k", "hammer").await.expect("exclusive"),
+                1 => locks.shared("k", "hammer").await.expect("shared"),
+                2 => locks
+                    .many([
+                        LockRequest::shared("j", "hammer"),
+                        LockRequest::exclusive("k", "hammer"),
+                    ])
+                    .await
+                    .expect("many"),
+                _ => match locks
+                    .try_acquire(LockRequest::exclusive("k", "hammer"))
+                    .await
+                    .expect("try_acquire")
+                {
+                    Some(guard) => guard,
+                    None => continue,
+                },
+            };
+            let exclusive = guard
+                .requests()
+                .iter()
+                .any(|r| r.key == "k" && r.mode == leasehold::Mode::Exclusive);
+            if exclusive {
+                append(&log, &format!("+ {id}\n"));
+                append(&log, &format!("- {id}\n"));
+            }
+            guard.release().await.expect("release");
+        }
+        locks.shutdown().await.expect("shutdown");
+    });
+}
+
+fn append(log: &std::path::Path, line: &str) {
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .and_then(|mut file| file.write_all(line.as_bytes()))
+        .expect("append to the log");
+}
+
+#[test]
+fn eight_processes_hammering_one_file_never_see_busy() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("locks.db");
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<_> = (0..HAMMER_PROCESSES)
+        .map(|i| {
+            let output = std::fs::File::create(dir.path().join(format!("child-{i}.log"))).unwrap();
+            Command::new(&exe)
+                .args(["--exact", "hammer_child", "--nocapture"])
+                .env(HAMMER_CHILD, &db)
+                .stdin(Stdio::null())
+                .stdout(output.try_clone().unwrap())
+                .stderr(output)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (i, child) in children.iter_mut().enumerate() {
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                break child.wait().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let output = std::fs::read_to_string(dir.path().join(format!("child-{i}.log")));
+        assert!(
+            status.success(),
+            "child {i} failed ({status}):\n{}",
+            output.unwrap_or_default()
+        );
+    }
+    // Exclusive holds never overlapped: every entry is followed by the same process's exit.
+    let log = std::fs::read_to_string(dir.path().join("exclusive.log")).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert!(
+        lines.len() >= 2 * HAMMER_PROCESSES,
+        "too few exclusive holds:\n{log}"
+    );
+    for pair in lines.chunks(2) {
+        assert_eq!(pair.len(), 2, "an unfinished hold:\n{log}");
+        assert_eq!(
+            pair[0].replace('+', "-"),
+            pair[1],
+            "overlapping holds:\n{log}"
+        );
+    }
+    // And nothing is left behind.
+    futures::executor::block_on(async {
+        let locks = LockManager::open(&db).unwrap();
+        assert!(locks.inspect(None).await.unwrap().is_empty());
     });
 }

@@ -493,8 +493,9 @@ impl LockManagerBuilder {
             .name("leasehold-storage".into())
             .spawn(move || match sqlite::connect(open_path.as_deref()) {
                 Ok(conn) => {
+                    let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
                     let _ = opened_tx.send(Ok(()));
-                    Worker::new(Db::new(&conn), worker_common, rx).run();
+                    Worker::new(Db::new(&conn), worker_common, rx, file).run();
                 }
                 Err(error) => {
                     let _ = opened_tx.send(Err(error));

@@ -132,6 +132,54 @@ pub(crate) fn connect(path: Option<&Path>) -> Result<Connection> {
     Ok(conn)
 }
 
+/// Which file a path names (device and inode), to notice the file being deleted or replaced
+/// under an open connection, which would go on working on the old file unseen by everyone else.
+#[derive(Debug)]
+pub(crate) struct FileIdentity {
+    path: std::path::PathBuf,
+    #[cfg(unix)]
+    id: (u64, u64),
+}
+
+impl FileIdentity {
+    /// The identity of the file at `path` now; `None` where it cannot be told.
+    pub(crate) fn of(path: &Path) -> Option<FileIdentity> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            let metadata = std::fs::metadata(path).ok()?;
+            Some(FileIdentity {
+                path: path.to_path_buf(),
+                id: (metadata.dev(), metadata.ino()),
+            })
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = path;
+            None
+        }
+    }
+
+    /// An error if the path no longer names the file that was opened.
+    pub(crate) fn check(&self) -> Result<()> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            let same = std::fs::metadata(&self.path)
+                .is_ok_and(|metadata| (metadata.dev(), metadata.ino()) == self.id);
+            if !same {
+                return Err(LockError::Storage(format!(
+                    "while checking the database file {}: it was deleted or replaced since this \
+                     manager opened it, so its locks are no longer seen by anyone else; open a \
+                     new manager",
+                    self.path.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A connection with the schema in place, and its prepared statements: parsing SQL costs more
 /// than running these statements, so each is prepared once per connection.
 pub(crate) struct Db<'c> {

@@ -31,7 +31,7 @@ use event_listener::Event;
 use futures::channel::oneshot;
 
 use super::grant::{grantable_now, promotable};
-use super::sqlite::{micros, Counters, Db, OwnedRequest, Row};
+use super::sqlite::{micros, Counters, Db, FileIdentity, OwnedRequest, Row};
 use super::{Common, LeaseLost, LockError, LockRequest};
 use crate::abort::AbortReason;
 use crate::sync::lock;
@@ -191,10 +191,17 @@ pub(crate) struct Worker<'c> {
     /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
     /// live on, renewed with this owner's others.
     failed_removals: Vec<u64>,
+    /// The database file as opened; checked before every write and every look.
+    file: Option<FileIdentity>,
 }
 
 impl<'c> Worker<'c> {
-    pub(crate) fn new(db: Db<'c>, common: Arc<Common>, rx: Receiver<Command>) -> Self {
+    pub(crate) fn new(
+        db: Db<'c>,
+        common: Arc<Common>,
+        rx: Receiver<Command>,
+        file: Option<FileIdentity>,
+    ) -> Self {
         Worker {
             db,
             common,
@@ -209,6 +216,7 @@ impl<'c> Worker<'c> {
             deleted: false,
             look_soon: false,
             failed_removals: Vec::new(),
+            file,
         }
     }
 
@@ -440,6 +448,9 @@ impl<'c> Worker<'c> {
         may_free: bool,
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
     ) -> Result<(T, Freed), LockError> {
+        if let Some(file) = &self.file {
+            file.check()?;
+        }
         self.db.begin_immediate("starting a write transaction")?;
         Counters::bump(&self.counters().write_transactions);
         self.deleted = false;
@@ -654,6 +665,9 @@ impl<'c> Worker<'c> {
     }
 
     fn try_look(&mut self, poked: bool) -> Result<(), LockError> {
+        if let Some(file) = &self.file {
+            file.check()?;
+        }
         let version = self.db.data_version()?;
         Counters::bump(&self.counters().change_checks);
         let now = self.now();

@@ -1,0 +1,1208 @@
+//! A torture run for the lock manager: several processes share one database file, each running
+//! several tasks that take and release locks at random, while this parent kills and pauses them.
+//!
+//! What is checked, through a *register* per key (a small file that the lock protects):
+//!
+//! - an exclusive holder marks the register as its own, reads the value, pauses, and writes it
+//!   back incremented, tagged with its fencing token; a shared holder reads it twice with a pause
+//!   in between and checks that nothing changed;
+//! - the register is a fenced resource: it refuses a write whose token is lower than the highest
+//!   it has seen, so a holder that was paused past its lease cannot overwrite newer work;
+//! - whenever one holder finds another's mark, the older of the two must have lost its lease: it
+//!   is told so when it leaves, and it counts a violation unless its `lost()` signal fires;
+//! - a holder that the parent paused (SIGSTOP) for longer than the lease must see `lost()` fire
+//!   once it resumes;
+//! - at the end every owner shuts down, and after one lease the database holds no rows at all.
+//!
+//! Run it with `cargo run --release --example torture -- --seconds 20 --processes 4 --json`;
+//! `--seconds 600` is the soak run. The process exits with status 1 if any check failed.
+//! `tests/torture.rs` runs a few seconds of it on every `cargo test`.
+
+use std::fs;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::FutureExt;
+use leasehold::{
+    fork_daemon, AbortController, AbortSignal, EntryState, Guard, LockError, LockManager,
+    LockRequest, Mode, Scoped,
+};
+
+/// Set in a child's environment (to the folder the run works in); its absence means "parent".
+const CHILD_ENV: &str = "LEASEHOLD_TORTURE_CHILD";
+
+const KEYS: [&str; 3] = ["alpha", "beta", "gamma"];
+
+fn main() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        child_main();
+        return;
+    }
+    let config = match Config::from_args(std::env::args().skip(1)) {
+        Ok(config) => config,
+        Err(why) => {
+            eprintln!("{why}\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let json = config.json;
+    let summary = run(&config);
+    println!("{}", summary.describe());
+    if json {
+        println!("{}", summary.json());
+    }
+    if !summary.failures().is_empty() {
+        std::process::exit(1);
+    }
+}
+
+const USAGE: &str = "usage: torture [--seconds N] [--processes N] [--tasks N] [--seed N] \
+                     [--lease-ms N] [--heartbeat-ms N] [--json]";
+
+/// What a run does.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// How long the children work.
+    pub seconds: f64,
+    /// How many child processes work at once.
+    pub processes: usize,
+    /// How many tasks each child runs.
+    pub tasks: usize,
+    /// Seeds every random choice (faults, operations, hold times).
+    pub seed: u64,
+    /// The lease of every owner.
+    pub lease: Duration,
+    /// The heartbeat of every owner.
+    pub heartbeat: Duration,
+    /// Print the JSON summary line.
+    pub json: bool,
+    /// How to start a child: program and arguments (the child's settings go in its environment).
+    pub child_command: Vec<String>,
+}
+
+impl Config {
+    fn from_args(args: impl Iterator<Item = String>) -> Result<Config, String> {
+        let mut config = Config::default();
+        let mut args = args.peekable();
+        while let Some(flag) = args.next() {
+            if flag == "--json" {
+                config.json = true;
+                continue;
+            }
+            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let bad = |_: std::num::ParseIntError| format!("{flag}: cannot read {value:?}");
+            match flag.as_str() {
+                "--seconds" => {
+                    config.seconds = value
+                        .parse()
+                        .map_err(|_| format!("{flag}: cannot read {value:?}"))?
+                }
+                "--processes" => config.processes = value.parse().map_err(bad)?,
+                "--tasks" => config.tasks = value.parse().map_err(bad)?,
+                "--seed" => config.seed = value.parse().map_err(bad)?,
+                "--lease-ms" => config.lease = Duration::from_millis(value.parse().map_err(bad)?),
+                "--heartbeat-ms" => {
+                    config.heartbeat = Duration::from_millis(value.parse().map_err(bad)?)
+                }
+                _ => return Err(format!("unknown flag {flag}")),
+            }
+        }
+        if config.processes == 0 || config.tasks == 0 {
+            return Err("--processes and --tasks must be at least 1".into());
+        }
+        Ok(config)
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        let exe =
+            std::env::current_exe().map_or_else(|_| "torture".into(), |p| p.display().to_string());
+        Config {
+            seconds: 20.0,
+            processes: 4,
+            tasks: 4,
+            seed: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
+            lease: Duration::from_secs(1),
+            heartbeat: Duration::from_millis(200),
+            json: false,
+            child_command: vec![exe],
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Randomness: a small seeded generator, so that a run is reproducible from its seed as far as
+// scheduling allows.
+
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        // splitmix64 of the seed, so that nearby seeds give unrelated streams.
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        Rng((z ^ (z >> 31)) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    fn millis(&mut self, low: u64, high: u64) -> Duration {
+        Duration::from_millis(low + self.below(high - low + 1))
+    }
+}
+
+fn unix_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+async fn sleep(duration: Duration) {
+    smol::Timer::after(duration).await;
+}
+
+/// Writes a file whole: a reader never sees it half written.
+fn publish(path: &Path, content: &str) {
+    let part = path.with_extension("part");
+    if fs::write(&part, content).is_ok() {
+        let _ = fs::rename(&part, path);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The register: one small file per key, read and written under an OS file lock so that each of
+// its operations is atomic across processes.
+
+/// A holder's mark: its fencing token and which child incarnation made it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Mark {
+    token: u64,
+    tag: String,
+}
+
+#[derive(Default, Debug)]
+struct RegisterState {
+    value: u64,
+    /// The highest token of any holder that entered or wrote: the fence for writes.
+    fence: u64,
+    /// The highest token of an exclusive holder that entered: a shared holder below it is stale.
+    fence_exclusive: u64,
+    writer: Option<Mark>,
+    readers: Vec<Mark>,
+    /// Holders whose marks a newer holder found: each must have lost its lease.
+    superseded: Vec<Mark>,
+}
+
+impl RegisterState {
+    fn parse(text: &str) -> RegisterState {
+        let mut state = RegisterState::default();
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            let (Some(what), Some(number)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let number: u64 = number.parse().unwrap_or(0);
+            let mark = || Mark {
+                token: number,
+                tag: words.clone().next().unwrap_or("").to_owned(),
+            };
+            match what {
+                "value" => state.value = number,
+                "fence" => state.fence = number,
+                "fence_exclusive" => state.fence_exclusive = number,
+                "writer" => state.writer = Some(mark()),
+                "reader" => state.readers.push(mark()),
+                "superseded" => state.superseded.push(mark()),
+                _ => {}
+            }
+        }
+        state
+    }
+
+    fn render(&self) -> String {
+        let mut text = format!(
+            "value {}\nfence {}\nfence_exclusive {}\n",
+            self.value, self.fence, self.fence_exclusive
+        );
+        for (what, mark) in self
+            .writer
+            .iter()
+            .map(|m| ("writer", m))
+            .chain(self.readers.iter().map(|m| ("reader", m)))
+            .chain(self.superseded.iter().map(|m| ("superseded", m)))
+        {
+            text.push_str(&format!("{what} {} {}\n", mark.token, mark.tag));
+        }
+        text
+    }
+
+    /// Moves every mark with a token below `token` to the superseded list.
+    fn supersede_below(&mut self, token: u64) {
+        if self.writer.as_ref().is_some_and(|w| w.token < token) {
+            let writer = self.writer.take().expect("checked above");
+            self.superseded.push(writer);
+        }
+        let (old, kept): (Vec<Mark>, Vec<Mark>) =
+            self.readers.drain(..).partition(|r| r.token < token);
+        self.readers = kept;
+        self.superseded.extend(old);
+    }
+}
+
+/// What entering the register found.
+#[derive(Debug, PartialEq, Eq)]
+enum Entry {
+    /// Entered; the value now.
+    Entered(u64),
+    /// A newer holder has been here: this holder is stale (its lease must have been lost).
+    Stale,
+}
+
+/// What a write attempt came to.
+#[derive(Debug, PartialEq, Eq)]
+enum Written {
+    Accepted { lost_update: bool, stale: bool },
+    Refused,
+}
+
+#[derive(Clone)]
+struct Register {
+    path: PathBuf,
+}
+
+impl Register {
+    fn new(folder: &Path, key: &str) -> Register {
+        Register {
+            path: folder.join(format!("register-{key}")),
+        }
+    }
+
+    /// Runs `change` on the state under the file lock. The lock is tried, not waited for, so that
+    /// a paused process holding it never blocks this process's executor (and its heartbeats).
+    async fn update<T>(&self, change: impl FnOnce(&mut RegisterState) -> T) -> std::io::Result<T> {
+        let mut file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.path)?;
+        loop {
+            match fs4::FileExt::try_lock(&file) {
+                Ok(()) => break,
+                Err(fs4::TryLockError::WouldBlock) => sleep(Duration::from_millis(1)).await,
+                Err(fs4::TryLockError::Error(error)) => return Err(error),
+            }
+        }
+        let outcome = (|| {
+            let text = std::io::read_to_string(&mut file)?;
+            let mut state = RegisterState::parse(&text);
+            let value = change(&mut state);
+            let rendered = state.render();
+            file.set_len(0)?;
+            std::io::Seek::rewind(&mut file)?;
+            file.write_all(rendered.as_bytes())?;
+            Ok(value)
+        })();
+        let _ = fs4::FileExt::unlock(&file);
+        outcome
+    }
+
+    async fn enter(&self, mark: &Mark, mode: Mode) -> std::io::Result<Entry> {
+        self.update(|state| {
+            let stale = match mode {
+                Mode::Exclusive => mark.token < state.fence,
+                Mode::Shared => mark.token < state.fence_exclusive,
+            };
+            if stale {
+                state.superseded.push(mark.clone());
+                return Entry::Stale;
+            }
+            match mode {
+                Mode::Exclusive => {
+                    state.supersede_below(mark.token);
+                    state.writer = Some(mark.clone());
+                    state.fence_exclusive = mark.token;
+                }
+                Mode::Shared => {
+                    if state.writer.as_ref().is_some_and(|w| w.token < mark.token) {
+                        let writer = state.writer.take().expect("checked above");
+                        state.superseded.push(writer);
+                    }
+                    state.readers.push(mark.clone());
+                }
+            }
+            state.fence = state.fence.max(mark.token);
+            Entry::Entered(state.value)
+        })
+        .await
+    }
+
+    async fn read(&self) -> std::io::Result<u64> {
+        self.update(|state| state.value).await
+    }
+
+    /// The fenced write: refused if a newer holder has been here.
+    async fn write(&self, mark: &Mark, read: u64) -> std::io::Result<Written> {
+        self.update(|state| {
+            if mark.token < state.fence {
+                return Written::Refused;
+            }
+            let lost_update = state.value != read;
+            // A newer holder found this one's mark, yet its write got through.
+            let stale = state.superseded.contains(mark);
+            state.value = read + 1;
+            state.fence = mark.token;
+            Written::Accepted { lost_update, stale }
+        })
+        .await
+    }
+
+    /// Removes the holder's mark; returns whether a newer holder had superseded it.
+    async fn leave(&self, mark: &Mark) -> std::io::Result<bool> {
+        self.update(|state| {
+            if state.writer.as_ref() == Some(mark) {
+                state.writer = None;
+            }
+            state.readers.retain(|r| r != mark);
+            let before = state.superseded.len();
+            state.superseded.retain(|s| s != mark);
+            state.superseded.len() != before
+        })
+        .await
+    }
+
+    /// Removes every mark of a dead child incarnation.
+    async fn clear(&self, tag: &str) -> std::io::Result<()> {
+        self.update(|state| {
+            if state.writer.as_ref().is_some_and(|w| w.tag == tag) {
+                state.writer = None;
+            }
+            state.readers.retain(|r| r.tag != tag);
+            state.superseded.retain(|s| s.tag != tag);
+        })
+        .await
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counters: each child keeps them, publishes them to a file now and then (a killed child's are
+// partial), and the parent adds them up.
+
+macro_rules! counters {
+    ($($name:ident),* $(,)?) => {
+        /// What one child did and saw.
+        #[derive(Default)]
+        struct Counters { $($name: AtomicU64,)* }
+
+        /// The sum over all children, plus what the parent saw.
+        #[derive(Clone, Debug, Default)]
+        pub struct Totals { $(pub $name: u64,)* }
+
+        impl Counters {
+            fn render(&self) -> String {
+                let mut text = String::new();
+                $(text.push_str(&format!("{} {}\n", stringify!($name), self.$name.load(Ordering::Relaxed)));)*
+                text
+            }
+        }
+
+        impl Totals {
+            fn add(&mut self, text: &str) {
+                for line in text.lines() {
+                    let mut words = line.split_whitespace();
+                    let (Some(name), Some(value)) = (words.next(), words.next()) else { continue };
+                    let value: u64 = value.parse().unwrap_or(0);
+                    match name {
+                        $(stringify!($name) => self.$name += value,)*
+                        _ => {}
+                    }
+                }
+            }
+
+            fn fields(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
+            }
+        }
+    };
+}
+
+counters! {
+    operations,
+    grants,
+    not_granted,
+    interruptions,
+    dropped_acquisitions,
+    lost_signals,
+    violations,
+    lost_updates,
+    stale_writes_accepted,
+    stale_writes_refused,
+    late_writes_accepted,
+    increments,
+    overlaps_after_loss,
+    stopped_holders,
+    stops_unnoticed,
+    expired_waits,
+    storage_errors,
+    register_errors,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The child: T tasks doing random lock operations until the deadline.
+
+struct ChildContext {
+    folder: PathBuf,
+    id: usize,
+    tag: String,
+    deadline: u64,
+    lease: Duration,
+    locks: LockManager,
+    counters: Counters,
+}
+
+impl ChildContext {
+    /// When the parent last paused this child (set by the parent while the child is stopped, so
+    /// that whoever reads it has really been stopped then).
+    fn stopped_since(&self, since: u64) -> bool {
+        fs::read_to_string(self.folder.join(format!("stopped-{}", self.tag)))
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok())
+            .is_some_and(|at| at >= since)
+    }
+
+    fn storage_error(&self, doing: &str, error: &LockError) {
+        bump(&self.counters.storage_errors);
+        eprintln!("child {}: {doing}: {error}", self.tag);
+    }
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("the child's {name} is not set"))
+}
+
+fn env_number(name: &str) -> u64 {
+    env(name)
+        .parse()
+        .unwrap_or_else(|_| panic!("the child's {name} is not a number"))
+}
+
+/// The child's side: reads its settings from the environment that `run` set.
+pub fn child_main() {
+    let folder = PathBuf::from(env(CHILD_ENV));
+    let id = env_number("TORTURE_ID") as usize;
+    let incarnation = env_number("TORTURE_INCARNATION");
+    let seed = env_number("TORTURE_SEED");
+    let tasks = env_number("TORTURE_TASKS");
+    let lease = Duration::from_millis(env_number("TORTURE_LEASE_MS"));
+    let heartbeat = Duration::from_millis(env_number("TORTURE_HEARTBEAT_MS"));
+    let deadline = env_number("TORTURE_DEADLINE");
+    let locks = LockManager::builder()
+        .lease(lease)
+        .heartbeat(heartbeat)
+        .open(folder.join("locks.db"))
+        .expect("the child opens the lock database");
+    let context = Arc::new(ChildContext {
+        tag: format!("{id}.{incarnation}"),
+        folder,
+        id,
+        deadline,
+        lease,
+        locks,
+        counters: Counters::default(),
+    });
+    smol::block_on(child(context, seed, tasks));
+}
+
+async fn child(context: Arc<ChildContext>, seed: u64, tasks: u64) {
+    let counters_file = context.folder.join(format!("counters-{}", context.tag));
+    let fibers: Vec<_> = (0..tasks)
+        .map(|task| {
+            let context = context.clone();
+            let seed = seed ^ ((context.id as u64) << 40) ^ (task << 20);
+            fork_daemon(async move { task_loop(&context, Rng::new(seed)).await })
+        })
+        .collect();
+    while unix_micros() < context.deadline {
+        publish(&counters_file, &context.counters.render());
+        sleep(Duration::from_millis(100)).await;
+    }
+    for fiber in fibers {
+        let _ = fiber.join().await;
+    }
+    if let Err(error) = context.locks.shutdown().await {
+        context.storage_error("shutting down", &error);
+    }
+    publish(&counters_file, &context.counters.render());
+}
+
+fn random_request(rng: &mut Rng, key: &str, operation: &str) -> LockRequest {
+    if rng.chance(50) {
+        LockRequest::shared(key, operation)
+    } else {
+        LockRequest::exclusive(key, operation)
+    }
+}
+
+/// Two distinct keys with random modes.
+fn random_pair(rng: &mut Rng, operation: &str) -> Vec<LockRequest> {
+    let first = rng.below(KEYS.len() as u64) as usize;
+    let second = (first + 1 + rng.below(KEYS.len() as u64 - 1) as usize) % KEYS.len();
+    vec![
+        random_request(rng, KEYS[first], operation),
+        random_request(rng, KEYS[second], operation),
+    ]
+}
+
+async fn task_loop(context: &ChildContext, mut rng: Rng) {
+    while unix_micros() < context.deadline {
+        one_operation(context, &mut rng).await;
+        if rng.chance(30) {
+            sleep(rng.millis(0, 20)).await;
+        }
+    }
+}
+
+/// How an acquisition may be cut short.
+enum Interruption {
+    None,
+    Timeout(Duration),
+    /// A controller aborted from elsewhere after this long.
+    Abort(Duration),
+    /// The acquisition loses a `select` against a timer and is dropped.
+    Drop(Duration),
+}
+
+async fn one_operation(context: &ChildContext, rng: &mut Rng) {
+    bump(&context.counters.operations);
+    let locks = &context.locks;
+    let key = KEYS[rng.below(KEYS.len() as u64) as usize];
+    let kind = rng.below(100);
+    let interruption = match rng.below(100) {
+        0..=54 => Interruption::None,
+        55..=69 => Interruption::Timeout(rng.millis(1, 300)),
+        70..=84 => Interruption::Abort(rng.millis(0, 300)),
+        _ => Interruption::Drop(rng.millis(0, 300)),
+    };
+    let started = unix_micros();
+    let acquired: Option<Result<Option<Guard>, LockError>> = if kind < 20 {
+        let request = random_request(rng, key, "try");
+        let attempt = locks.try_acquire(request);
+        match interruption {
+            Interruption::Drop(after) => race(attempt, after).await,
+            _ => Some(attempt.await),
+        }
+    } else {
+        let acquisition = match kind {
+            20..=44 => locks.shared(key, "read"),
+            45..=74 => locks.exclusive(key, "write"),
+            75..=87 => locks.many(random_pair(rng, "many")),
+            _ => locks.many_queued(random_pair(rng, "many_queued")),
+        };
+        acquisition_with(acquisition, interruption)
+            .await
+            .map(|result| result.map(Some))
+    };
+    let guard = match acquired {
+        None => {
+            bump(&context.counters.dropped_acquisitions);
+            bump(&context.counters.interruptions);
+            return;
+        }
+        Some(Ok(Some(guard))) => guard,
+        Some(Ok(None)) => {
+            bump(&context.counters.not_granted);
+            return;
+        }
+        Some(Err(LockError::Interrupted(_))) => {
+            bump(&context.counters.interruptions);
+            return;
+        }
+        Some(Err(error @ LockError::Storage(_))) if context.stopped_since(started) => {
+            // A waiter paused for longer than its lease: its row ran out, as it should.
+            bump(&context.counters.expired_waits);
+            eprintln!("child {}: after a pause: {error}", context.tag);
+            return;
+        }
+        Some(Err(error)) => {
+            context.storage_error("acquiring", &error);
+            return;
+        }
+    };
+    bump(&context.counters.grants);
+    hold(context, rng, &guard).await;
+    if guard.lost().is_aborted() {
+        bump(&context.counters.lost_signals);
+    }
+    if rng.chance(50) {
+        if let Err(error) = guard.release().await {
+            context.storage_error("releasing", &error);
+        }
+    } else {
+        drop(guard);
+    }
+}
+
+async fn acquisition_with(
+    acquisition: Scoped<Guard, LockError>,
+    interruption: Interruption,
+) -> Option<Result<Guard, LockError>> {
+    match interruption {
+        Interruption::None => Some(acquisition.await),
+        Interruption::Timeout(after) => {
+            Some(acquisition.with_signal(&AbortSignal::timeout(after)).await)
+        }
+        Interruption::Abort(after) => {
+            let controller = AbortController::new();
+            let acquisition = acquisition.with_signal(&controller.signal());
+            smol::spawn(async move {
+                sleep(after).await;
+                controller.abort("the torture run interrupts this acquisition");
+            })
+            .detach();
+            Some(acquisition.await)
+        }
+        Interruption::Drop(after) => race(acquisition, after).await,
+    }
+}
+
+/// `future`'s output, or `None` (and `future` dropped) if `after` passes first.
+async fn race<T>(future: impl std::future::Future<Output = T>, after: Duration) -> Option<T> {
+    futures::select! {
+        value = future.fuse() => Some(value),
+        _ = FutureExt::fuse(smol::Timer::after(after)) => None,
+    }
+}
+
+/// The protected work on every key the guard holds, one key after another.
+async fn hold(context: &ChildContext, rng: &mut Rng, guard: &Guard) {
+    let granted_at = unix_micros();
+    let mark = Mark {
+        token: guard.fencing_token(),
+        tag: context.tag.clone(),
+    };
+    let mut suspicious = false;
+    let mut lost_updates = 0;
+    for request in guard.requests() {
+        let register = Register::new(&context.folder, &request.key);
+        match work_on(context, rng, &register, &mark, request.mode).await {
+            Ok(outcome) => {
+                suspicious |= outcome.suspicious;
+                lost_updates += outcome.lost_updates;
+            }
+            Err(error) => {
+                bump(&context.counters.register_errors);
+                eprintln!("child {}: register {}: {error}", context.tag, request.key);
+            }
+        }
+    }
+    let stopped = context.stopped_since(granted_at);
+    if stopped {
+        bump(&context.counters.stopped_holders);
+    }
+    if suspicious || stopped || lost_updates > 0 {
+        // Someone newer was here (or this process was paused past its lease): that is fine only
+        // if this holder's lease was lost, which its heartbeat must notice soon after it runs.
+        let lost = guard.lost();
+        let noticed = race(lost.aborted(), context.lease * 3).await.is_some();
+        if noticed {
+            if suspicious || lost_updates > 0 {
+                bump(&context.counters.overlaps_after_loss);
+            }
+            if stopped {
+                late_writes(context, guard, &mark).await;
+            }
+        } else {
+            if suspicious {
+                bump(&context.counters.violations);
+                eprintln!(
+                    "child {}: overlap while the lease held ({mark:?})",
+                    context.tag
+                );
+            }
+            if lost_updates > 0 {
+                context
+                    .counters
+                    .lost_updates
+                    .fetch_add(lost_updates, Ordering::Relaxed);
+            }
+            if stopped {
+                bump(&context.counters.stops_unnoticed);
+                eprintln!(
+                    "child {}: paused past the lease, but lost() did not fire",
+                    context.tag
+                );
+            }
+        }
+    }
+}
+
+/// A holder that was paused past its lease writes once more, as a process that does not look
+/// at `lost()` would: the fence must refuse it if anyone newer has been here.
+async fn late_writes(context: &ChildContext, guard: &Guard, mark: &Mark) {
+    for request in guard.requests() {
+        if request.mode != Mode::Exclusive {
+            continue;
+        }
+        let register = Register::new(&context.folder, &request.key);
+        let written = match register.read().await {
+            Ok(value) => register.write(mark, value).await,
+            Err(error) => Err(error),
+        };
+        match written {
+            Ok(Written::Refused) => bump(&context.counters.stale_writes_refused),
+            // Nobody newer came: the write is late but harms no one.
+            Ok(Written::Accepted { .. }) => bump(&context.counters.late_writes_accepted),
+            Err(error) => {
+                bump(&context.counters.register_errors);
+                eprintln!("child {}: register {}: {error}", context.tag, request.key);
+            }
+        }
+    }
+}
+
+struct WorkOutcome {
+    /// Another holder's mark was found, or the value changed under a reader.
+    suspicious: bool,
+    lost_updates: u64,
+}
+
+async fn work_on(
+    context: &ChildContext,
+    rng: &mut Rng,
+    register: &Register,
+    mark: &Mark,
+    mode: Mode,
+) -> std::io::Result<WorkOutcome> {
+    let mut outcome = WorkOutcome {
+        suspicious: false,
+        lost_updates: 0,
+    };
+    let entered = register.enter(mark, mode).await?;
+    let first = match entered {
+        Entry::Entered(value) => value,
+        Entry::Stale => {
+            outcome.suspicious = true;
+            register.read().await?
+        }
+    };
+    sleep(rng.millis(0, 20)).await;
+    match mode {
+        Mode::Exclusive => match register.write(mark, first).await? {
+            Written::Refused => bump(&context.counters.stale_writes_refused),
+            Written::Accepted { lost_update, stale } => {
+                bump(&context.counters.increments);
+                if stale {
+                    bump(&context.counters.stale_writes_accepted);
+                    eprintln!(
+                        "child {}: the fence accepted a stale write ({mark:?})",
+                        context.tag
+                    );
+                }
+                if lost_update {
+                    outcome.lost_updates += 1;
+                }
+            }
+        },
+        Mode::Shared => {
+            if register.read().await? != first {
+                outcome.suspicious = true;
+            }
+        }
+    }
+    sleep(rng.millis(0, 20)).await;
+    outcome.suspicious |= register.leave(mark).await?;
+    Ok(outcome)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The parent.
+
+/// A child process and who it is.
+struct Worker {
+    id: usize,
+    incarnation: u64,
+    child: Child,
+}
+
+impl Worker {
+    fn tag(&self) -> String {
+        format!("{}.{}", self.id, self.incarnation)
+    }
+}
+
+/// What a run found.
+#[derive(Clone, Debug, Default)]
+pub struct Summary {
+    /// Seed of the run.
+    pub seed: u64,
+    /// Children's counters, summed.
+    pub totals: Totals,
+    /// SIGKILLs sent.
+    pub kills: u64,
+    /// SIGSTOP/SIGCONT pauses.
+    pub stops: u64,
+    /// Rows left in the database after every owner shut down and one lease passed.
+    pub leaked_rows: u64,
+    /// Children that did not exit by themselves after the deadline, or exited with an error.
+    pub failed_children: u64,
+    /// Why the final clean-up or count did not work, if it did not.
+    pub final_error: Option<String>,
+    /// How long the run took.
+    pub elapsed: Duration,
+}
+
+impl Summary {
+    /// The checks that failed (none for a good run).
+    pub fn failures(&self) -> Vec<String> {
+        let t = &self.totals;
+        let mut failures = Vec::new();
+        for (name, value) in [
+            ("violations", t.violations),
+            ("lost_updates", t.lost_updates),
+            ("stale_writes_accepted", t.stale_writes_accepted),
+            ("leaked_rows", self.leaked_rows),
+            ("storage_errors", t.storage_errors),
+            ("stops_unnoticed", t.stops_unnoticed),
+            ("register_errors", t.register_errors),
+            ("failed_children", self.failed_children),
+        ] {
+            if value != 0 {
+                failures.push(format!("{name} = {value}"));
+            }
+        }
+        if let Some(error) = &self.final_error {
+            failures.push(error.clone());
+        }
+        failures
+    }
+
+    /// One JSON object on one line.
+    pub fn json(&self) -> String {
+        let t = &self.totals;
+        let fields = [
+            ("seed", self.seed),
+            ("operations", t.operations),
+            ("grants", t.grants),
+            ("interruptions", t.interruptions),
+            ("kills", self.kills),
+            ("stops", self.stops),
+            ("lost_signals", t.lost_signals),
+            ("violations", t.violations),
+            ("lost_updates", t.lost_updates),
+            ("stale_writes_accepted", t.stale_writes_accepted),
+            ("stale_writes_refused", t.stale_writes_refused),
+            ("leaked_rows", self.leaked_rows),
+            ("storage_errors", t.storage_errors),
+            ("stops_unnoticed", t.stops_unnoticed),
+            ("failed_children", self.failed_children),
+        ];
+        let body: Vec<String> = fields
+            .iter()
+            .map(|(name, value)| format!("\"{name}\":{value}"))
+            .collect();
+        format!("{{{}}}", body.join(","))
+    }
+
+    /// For people.
+    pub fn describe(&self) -> String {
+        let mut text = format!(
+            "torture run: seed {}, {:.1} s, {} kills, {} stops, {} rows left\n",
+            self.seed,
+            self.elapsed.as_secs_f64(),
+            self.kills,
+            self.stops,
+            self.leaked_rows
+        );
+        for (name, value) in self.totals.fields() {
+            text.push_str(&format!("  {name:<24} {value}\n"));
+        }
+        let failures = self.failures();
+        if failures.is_empty() {
+            text.push_str("all checks passed");
+        } else {
+            text.push_str(&format!("FAILED: {}", failures.join(", ")));
+        }
+        text
+    }
+}
+
+/// Runs the parent: starts the children, injects faults until the deadline, collects the
+/// counters, and checks that the database is left empty.
+pub fn run(config: &Config) -> Summary {
+    let started = Instant::now();
+    let folder = std::env::temp_dir().join(format!(
+        "leasehold-torture-{}-{}",
+        std::process::id(),
+        config.seed
+    ));
+    let _ = fs::remove_dir_all(&folder);
+    fs::create_dir_all(&folder).expect("create the run's folder");
+    let db = folder.join("locks.db");
+    let mut summary = Summary {
+        seed: config.seed,
+        ..Summary::default()
+    };
+    // The parent's own owner: it only looks (inspect) to pick whom to kill or pause.
+    let observer = LockManager::builder()
+        .lease(config.lease)
+        .heartbeat(config.heartbeat)
+        .open(&db)
+        .expect("open the lock database");
+    let deadline = unix_micros() + (config.seconds * 1e6) as u64;
+    let mut incarnations = 0u64;
+    let mut spawn = |id: usize| {
+        incarnations += 1;
+        spawn_child(config, &folder, id, incarnations, deadline)
+    };
+    let mut workers: Vec<Worker> = (0..config.processes).map(&mut spawn).collect();
+    let mut rng = Rng::new(config.seed);
+    // Faults start once the children are busy, and the last pause ends well before the deadline.
+    let pause_for = || config.lease + config.lease / 2;
+    let fault_window_end =
+        deadline.saturating_sub(micros(pause_for() + config.lease / 2) + 600_000);
+    let mut next_fault = unix_micros() + (config.seconds * 0.2e6) as u64;
+    while unix_micros() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = unix_micros();
+        if now < next_fault || now > fault_window_end {
+            continue;
+        }
+        let holders = smol::block_on(observer.inspect(None)).unwrap_or_default();
+        // The first fault is a kill and the second a pause; then either, at random.
+        let kill = match (summary.kills, summary.stops) {
+            (0, _) => true,
+            (_, 0) => false,
+            _ => rng.chance(40),
+        };
+        let Some(index) = pick_victim(&workers, &holders, kill, &mut rng) else {
+            continue;
+        };
+        if kill {
+            let worker = &mut workers[index];
+            let _ = worker.child.kill();
+            let _ = worker.child.wait();
+            summary.kills += 1;
+            let tag = worker.tag();
+            for key in KEYS {
+                let _ = smol::block_on(Register::new(&folder, key).clear(&tag));
+            }
+            let id = worker.id;
+            workers[index] = spawn(id);
+        } else {
+            let worker = &workers[index];
+            let pid = worker.child.id().to_string();
+            let stopped_at = unix_micros();
+            if signal(&pid, "-STOP") {
+                wait_until_stopped(&pid);
+                // Written while the child is stopped: whatever reads it has really been paused.
+                publish(
+                    &folder.join(format!("stopped-{}", worker.tag())),
+                    &stopped_at.to_string(),
+                );
+                std::thread::sleep(pause_for() + config.lease / 2 * rng.below(100) as u32 / 100);
+                signal(&pid, "-CONT");
+                summary.stops += 1;
+            }
+        }
+        // Soon after the first kill comes the first pause, so that short runs see both.
+        let gap = if summary.stops == 0 {
+            rng.millis(100, 300)
+        } else {
+            rng.millis(500, 2_500)
+        };
+        next_fault = unix_micros() + micros(gap);
+    }
+    for worker in &mut workers {
+        if !wait_for_exit(&mut worker.child, Duration::from_secs(30)) {
+            summary.failed_children += 1;
+            eprintln!("child {} did not finish in time; killed", worker.tag());
+        }
+    }
+    let _ = smol::block_on(observer.shutdown());
+    drop(observer);
+    summary.leaked_rows = match final_count(config, &db) {
+        Ok(rows) => rows,
+        Err(error) => {
+            summary.final_error = Some(format!("the final count failed: {error}"));
+            0
+        }
+    };
+    for entry in fs::read_dir(&folder).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("counters-") && !name.ends_with(".part") {
+            summary
+                .totals
+                .add(&fs::read_to_string(entry.path()).unwrap_or_default());
+        }
+    }
+    summary.elapsed = started.elapsed();
+    if summary.failures().is_empty() {
+        let _ = fs::remove_dir_all(&folder);
+    } else {
+        eprintln!(
+            "the run's files (child logs, registers, database) are kept in {}",
+            folder.display()
+        );
+    }
+    summary
+}
+
+fn micros(duration: Duration) -> u64 {
+    duration.as_micros() as u64
+}
+
+fn spawn_child(
+    config: &Config,
+    folder: &Path,
+    id: usize,
+    incarnation: u64,
+    deadline: u64,
+) -> Worker {
+    let log = fs::File::create(folder.join(format!("child-{id}.{incarnation}.log")))
+        .expect("create a child's log");
+    let seed = config.seed ^ (id as u64) << 32 ^ incarnation;
+    let child = Command::new(&config.child_command[0])
+        .args(&config.child_command[1..])
+        .env(CHILD_ENV, folder)
+        .env("TORTURE_ID", id.to_string())
+        .env("TORTURE_INCARNATION", incarnation.to_string())
+        .env("TORTURE_SEED", seed.to_string())
+        .env("TORTURE_TASKS", config.tasks.to_string())
+        .env("TORTURE_LEASE_MS", config.lease.as_millis().to_string())
+        .env(
+            "TORTURE_HEARTBEAT_MS",
+            config.heartbeat.as_millis().to_string(),
+        )
+        .env("TORTURE_DEADLINE", deadline.to_string())
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("share the log"))
+        .stderr(log)
+        .spawn()
+        .expect("start a child");
+    Worker {
+        id,
+        incarnation,
+        child,
+    }
+}
+
+/// A child to kill (one that holds or waits) or to pause (one that holds, exclusively if any).
+fn pick_victim(
+    workers: &[Worker],
+    rows: &[leasehold::LockEntry],
+    kill: bool,
+    rng: &mut Rng,
+) -> Option<usize> {
+    let score = |worker: &Worker| {
+        let pid = worker.child.id().to_string();
+        let mine = rows
+            .iter()
+            .filter(|row| row.owner.split('-').next() == Some(pid.as_str()));
+        mine.map(|row| match (&row.state, row.mode) {
+            (EntryState::Held, Mode::Exclusive) => 4,
+            (EntryState::Held, Mode::Shared) => 2,
+            (EntryState::Waiting { .. }, _) if kill => 1,
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
+    };
+    let best = workers.iter().map(score).max()?;
+    if best == 0 {
+        // Nobody holds anything right now: try again at the next tick.
+        return None;
+    }
+    let candidates: Vec<usize> = (0..workers.len())
+        .filter(|&i| score(&workers[i]) == best)
+        .collect();
+    Some(candidates[rng.below(candidates.len() as u64) as usize])
+}
+
+fn signal(pid: &str, which: &str) -> bool {
+    Command::new("kill")
+        .args([which, pid])
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+/// Waits (briefly) until the kernel reports the process as stopped.
+fn wait_until_stopped(pid: &str) {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline {
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The state follows the parenthesised command name.
+        let state = stat
+            .rsplit(')')
+            .next()
+            .and_then(|rest| rest.split_whitespace().next());
+        if matches!(state, Some("T") | None) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn wait_for_exit(child: &mut Child, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return status.success(),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return false;
+            }
+        }
+    }
+}
+
+/// After one lease, a fresh owner's write transaction deletes the rows of killed children that
+/// ran out; then every row left in the file is counted, live or not.
+fn final_count(config: &Config, db: &Path) -> Result<u64, Box<dyn std::error::Error>> {
+    std::thread::sleep(config.lease + config.heartbeat);
+    let cleaner = LockManager::builder()
+        .lease(config.lease)
+        .heartbeat(config.heartbeat)
+        .open(db)?;
+    smol::block_on(async {
+        let guard = cleaner
+            .try_acquire(LockRequest::exclusive("torture/clean-up", "clean-up"))
+            .await?;
+        if let Some(guard) = guard {
+            guard.release().await?;
+        }
+        cleaner.shutdown().await
+    })?;
+    drop(cleaner);
+    let connection = sqlite::open(db)?;
+    let mut statement = connection.prepare("SELECT COUNT(*) FROM locks")?;
+    statement.next()?;
+    Ok(statement.read::<i64, _>(0)? as u64)
+}
