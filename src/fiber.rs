@@ -156,6 +156,12 @@ impl<T: Send + 'static> Fiber<T> {
     /// Interrupts and waits until the fiber's finalizers and children are done.
     /// A fiber that had already succeeded gives `Exit::Success`.
     ///
+    /// # Cancel safety
+    ///
+    /// The interruption is sent when this future is first polled; dropping it after that leaves
+    /// the fiber interrupted (detached), dropping it before that does nothing. Use
+    /// [`interrupt_fork`](Fiber::interrupt_fork) to interrupt without awaiting.
+    ///
     /// # Examples
     ///
     /// ```

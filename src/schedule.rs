@@ -262,6 +262,11 @@ impl Schedule {
     /// Runs `attempt`; on `Err` asks the schedule, sleeps, runs again. `recurs(3)` means 4
     /// attempts. Returns the first `Ok`, or the last `Err` when the schedule is done.
     ///
+    /// # Cancel safety
+    ///
+    /// Dropping this future drops the attempt in progress (or the sleep); no further attempt
+    /// is made. Wrap it in a [`Scoped`](crate::Scoped) for clean-up that must run.
+    ///
     /// # Examples
     ///
     /// ```
@@ -303,6 +308,10 @@ impl Schedule {
 
     /// Runs `action` once, then again per the schedule while it returns `Ok`. `recurs(3)`: 4
     /// runs. Returns the last `Ok`, or the first `Err`.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`retry`](Schedule::retry): dropping it drops the run in progress or the sleep.
     ///
     /// # Examples
     ///

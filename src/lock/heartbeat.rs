@@ -3,26 +3,43 @@
 //! Waiter heartbeats are fibers forked into the waiting acquisition's scope, so they live exactly
 //! as long as the wait. The lock heartbeat is one daemon per owner that runs while the owner
 //! holds any guard. Both ask the storage worker to renew, and the worker renews every live row of
-//! the owner in one statement, at most once per half heartbeat however many ask: the number of
-//! write transactions does not grow with the number of locks or waiters.
+//! the owner in one statement, at most once per half heartbeat however many ask (the number of
+//! write transactions does not grow with the number of locks or waiters), and answers with when
+//! it last renewed, so that every caller beats again one heartbeat after that.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use super::sqlite::micros;
 use super::{Common, LeaseLost, Shared};
 use crate::abort::AbortReason;
+use crate::clock::{Clock, SystemClock};
 use crate::fiber::fork_daemon_on;
 use crate::sync::lock;
 
 /// Renews while a request waits; forked into the acquisition's scope.
 pub(super) async fn waiter(shared: Arc<Shared>) {
+    let common = &shared.common;
+    let mut pause = common.heartbeat;
     loop {
-        shared.common.clock.sleep(shared.common.heartbeat).await;
-        if let Err(error) = shared.renew().await {
-            tracing::warn!(%error, "renewing a waiting request's lease failed; retrying at the next heartbeat");
-        }
+        common.clock.sleep(pause).await;
+        pause = match shared.renew().await {
+            Ok(renewed_at) => until_next_beat(common, renewed_at),
+            Err(error) => {
+                tracing::warn!(%error, "renewing a waiting request's lease failed; retrying at the next heartbeat");
+                common.heartbeat
+            }
+        };
     }
+}
+
+/// How long to sleep so that the next renewal comes one heartbeat after the last one, even when
+/// the last one was made for another caller (the worker coalesces renewals).
+fn until_next_beat(common: &Common, renewed_at: Duration) -> Duration {
+    (renewed_at + common.heartbeat)
+        .saturating_sub(common.clock.now())
+        .clamp(common.heartbeat / 4, common.heartbeat)
 }
 
 /// Starts the owner's lock heartbeat unless it runs already.
@@ -43,8 +60,9 @@ pub(super) fn ensure_daemon(shared: &Arc<Shared>) {
 
 /// Renews every heartbeat while the owner holds a guard; stops when it holds none.
 async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
+    let mut pause = common.heartbeat;
     loop {
-        common.clock.sleep(common.heartbeat).await;
+        common.clock.sleep(pause).await;
         let shared = {
             let mut guards = lock(&common.guards);
             match shared.upgrade() {
@@ -55,10 +73,24 @@ async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
                 }
             }
         };
-        if let Err(error) = shared.renew().await {
-            tracing::warn!(%error, "renewing lock leases failed; retrying at the next heartbeat");
-            lose_expired(&common);
-        }
+        let mut renewal = std::pin::pin!(shared.renew());
+        pause = loop {
+            // A renewal stuck behind a busy database must not keep a guard from hearing that its
+            // lease ran out: look every heartbeat while it is pending. (How long a renewal takes
+            // is real time, whatever clock judges the leases.)
+            let beat = SystemClock.sleep(common.heartbeat);
+            match futures::future::select(renewal.as_mut(), beat).await {
+                futures::future::Either::Left((Ok(renewed_at), _)) => {
+                    break until_next_beat(&common, renewed_at)
+                }
+                futures::future::Either::Left((Err(error), _)) => {
+                    tracing::warn!(%error, "renewing lock leases failed; retrying at the next heartbeat");
+                    lose_expired(&common);
+                    break common.heartbeat;
+                }
+                futures::future::Either::Right(((), _)) => lose_expired(&common),
+            }
+        };
     }
 }
 

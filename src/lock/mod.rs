@@ -355,8 +355,10 @@ impl Shared {
         .await
     }
 
-    async fn renew(&self) -> Result<(), LockError> {
-        self.call(|reply| Command::Renew { reply }).await
+    /// Renews this owner's rows (or finds them renewed recently); returns when, in clock time.
+    async fn renew(&self) -> Result<Duration, LockError> {
+        let at = self.call(|reply| Command::Renew { reply }).await?;
+        Ok(from_micros(at))
     }
 }
 
@@ -882,6 +884,11 @@ impl LockManager {
     ///
     /// [`LockError::Storage`] if the rows could not be deleted (they then expire with their
     /// lease).
+    ///
+    /// # Cancel safety
+    ///
+    /// The shutdown is sent when this future is first polled, and then happens whether or not
+    /// the future is awaited to the end.
     ///
     /// # Examples
     ///

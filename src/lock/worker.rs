@@ -59,7 +59,7 @@ pub(crate) enum Command {
     },
     /// Renew this owner's live rows, unless that was done less than half a heartbeat ago.
     Renew {
-        reply: Reply<()>,
+        reply: Reply<i64>,
     },
     Inspect {
         key: Option<String>,
@@ -142,7 +142,7 @@ enum Write {
         reply: Option<Reply<()>>,
     },
     Renew {
-        reply: Reply<()>,
+        reply: Reply<i64>,
     },
     Shutdown {
         reply: Reply<()>,
@@ -331,20 +331,22 @@ impl<'c> Worker<'c> {
                 Command::Renew { reply } => {
                     let now = self.now();
                     let half_beat = micros(self.common.heartbeat / 2);
-                    if self.last_renewal.is_some_and(|at| now < at + half_beat) {
-                        // Every live row got a full lease then (or since, when written), and
-                        // the next heartbeat comes before any of them runs out (the lease is at
-                        // least two heartbeats): nothing to do. Lost leases are looked for at
-                        // that next renewal.
-                        let _ = reply.send(Ok(()));
-                    } else {
-                        for request in std::mem::take(&mut self.failed_removals) {
-                            writes.push(Write::Remove {
-                                request,
-                                reply: None,
-                            });
+                    match self.last_renewal {
+                        // Every live row got a full lease then (or since, when written). The
+                        // caller is told when, and beats again one heartbeat after that, so the
+                        // rows keep their whole margin; lost leases are looked for then.
+                        Some(at) if now < at + half_beat => {
+                            let _ = reply.send(Ok(at));
                         }
-                        writes.push(Write::Renew { reply });
+                        _ => {
+                            for request in std::mem::take(&mut self.failed_removals) {
+                                writes.push(Write::Remove {
+                                    request,
+                                    reply: None,
+                                });
+                            }
+                            writes.push(Write::Renew { reply });
+                        }
                     }
                 }
                 Command::Shutdown { reply } => {
@@ -563,7 +565,7 @@ impl<'c> Worker<'c> {
                 );
                 Counters::bump(&self.counters().heartbeats);
                 let checked = self.check_own_rows(now);
-                let _ = reply.send(checked);
+                let _ = reply.send(checked.map(|()| now));
             }
             (Write::Shutdown { reply }, _) => {
                 self.requests.clear();
@@ -734,7 +736,10 @@ fn fail(write: Write, error: LockError, failed_removals: &mut Vec<u64>) {
                 let _ = reply.send(Err(error));
             }
         }
-        Write::Renew { reply } | Write::Shutdown { reply } => {
+        Write::Renew { reply } => {
+            let _ = reply.send(Err(error));
+        }
+        Write::Shutdown { reply } => {
             let _ = reply.send(Err(error));
         }
     }
