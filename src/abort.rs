@@ -24,7 +24,7 @@ use event_listener::{Event, EventListener};
 
 use crate::clock::{Clock, SystemClock};
 use crate::spawn::{SmolSpawner, Spawner};
-use crate::sync::lock;
+use crate::sync::{lock, wait_for};
 
 /// Why a unit of work was interrupted: the caller's own error object, shared.
 ///
@@ -471,18 +471,7 @@ impl AbortSignal {
             let Some(inner) = inner else {
                 return std::future::pending().await;
             };
-            loop {
-                if let Some(reason) = inner.reason() {
-                    return reason;
-                }
-                // Listen first, then re-check: an abort between the check above and `listen`
-                // would otherwise be missed.
-                let listener = inner.event.listen();
-                if let Some(reason) = inner.reason() {
-                    return reason;
-                }
-                listener.await;
-            }
+            wait_for(&inner.event, || inner.reason()).await
         }
     }
 

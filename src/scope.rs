@@ -35,7 +35,7 @@ use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
 use crate::spawn::{SmolSpawner, Spawner};
-use crate::sync::{lock, CompleteOnDrop, Completion};
+use crate::sync::{lock, wait_for, CompleteOnDrop, Completion};
 
 /// How a scope ended; every finalizer is told.
 ///
@@ -504,17 +504,7 @@ async fn run_finalizer(finalizer: Finalizer, status: ExitStatus) {
 }
 
 async fn wait_closed(inner: &ScopeInner) {
-    loop {
-        if lock(&inner.state).done {
-            return;
-        }
-        // Listen, then re-check: a close that finishes in between would otherwise be missed.
-        let listener = inner.closed.listen();
-        if lock(&inner.state).done {
-            return;
-        }
-        listener.await;
-    }
+    wait_for(&inner.closed, || lock(&inner.state).done.then_some(())).await
 }
 
 /// The close work, owned by the caller that started it; handed to the spawner if dropped.

@@ -33,14 +33,7 @@ impl Completion {
     }
 
     pub(crate) async fn wait(&self) {
-        while !self.is_done() {
-            // Listen, then re-check, so a completion between the two is not missed.
-            let listener = self.event.listen();
-            if self.is_done() {
-                return;
-            }
-            listener.await;
-        }
+        wait_for(&self.event, || self.is_done().then_some(())).await
     }
 }
 
@@ -52,5 +45,23 @@ pub(crate) struct CompleteOnDrop(pub(crate) Arc<Completion>);
 impl Drop for CompleteOnDrop {
     fn drop(&mut self) {
         self.0.complete();
+    }
+}
+
+/// Waits until `ready` returns a value, re-checking whenever `event` is notified.
+///
+/// The no-lost-wake-up idiom, written once: listen first, then check, then await. A notification
+/// between a check and the `listen` that follows it would otherwise be missed; listening first
+/// means it either happened before the check (which then sees it) or wakes the listener.
+pub(crate) async fn wait_for<T>(event: &Event, mut ready: impl FnMut() -> Option<T>) -> T {
+    loop {
+        if let Some(value) = ready() {
+            return value;
+        }
+        let listener = event.listen();
+        if let Some(value) = ready() {
+            return value;
+        }
+        listener.await;
     }
 }

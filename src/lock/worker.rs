@@ -34,7 +34,7 @@ use super::grant::{grantable_now, promotable};
 use super::sqlite::{micros, Counters, Db, FileIdentity, OwnedRequest, Row};
 use super::{Common, LeaseLost, LockError, LockRequest};
 use crate::abort::AbortReason;
-use crate::sync::lock;
+use crate::sync::{lock, wait_for};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, LockError>>;
 
@@ -111,21 +111,18 @@ impl WaitSlot {
 
     /// Resolves when the request is granted, or with the reason it never will be.
     pub(crate) async fn granted(&self) -> Result<(), LockError> {
-        loop {
-            // Listen, then re-check: a grant in between would otherwise be missed.
-            let listener = self.event.listen();
-            match self.get() {
-                SlotState::Waiting => listener.await,
-                SlotState::Granted => return Ok(()),
-                SlotState::Expired => {
-                    return Err(LockError::Storage(
-                        "while waiting: the waiting request's lease ran out before it was granted \
-                         (was this process paused for longer than the lease?)"
-                            .to_owned(),
-                    ))
-                }
-                SlotState::Shutdown => return Err(LockError::Shutdown),
-            }
+        match wait_for(&self.event, || {
+            Some(self.get()).filter(|s| *s != SlotState::Waiting)
+        })
+        .await
+        {
+            SlotState::Shutdown => Err(LockError::Shutdown),
+            SlotState::Expired => Err(LockError::Storage(
+                "while waiting: the waiting request's lease ran out before it was granted \
+                 (was this process paused for longer than the lease?)"
+                    .to_owned(),
+            )),
+            SlotState::Granted | SlotState::Waiting => Ok(()),
         }
     }
 }
