@@ -1,6 +1,10 @@
 //! Leases and heartbeats, driven by `TestClock`s: an owner whose clock never moves never
 //! heartbeats, which is how a frozen or crashed process looks to the others.
 
+mod lock_support;
+
+use lock_support::within;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,21 +13,6 @@ use leasehold::{fork_daemon, EntryState, LeaseLost, LockManager, LockRequest, Te
 
 const LEASE: Duration = Duration::from_secs(10);
 const BEAT: Duration = Duration::from_secs(2);
-
-async fn within<F, Fut>(limit_ms: u64, what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = std::time::Instant::now() + Duration::from_millis(limit_ms);
-    while !condition().await {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not within {limit_ms} ms: {what}"
-        );
-        smol::Timer::after(Duration::from_millis(1)).await;
-    }
-}
 
 fn manager(path: &std::path::Path, clock: &TestClock) -> LockManager {
     LockManager::builder()

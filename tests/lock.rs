@@ -1,6 +1,10 @@
 //! The lock manager's conformance cases (API.md), one test each, plus the manager's own
 //! behaviours: validation, fencing, inspection, leases, shutdown.
 
+mod lock_support;
+
+use lock_support::within;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -9,22 +13,6 @@ use leasehold::{
     fork_daemon, AbortController, AbortReason, EntryState, Exit, Fiber, Guard, LockEntry,
     LockError, LockManager, LockRequest, Mode,
 };
-
-/// Waits until `condition` holds, checking every millisecond, for at most `limit_ms`.
-async fn within<F, Fut>(limit_ms: u64, what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = std::time::Instant::now() + Duration::from_millis(limit_ms);
-    while !condition().await {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not within {limit_ms} ms: {what}"
-        );
-        smol::Timer::after(Duration::from_millis(1)).await;
-    }
-}
 
 /// The entries of `key`, as (operation, state) pairs in ticket order.
 async fn queue(locks: &LockManager, key: &str) -> Vec<(String, EntryState)> {

@@ -347,6 +347,21 @@ impl Shared {
         response.await.map_err(|_| LockError::Shutdown)?
     }
 
+    async fn acquire(
+        &self,
+        request: u64,
+        requests: &[LockRequest],
+        queue: bool,
+    ) -> Result<Acquired, LockError> {
+        self.call(|reply| Command::Acquire {
+            request,
+            requests: requests.to_vec(),
+            queue,
+            reply,
+        })
+        .await
+    }
+
     async fn remove(&self, request: u64) -> Result<(), LockError> {
         self.call(|reply| Command::Remove {
             request,
@@ -778,14 +793,7 @@ impl LockManager {
         let shared = self.shared.clone();
         let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
         let undo = RemoveOnDrop::new(&shared, id);
-        let acquired = shared
-            .call(|reply| Command::Acquire {
-                request: id,
-                requests: requests.clone(),
-                queue: false,
-                reply,
-            })
-            .await?;
+        let acquired = shared.acquire(id, &requests, false).await?;
         undo.disarm();
         match acquired {
             Acquired::Granted(ticket) => Ok(Some(Guard::new(&shared, id, ticket, requests, None))),
@@ -966,43 +974,25 @@ async fn acquire_in_scope(
     });
     let removal = RemoveOnDrop::new(&shared, id);
     let ticket = match policy {
-        Policy::Queue => {
-            let acquired = shared
-                .call(|reply| Command::Acquire {
-                    request: id,
-                    requests: requests.clone(),
-                    queue: true,
-                    reply,
-                })
-                .await?;
-            match acquired {
-                Acquired::Granted(ticket) => ticket,
-                Acquired::Queued(ticket, slot) => {
-                    scope.fork(heartbeat::waiter(shared.clone()));
-                    slot.granted().await?;
-                    ticket
-                }
-                Acquired::NotNow => {
-                    return Err(LockError::Storage(
-                        "while acquiring: a queued request was refused".into(),
-                    ))
-                }
+        Policy::Queue => match shared.acquire(id, &requests, true).await? {
+            Acquired::Granted(ticket) => ticket,
+            Acquired::Queued(ticket, slot) => {
+                scope.fork(heartbeat::waiter(shared.clone()));
+                slot.granted().await?;
+                ticket
             }
-        }
+            Acquired::NotNow => {
+                return Err(LockError::Storage(
+                    "while acquiring: a queued request was refused".into(),
+                ))
+            }
+        },
         Policy::NoQueue => {
             let _waiting = UnqueuedWaiter::new(&shared.common);
             loop {
                 // Listen before trying, so a change between the try and the wait is not missed.
                 let changed = shared.common.changed.listen();
-                let acquired = shared
-                    .call(|reply| Command::Acquire {
-                        request: id,
-                        requests: requests.clone(),
-                        queue: false,
-                        reply,
-                    })
-                    .await?;
-                match acquired {
+                match shared.acquire(id, &requests, false).await? {
                     Acquired::Granted(ticket) => break ticket,
                     Acquired::NotNow | Acquired::Queued(..) => changed.await,
                 }
