@@ -196,3 +196,42 @@ fn a_heartbeat_never_revives_an_expired_row() {
         drop(guard);
     });
 }
+
+#[test]
+fn a_waiter_whose_lease_ran_out_queues_again_and_is_granted() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let holder_clock = TestClock::new();
+        let waiter_clock = TestClock::new();
+        let holder = manager(&path, &holder_clock);
+        let waiting = manager(&path, &waiter_clock);
+
+        let guard = holder.exclusive("k", "holder").await.unwrap();
+        let waiter = {
+            let waiting = waiting.clone();
+            fork_daemon(async move { waiting.exclusive("k", "frozen waiter").await })
+        };
+        within(5_000, "the waiter queued", || async {
+            holder.inspect(Some("k")).await.unwrap().len() == 2
+        })
+        .await;
+        // The waiter's process is frozen (its clock stands still) while the holder's time runs
+        // past the waiter's lease; the holder's release then deletes the expired waiting row.
+        advance_with_heartbeats(&holder_clock, &holder, LEASE + BEAT).await;
+        guard.release().await.unwrap();
+        assert!(holder.inspect(Some("k")).await.unwrap().is_empty());
+        assert!(!waiter.is_finished());
+
+        // It thaws: its next heartbeat finds its row gone, and it queues again, rather than
+        // failing an acquisition its caller is still waiting for.
+        within(5_000, "the waiter's heartbeat sleeps", || async {
+            waiter_clock.sleepers() > 0
+        })
+        .await;
+        waiter_clock.advance(LEASE * 2);
+        let granted = waiter.join().await.success().unwrap().unwrap();
+        assert_eq!(granted.requests()[0].operation, "frozen waiter");
+        granted.release().await.unwrap();
+    });
+}

@@ -974,19 +974,34 @@ async fn acquire_in_scope(
     });
     let removal = RemoveOnDrop::new(&shared, id);
     let ticket = match policy {
-        Policy::Queue => match shared.acquire(id, &requests, true).await? {
-            Acquired::Granted(ticket) => ticket,
-            Acquired::Queued(ticket, slot) => {
-                scope.fork(heartbeat::waiter(shared.clone()));
-                slot.granted().await?;
-                ticket
+        Policy::Queue => {
+            let mut beating = false;
+            loop {
+                match shared.acquire(id, &requests, true).await? {
+                    Acquired::Granted(ticket) => break ticket,
+                    Acquired::Queued(ticket, slot) => {
+                        if !beating {
+                            beating = true;
+                            scope.fork(heartbeat::waiter(shared.clone()));
+                        }
+                        if slot.granted().await? {
+                            break ticket;
+                        }
+                        // The caller still wants the lock: its place is lost, its turn is not.
+                        tracing::warn!(
+                            ticket,
+                            "a waiting request's lease ran out (was this process paused or \
+                             starved for longer than the lease?); queueing it again"
+                        );
+                    }
+                    Acquired::NotNow => {
+                        return Err(LockError::Storage(
+                            "while acquiring: a queued request was refused".into(),
+                        ))
+                    }
+                }
             }
-            Acquired::NotNow => {
-                return Err(LockError::Storage(
-                    "while acquiring: a queued request was refused".into(),
-                ))
-            }
-        },
+        }
         Policy::NoQueue => {
             let _waiting = UnqueuedWaiter::new(&shared.common);
             loop {

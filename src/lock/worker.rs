@@ -109,20 +109,17 @@ impl WaitSlot {
         *lock(&self.state)
     }
 
-    /// Resolves when the request is granted, or with the reason it never will be.
-    pub(crate) async fn granted(&self) -> Result<(), LockError> {
+    /// Resolves with `true` when the request is granted, `false` if its lease ran out while it
+    /// waited (its rows are gone: it may queue again), or `Shutdown`.
+    pub(crate) async fn granted(&self) -> Result<bool, LockError> {
         match wait_for(&self.event, || {
             Some(self.get()).filter(|s| *s != SlotState::Waiting)
         })
         .await
         {
             SlotState::Shutdown => Err(LockError::Shutdown),
-            SlotState::Expired => Err(LockError::Storage(
-                "while waiting: the waiting request's lease ran out before it was granted \
-                 (was this process paused for longer than the lease?)"
-                    .to_owned(),
-            )),
-            SlotState::Granted | SlotState::Waiting => Ok(()),
+            SlotState::Expired => Ok(false),
+            SlotState::Granted | SlotState::Waiting => Ok(true),
         }
     }
 }
