@@ -31,7 +31,7 @@ use crate::spawn::{SmolSpawner, Spawner};
 use crate::sync::lock;
 
 use self::sqlite::{from_micros, micros, Counters, Db};
-use self::worker::{Acquired, Command, Worker};
+use self::worker::{Acquired, Command, Worker, Write};
 
 /// The longest key or operation name accepted, in bytes.
 pub const MAX_NAME_BYTES: usize = 1024;
@@ -353,26 +353,32 @@ impl Shared {
         requests: &[LockRequest],
         queue: bool,
     ) -> Result<Acquired, LockError> {
-        self.call(|reply| Command::Acquire {
-            request,
-            requests: requests.to_vec(),
-            queue,
-            reply,
+        self.call(|reply| {
+            Command::Write(Write::Acquire {
+                request,
+                requests: requests.to_vec(),
+                queue,
+                reply,
+            })
         })
         .await
     }
 
     async fn remove(&self, request: u64) -> Result<(), LockError> {
-        self.call(|reply| Command::Remove {
-            request,
-            reply: Some(reply),
+        self.call(|reply| {
+            Command::Write(Write::Remove {
+                request,
+                reply: Some(reply),
+            })
         })
         .await
     }
 
     /// Renews this owner's rows (or finds them renewed recently); returns when, in clock time.
     async fn renew(&self) -> Result<Duration, LockError> {
-        let at = self.call(|reply| Command::Renew { reply }).await?;
+        let at = self
+            .call(|reply| Command::Write(Write::Renew { reply }))
+            .await?;
         Ok(from_micros(at))
     }
 }
@@ -913,7 +919,11 @@ impl LockManager {
     /// # }).unwrap();
     /// ```
     pub async fn shutdown(&self) -> Result<(), LockError> {
-        match self.shared.call(|reply| Command::Shutdown { reply }).await {
+        match self
+            .shared
+            .call(|reply| Command::Write(Write::Shutdown { reply }))
+            .await
+        {
             Err(LockError::Shutdown) => Ok(()),
             other => other,
         }
@@ -1059,10 +1069,10 @@ impl<'a> RemoveOnDrop<'a> {
 impl Drop for RemoveOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.shared.send(Command::Remove {
+            let _ = self.shared.send(Command::Write(Write::Remove {
                 request: self.request,
                 reply: None,
-            });
+            }));
         }
     }
 }
@@ -1220,10 +1230,10 @@ impl Guard {
         self.released = true;
         self.forget();
         let (reply, response) = oneshot::channel();
-        let sent = self.shared.send(Command::Remove {
+        let sent = self.shared.send(Command::Write(Write::Remove {
             request: self.request,
             reply: Some(reply),
-        });
+        }));
         self.trace_release();
         sent?;
         response.await.map_err(|_| LockError::Shutdown)?
@@ -1259,10 +1269,10 @@ impl Drop for Guard {
             self.forget();
             self.trace_release();
             // Through the worker without waiting; it runs before any later command.
-            let _ = self.shared.send(Command::Remove {
+            let _ = self.shared.send(Command::Write(Write::Remove {
                 request: self.request,
                 reply: None,
-            });
+            }));
         }
     }
 }

@@ -45,6 +45,21 @@ const MAX_BATCH: usize = 256;
 const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 
 pub(crate) enum Command {
+    /// A change, run in the batch's write transaction.
+    Write(Write),
+    Inspect {
+        key: Option<String>,
+        reply: Reply<Vec<Row>>,
+    },
+    IsLocked {
+        key: String,
+        reply: Reply<bool>,
+    },
+    /// Another manager in this process committed to the same file: look now.
+    Poke,
+}
+
+pub(crate) enum Write {
     /// Grant now, or queue (`queue`), or report `NotNow`.
     Acquire {
         request: u64,
@@ -58,23 +73,10 @@ pub(crate) enum Command {
         reply: Option<Reply<()>>,
     },
     /// Renew this owner's live rows, unless that was done less than half a heartbeat ago.
-    Renew {
-        reply: Reply<i64>,
-    },
-    Inspect {
-        key: Option<String>,
-        reply: Reply<Vec<Row>>,
-    },
-    IsLocked {
-        key: String,
-        reply: Reply<bool>,
-    },
+    /// Replies with when the rows were last renewed (clock micros).
+    Renew { reply: Reply<i64> },
     /// Delete every row of this owner and stop.
-    Shutdown {
-        reply: Reply<()>,
-    },
-    /// Another manager in this process committed to the same file: look now.
-    Poke,
+    Shutdown { reply: Reply<()> },
 }
 
 pub(crate) enum Acquired {
@@ -122,25 +124,6 @@ impl WaitSlot {
             SlotState::Granted | SlotState::Waiting => Ok(true),
         }
     }
-}
-
-enum Write {
-    Acquire {
-        request: u64,
-        requests: Vec<LockRequest>,
-        queue: bool,
-        reply: Reply<Acquired>,
-    },
-    Remove {
-        request: u64,
-        reply: Option<Reply<()>>,
-    },
-    Renew {
-        reply: Reply<i64>,
-    },
-    Shutdown {
-        reply: Reply<()>,
-    },
 }
 
 /// What the worker remembers of a request whose rows it wrote.
@@ -293,12 +276,12 @@ impl<'c> Worker<'c> {
                 continue;
             }
             match command {
-                Command::Acquire {
+                Command::Write(Write::Acquire {
                     request,
                     requests,
                     queue,
                     reply,
-                } => {
+                }) => {
                     if !queue && self.refused_by_a_read(&requests) {
                         // A waiter without a queue position, still blocked: no need to take the
                         // write lock to tell it so.
@@ -314,7 +297,7 @@ impl<'c> Worker<'c> {
                         reply,
                     });
                 }
-                Command::Remove { request, reply } => {
+                Command::Write(Write::Remove { request, reply }) => {
                     if self.requests.contains_key(&request) || acquiring.contains(&request) {
                         writes.push(Write::Remove { request, reply });
                     } else if let Some(reply) = reply {
@@ -322,7 +305,7 @@ impl<'c> Worker<'c> {
                         let _ = reply.send(Ok(()));
                     }
                 }
-                Command::Renew { reply } => {
+                Command::Write(Write::Renew { reply }) => {
                     let now = self.now();
                     let half_beat = micros(self.common.heartbeat / 2);
                     match self.last_renewal {
@@ -343,7 +326,7 @@ impl<'c> Worker<'c> {
                         }
                     }
                 }
-                Command::Shutdown { reply } => {
+                Command::Write(Write::Shutdown { reply }) => {
                     writes.push(Write::Shutdown { reply });
                     stop = true;
                 }
