@@ -323,10 +323,15 @@ impl<'c> Db<'c> {
 
     pub(crate) fn next_ticket(&self) -> Result<u64> {
         let doing = "taking a ticket";
-        let mut statement = self.prepare(
+        // Two statements, not `UPDATE ... RETURNING`: SQLite runs `RETURNING` like a trigger,
+        // which gives the statement its own journal, and allocating and freeing that journal in
+        // every acquisition made the allocator hand memory back to the system each time (a
+        // `madvise` whose TLB flush interrupts every other core of the process).
+        step(
             doing,
-            "UPDATE tickets SET last = last + 1 WHERE id = 1 RETURNING last",
+            &mut *self.prepare(doing, "UPDATE tickets SET last = last + 1 WHERE id = 1")?,
         )?;
+        let mut statement = self.prepare(doing, "SELECT last FROM tickets WHERE id = 1")?;
         if !step(doing, &mut statement)? {
             return Err(LockError::Storage(format!(
                 "while {doing}: the ticket sequence row is missing"
