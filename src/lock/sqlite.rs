@@ -299,11 +299,20 @@ impl<'c> Db<'c> {
 
     /// `BEGIN IMMEDIATE`, retried while another connection holds the write lock.
     pub(crate) fn begin_immediate(&self, doing: &str) -> Result<()> {
-        retry_busy(doing, || self.conn.execute("BEGIN IMMEDIATE"))
+        self.run_retrying_busy(doing, "BEGIN IMMEDIATE")
     }
 
     pub(crate) fn commit(&self, doing: &str) -> Result<()> {
-        retry_busy(doing, || self.conn.execute("COMMIT"))
+        self.run_retrying_busy(doing, "COMMIT")
+    }
+
+    /// Runs a cached statement that returns no rows, retrying while the database is busy.
+    fn run_retrying_busy(&self, doing: &str, sql: &'static str) -> Result<()> {
+        let mut statement = self.prepare(doing, sql)?;
+        retry_busy(doing, || {
+            statement.reset()?;
+            statement.next().map(drop)
+        })
     }
 
     /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
