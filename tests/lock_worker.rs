@@ -205,3 +205,87 @@ fn waiting_manys_cost_no_write_transactions_even_beside_a_sibling() {
         }
     });
 }
+
+/// Counts the wake-ups it receives.
+#[derive(Default)]
+struct CountingWaker(std::sync::atomic::AtomicUsize);
+
+impl CountingWaker {
+    fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A call alone in awaiting the worker yields to its executor for a moment, as its reply is
+/// usually one transaction away; but when the reply is held up (here by another connection's
+/// write lock) it stops within a moment and waits to be woken, leaving the thread to park.
+#[test]
+fn a_call_whose_reply_is_held_up_stops_yielding_and_is_woken_by_the_reply() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    use std::time::Instant;
+
+    let (_dir, path) = temp_db();
+    let locks = LockManager::open(&path).unwrap();
+    let write_lock = WriteLock::take(&path);
+    let counter = std::sync::Arc::new(CountingWaker::default());
+    let waker = Waker::from(counter.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut acquire = Box::pin(locks.try_acquire(LockRequest::exclusive("k", "held up")));
+
+    // Poll again whenever the future woke itself, as an executor would.
+    let started = Instant::now();
+    let mut yields = 0;
+    loop {
+        let before = counter.count();
+        assert!(
+            acquire.as_mut().poll(&mut cx).is_pending(),
+            "granted while another connection held the write lock"
+        );
+        if counter.count() == before {
+            break;
+        }
+        yields += 1;
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "still yielding after 5 s"
+        );
+    }
+    if std::thread::available_parallelism().is_ok_and(|n| n.get() > 1) {
+        assert!(
+            yields > 0,
+            "never yielded while alone in awaiting the worker"
+        );
+    }
+
+    let parked = counter.count();
+    drop(write_lock);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while counter.count() == parked {
+        assert!(
+            Instant::now() < deadline,
+            "the reply did not wake the caller"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let guard = loop {
+        match acquire.as_mut().poll(&mut cx) {
+            Poll::Ready(result) => break result.unwrap().expect("the key is free"),
+            Poll::Pending => {
+                assert!(Instant::now() < deadline, "no reply after the wake-up");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    };
+    block_on(guard.release()).unwrap();
+}

@@ -1,7 +1,8 @@
 //! The storage worker: one OS thread per manager that owns the SQLite connection.
 //!
-//! Callers send [`Command`]s and await a reply; no SQLite call and no busy wait ever happens on
-//! a caller's executor thread.
+//! Callers send [`Command`]s and await a reply; no SQLite call ever happens on a caller's
+//! executor thread. (A caller alone in awaiting may yield to its executor for a moment before it
+//! parks: see `REPLY_SPIN`.)
 //!
 //! Invariants:
 //!
