@@ -7,6 +7,7 @@
 
 mod grant;
 mod heartbeat;
+mod reply;
 mod siblings;
 mod sqlite;
 mod worker;
@@ -14,14 +15,11 @@ mod worker;
 use std::collections::{HashMap, HashSet};
 use std::error::Error;
 use std::fmt;
-use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use event_listener::Event;
 use futures::channel::oneshot;
@@ -33,6 +31,7 @@ use crate::scope::{ExitStatus, Release, Scope, Scoped};
 use crate::spawn::{SmolSpawner, Spawner};
 use crate::sync::lock;
 
+use self::reply::Replies;
 use self::sqlite::{from_micros, micros, Counters, Db};
 use self::worker::{Acquired, Command, Worker, Write};
 
@@ -319,8 +318,7 @@ pub(crate) struct Shared {
     common: Arc<Common>,
     next_request: AtomicU64,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Callers awaiting a reply from the worker, for [`Response`].
-    awaiting: AtomicUsize,
+    replies: Replies,
 }
 
 impl Drop for Shared {
@@ -349,17 +347,7 @@ impl Shared {
     ) -> Result<T, LockError> {
         let (reply, response) = oneshot::channel();
         self.send(command(reply))?;
-        self.response(response).await
-    }
-
-    fn response<T>(&self, receiver: oneshot::Receiver<Result<T, LockError>>) -> Response<'_, T> {
-        self.awaiting.fetch_add(1, Ordering::Relaxed);
-        Response {
-            shared: self,
-            receiver,
-            spin_until: None,
-            spun: false,
-        }
+        self.replies.wait(response).await
     }
 
     async fn acquire(
@@ -395,58 +383,6 @@ impl Shared {
             .call(|reply| Command::Write(Write::Renew { reply }))
             .await?;
         Ok(from_micros(at))
-    }
-}
-
-/// How long a caller that is alone in awaiting the worker keeps its task awake for the reply.
-///
-/// A reply takes one transaction, about 10 to 20 microseconds. Letting the executor park the
-/// thread instead costs a wake-up when the reply comes, and on small virtual machines that is
-/// 25 to 40 microseconds: longer than the work. So for this long the reply future wakes its own
-/// task and returns `Pending` (a yield, not a busy loop: an executor with other tasks runs them
-/// in between), and only then waits to be woken. It does so only while it is the manager's one
-/// caller awaiting the worker, which is when the worker is idle and the reply is at most one
-/// transaction away, and only on machines with more than one CPU.
-const REPLY_SPIN: Duration = Duration::from_micros(100);
-
-/// Whether this machine has a CPU to spare for [`REPLY_SPIN`].
-fn may_spin() -> bool {
-    static MAY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MAY.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() > 1))
-}
-
-/// The worker's reply to one command. See [`REPLY_SPIN`].
-struct Response<'a, T> {
-    shared: &'a Shared,
-    receiver: oneshot::Receiver<Result<T, LockError>>,
-    spin_until: Option<Instant>,
-    spun: bool,
-}
-
-impl<T> Future for Response<'_, T> {
-    type Output = Result<T, LockError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        if let Poll::Ready(reply) = Pin::new(&mut self.receiver).poll(cx) {
-            // The worker dropped the reply unsent: it stopped.
-            return Poll::Ready(reply.unwrap_or(Err(LockError::Shutdown)));
-        }
-        if !self.spun {
-            let now = Instant::now();
-            let until = *self.spin_until.get_or_insert(now + REPLY_SPIN);
-            if now < until && may_spin() && self.shared.awaiting.load(Ordering::Relaxed) == 1 {
-                cx.waker().wake_by_ref();
-            } else {
-                self.spun = true;
-            }
-        }
-        Poll::Pending
-    }
-}
-
-impl<T> Drop for Response<'_, T> {
-    fn drop(&mut self) {
-        self.shared.awaiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -600,7 +536,7 @@ impl LockManagerBuilder {
             common,
             next_request: AtomicU64::new(1),
             worker: Mutex::new(Some(worker)),
-            awaiting: AtomicUsize::new(0),
+            replies: Replies::default(),
         });
         siblings::register(&shared);
         Ok(LockManager { shared })
@@ -1304,7 +1240,7 @@ impl Guard {
         }));
         self.trace_release();
         sent?;
-        self.shared.response(response).await
+        self.shared.replies.wait(response).await
     }
 
     fn forget(&self) {

@@ -1,8 +1,7 @@
 //! The storage worker: one OS thread per manager that owns the SQLite connection.
 //!
-//! Callers send [`Command`]s and await a reply; no SQLite call ever happens on a caller's
-//! executor thread. (A caller alone in awaiting may yield to its executor for a moment before it
-//! parks: see `REPLY_SPIN`.)
+//! Callers send [`Command`]s and await a reply (see `reply.rs`); no SQLite call ever happens on
+//! a caller's executor thread.
 //!
 //! Invariants:
 //!
