@@ -2,23 +2,60 @@
 //!
 //! Invariants:
 //!
-//! 1. `state` holds the free permits in its low bits and, in its top bit, whether the queue is
-//!    non-empty. Waiters in `queue` are served strictly in order: a request at the head that does
-//!    not fit blocks everything behind it.
+//! 1. `state` holds the free permits in its low 62 bits, whether the queue is non-empty in its
+//!    top bit (`QUEUED`) and whether every [`Semaphore`] handle is gone in the next (`ORPHANED`).
+//!    `QUEUED` changes only under the queue lock, and equals "the queue is non-empty" whenever the
+//!    lock is free. Waiters in `queue` are served strictly in order: a request at the head that
+//!    does not fit blocks everything behind it.
 //! 2. The fast path takes permits with one compare-and-swap, and only while the queue flag is
 //!    clear, so it never overtakes a queued request (except in the instant a waiter is enqueuing,
 //!    a race the waiter could equally have lost).
-//! 3. A waiter sets the queue flag (under the queue lock) and then serves the queue; a release
-//!    adds permits and learns the flag from the same atomic add. So at least one of them sees the
-//!    other, and no permit is stranded while someone waits.
+//! 3. A waiter raises the queue flag and serves the queue under the queue lock. A return adds its
+//!    permits with a compare-and-swap that fails if the flag went up meanwhile; seeing the flag,
+//!    it adds them under the lock instead and serves the queue. All of this is one atomic word, so
+//!    its modification order alone decides who sees whom, and no permit is stranded while someone
+//!    waits.
+//!
+//! Memory. A [`Permit`] must be `'static` (a [`Scope`](crate::Scope) adopts it), but an `Arc`
+//! clone and drop per permit would double the atomic operations of an acquire-release cycle
+//! (two read-modify-writes: take, give). So the outstanding permits themselves keep `Inner`
+//! alive, counted by the free count that a cycle updates anyway:
+//!
+//! 4. `Inner` is freed once no handle is left (`ORPHANED`) and every permit is back (free ==
+//!    capacity). Only two changes can complete that: the last handle raising `ORPHANED`, and a
+//!    return adding the last outstanding permits. Both are read-modify-writes of `state`, so
+//!    exactly one of them sees the condition complete, and that one frees. Nothing undoes it:
+//!    taking permits needs a handle, or a queued waiter whose `Acquire` borrows a handle. (Only
+//!    a waiter whose `Acquire` was leaked with `mem::forget` can still be granted; its permits
+//!    never come back, so the condition cannot complete a second time.)
+//! 5. A return touches `Inner` only while its permits are out, with one exception. Seeing the
+//!    queue flag, it takes the queue lock first (its permits, still out, keep `Inner` alive until
+//!    then), then adds them, serves the queue and unlocks. Between its add and its unlock the
+//!    condition can complete elsewhere: the waiter it just granted may resolve at once on another
+//!    thread, and its task drop that permit on the fast path (the flag went down with the empty
+//!    queue) and then the last handle. So the freer takes the queue lock once before freeing: a
+//!    slow-path return still holding it has finished with `Inner` when it unlocks, and one that
+//!    does not hold it yet still has permits out. (`Acquire`'s poll and drop serve the queue too,
+//!    but they borrow a handle, so nothing is freed under them.)
+//! 6. The free happens-after every other use of `Inner`. Returns and the last handle's drop are
+//!    `Release` (`Arc` orders a handle's uses before the last drop) and the freer issues an
+//!    `Acquire` fence; every write to `state` is a read-modify-write, so each earlier `Release`
+//!    heads a release sequence that the freer reads from. The queue lock orders the rest (5).
+//!
+//! A leaked (`mem::forget`) `Permit` or queued `Acquire` may leak `Inner`; nothing frees it early.
 //!
 //! Lock order: only the queue lock exists; it is never held while waking a task.
+
+// The memory protocol above needs raw pointers; every unsafe operation says why it is sound.
+#![allow(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::ptr::NonNull;
+use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -30,8 +67,10 @@ use crate::sync::lock;
 
 /// The top bit of `state`: the queue is not empty.
 const QUEUED: usize = 1 << (usize::BITS - 1);
+/// The next bit of `state`: every handle is gone; `Inner` is freed when the permits are back.
+const ORPHANED: usize = 1 << (usize::BITS - 2);
 /// The low bits of `state`: free permits.
-const FREE: usize = !QUEUED;
+const FREE: usize = ORPHANED - 1;
 
 struct Inner {
     capacity: usize,
@@ -43,6 +82,199 @@ struct Waiter {
     permits: usize,
     granted: AtomicBool,
     waker: AtomicWaker,
+}
+
+// `Handle` and `Permit` share `Inner` between threads through raw pointers; that is sound only
+// because `Inner` itself is `Send + Sync`. Checked here, so a change to `Inner` cannot break it
+// silently.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<Inner>()
+};
+
+/// The handles' share of `Inner`: counted by the `Arc` around it, it raises `ORPHANED` when the
+/// last handle goes (invariant 4).
+struct Handle {
+    inner: NonNull<Inner>,
+}
+
+// SAFETY: a handle only reads `Inner` through shared references, and `Inner` is `Send + Sync`.
+unsafe impl Send for Handle {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: `Inner` is alive while a handle is (invariant 4); this is the last one, and the
+        // reference is not used after the read-modify-write that may let a return free it.
+        let inner = unsafe { self.inner.as_ref() };
+        let capacity = inner.capacity;
+        // Release: every use of `Inner` through a handle (ordered before this drop by `Arc`)
+        // happens-before the free, whoever does it (invariant 6).
+        let before = inner.state.fetch_or(ORPHANED, Ordering::Release);
+        if before & FREE == capacity {
+            // SAFETY: no handle is left and every permit was back: this drop completed the
+            // condition of invariant 4, so it is the one that frees.
+            unsafe { free(self.inner) }
+        }
+    }
+}
+
+/// Frees `Inner`.
+///
+/// # Safety
+///
+/// The caller's read-modify-write of `state` completed invariant 4's condition (no handle left,
+/// every permit back), and the caller no longer uses `inner`.
+#[cold]
+#[inline(never)]
+unsafe fn free(inner: NonNull<Inner>) {
+    // Acquire: pairs with the `Release` of every earlier change to `state` (invariant 6).
+    fence(Ordering::Acquire);
+    // A slow-path return may still be serving the queue (invariant 5): wait until it unlocks.
+    // Once we hold the lock it has, and no one else will take it, so it may be freed.
+    // SAFETY: only this call frees `Inner` (invariant 4), so it is alive here.
+    drop(lock(unsafe { &inner.as_ref().queue }));
+    // SAFETY: leaked from a `Box` in `Semaphore::new`; freed only here, and only once.
+    drop(unsafe { Box::from_raw(inner.as_ptr()) });
+}
+
+/// Returns `n` permits to `inner`: serves its queue if a waiter is queued, and frees it if these
+/// were the last permits out after the last handle went.
+///
+/// # Safety
+///
+/// The caller holds `n` permits of `inner` (which keep it alive, invariant 4), and this call
+/// consumes them: the caller must not use `inner` afterwards.
+#[inline]
+unsafe fn give(inner: NonNull<Inner>, n: usize) {
+    // SAFETY: our permits are out, so `Inner` is alive; neither the reference nor the field is
+    // used after the compare-and-swap that returns them.
+    let (state, capacity) = unsafe { (&inner.as_ref().state, inner.as_ref().capacity) };
+    let mut now = state.load(Ordering::Relaxed);
+    while now & QUEUED == 0 {
+        // Release: the holder's writes happen-before the next taker's `Acquire` and the free.
+        match state.compare_exchange_weak(now, now + n, Ordering::Release, Ordering::Relaxed) {
+            Ok(_) => {
+                // `ORPHANED` set and every permit back (the flag bit is above any free count).
+                if now + n == ORPHANED | capacity {
+                    // SAFETY: this return completed the condition of invariant 4.
+                    unsafe { free(inner) }
+                }
+                return;
+            }
+            Err(actual) => now = actual,
+        }
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { give_queued(inner, n) }
+}
+
+/// [`give`] when a waiter is (or was just) queued: adds the permits and serves the queue under
+/// the queue lock.
+///
+/// # Safety
+///
+/// As for [`give`].
+#[cold]
+#[inline(never)]
+unsafe fn give_queued(ptr: NonNull<Inner>, n: usize) {
+    // SAFETY: our permits keep `Inner` alive until the add below; after it, whoever frees waits
+    // for the queue lock we hold (invariant 5). Not used after the unlock.
+    let inner = unsafe { ptr.as_ref() };
+    let (woken, last) = {
+        // Lock first, add second: adding first could let the permits complete invariant 4's
+        // condition elsewhere before this thread reached the lock, and the lock would be freed.
+        let mut queue = lock(&inner.queue);
+        // Release: as in `give`. The flag may have been lowered since we saw it (the queue
+        // emptied): then serving finds nobody, which costs nothing.
+        let before = inner.state.fetch_add(n, Ordering::Release);
+        (
+            inner.grant(&mut queue),
+            (before & !QUEUED) + n == ORPHANED | inner.capacity,
+        )
+    };
+    wake(woken);
+    if last {
+        // SAFETY: this return completed the condition of invariant 4 (with `ORPHANED` set, no
+        // live `Acquire` exists, so the grant above could only have served leaked ones).
+        unsafe { free(ptr) }
+    }
+}
+
+/// Wakes the waiters that [`Inner::grant`] granted, once the queue lock is released.
+fn wake(woken: Vec<Arc<Waiter>>) {
+    for waiter in woken {
+        waiter.waker.wake();
+    }
+}
+
+impl Inner {
+    /// Takes `n` permits if that many are free and nobody is queued (the fast path). The caller
+    /// holds a handle.
+    #[inline]
+    fn take_unqueued(&self, n: usize) -> bool {
+        let mut now = self.state.load(Ordering::Relaxed);
+        loop {
+            // A handle exists, so `ORPHANED` is clear: with `QUEUED` clear too, `now` is the free
+            // count.
+            debug_assert_eq!(now & ORPHANED, 0, "a handle exists");
+            if now & QUEUED != 0 || now < n {
+                return false;
+            }
+            // Acquire: the previous holders' writes happen-before ours.
+            match self.state.compare_exchange_weak(
+                now,
+                now - n,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(actual) => now = actual,
+            }
+        }
+    }
+
+    /// Takes `n` permits for the head of the queue if that many are free.
+    fn take_queued(&self, n: usize) -> bool {
+        let mut now = self.state.load(Ordering::Relaxed);
+        loop {
+            if now & FREE < n {
+                return false;
+            }
+            // Acquire: as in `take_unqueued`; the grantee sees it through `granted`.
+            match self.state.compare_exchange_weak(
+                now,
+                now - n,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(actual) => now = actual,
+            }
+        }
+    }
+
+    /// Grants waiters from the head of `queue` (locked) while the head fits, and lowers the queue
+    /// flag if the queue is left empty. Returns the waiters to [`wake`] after unlocking.
+    fn grant(&self, queue: &mut VecDeque<Arc<Waiter>>) -> Vec<Arc<Waiter>> {
+        let mut woken = Vec::new();
+        while let Some(head) = queue.front() {
+            if !self.take_queued(head.permits) {
+                break;
+            }
+            let head = queue.pop_front().expect("front exists");
+            // Release: pairs with the `Acquire` load in `poll`, which hands the permits over.
+            head.granted.store(true, Ordering::Release);
+            woken.push(head);
+        }
+        if queue.is_empty() {
+            // Relaxed, as for every change to the flag: the lock orders the queue, and the flag's
+            // meaning to returns is decided by the modification order of `state` (invariant 3).
+            self.state.fetch_and(!QUEUED, Ordering::Relaxed);
+        }
+        woken
+    }
 }
 
 /// A fair counting semaphore: strictly FIFO, so a large request at the head is not overtaken.
@@ -65,7 +297,7 @@ struct Waiter {
 /// ```
 #[derive(Clone)]
 pub struct Semaphore {
-    inner: Arc<Inner>,
+    handle: Arc<Handle>,
 }
 
 impl Semaphore {
@@ -73,14 +305,17 @@ impl Semaphore {
     ///
     /// # Panics
     ///
-    /// If `permits` does not fit in 63 bits.
+    /// If `permits` does not fit in 62 bits.
     pub fn new(permits: usize) -> Self {
         assert!(permits <= FREE, "a semaphore holds at most {FREE} permits");
+        let inner = Box::new(Inner {
+            capacity: permits,
+            state: AtomicUsize::new(permits),
+            queue: Mutex::new(VecDeque::new()),
+        });
         Semaphore {
-            inner: Arc::new(Inner {
-                capacity: permits,
-                state: AtomicUsize::new(permits),
-                queue: Mutex::new(VecDeque::new()),
+            handle: Arc::new(Handle {
+                inner: NonNull::from(Box::leak(inner)),
             }),
         }
     }
@@ -108,11 +343,12 @@ impl Semaphore {
     /// drop(permit);
     /// # });
     /// ```
+    #[inline]
     pub fn acquire(&self, permits: usize) -> Acquire<'_> {
+        let capacity = self.inner().capacity;
         assert!(
-            permits <= self.inner.capacity,
-            "requested {permits} permits from a semaphore of {}",
-            self.inner.capacity
+            permits <= capacity,
+            "requested {permits} permits from a semaphore of {capacity}"
         );
         Acquire {
             semaphore: self,
@@ -134,74 +370,31 @@ impl Semaphore {
     /// assert!(semaphore.try_acquire(1).is_none());
     /// assert!(semaphore.try_acquire(2).is_none()); // more than it has: never
     /// ```
+    #[inline]
     pub fn try_acquire(&self, permits: usize) -> Option<Permit> {
-        self.inner
+        self.inner()
             .take_unqueued(permits)
             .then(|| self.permit(permits))
     }
 
     /// Permits free right now.
     pub fn available(&self) -> usize {
-        self.inner.state.load(SeqCst) & FREE
+        // Relaxed: a snapshot, which orders nothing.
+        self.inner().state.load(Ordering::Relaxed) & FREE
     }
 
+    #[inline]
+    fn inner(&self) -> &Inner {
+        // SAFETY: `Inner` outlives every handle (invariant 4).
+        unsafe { self.handle.inner.as_ref() }
+    }
+
+    /// Wraps `permits` this handle's caller has just taken.
+    #[inline]
     fn permit(&self, permits: usize) -> Permit {
         Permit {
-            semaphore: self.clone(),
+            inner: self.handle.inner,
             permits,
-        }
-    }
-}
-
-impl Inner {
-    /// Takes `n` permits if that many are free and nobody is queued (the fast path).
-    fn take_unqueued(&self, n: usize) -> bool {
-        self.state
-            .fetch_update(SeqCst, SeqCst, |state| {
-                if state & QUEUED == 0 {
-                    state.checked_sub(n)
-                } else {
-                    None
-                }
-            })
-            .is_ok()
-    }
-
-    /// Takes `n` permits for the head of the queue if that many are free.
-    fn take_queued(&self, n: usize) -> bool {
-        self.state
-            .fetch_update(SeqCst, SeqCst, |state| {
-                (state & FREE >= n).then(|| state - n)
-            })
-            .is_ok()
-    }
-
-    /// Returns `n` permits and serves the queue if it is not empty.
-    fn give(&self, n: usize) {
-        if self.state.fetch_add(n, SeqCst) & QUEUED != 0 {
-            self.serve();
-        }
-    }
-
-    /// Grants waiters from the head of the queue while the head fits.
-    fn serve(&self) {
-        let mut woken: Vec<Arc<Waiter>> = Vec::new();
-        {
-            let mut queue = lock(&self.queue);
-            while let Some(head) = queue.front() {
-                if !self.take_queued(head.permits) {
-                    break;
-                }
-                let head = queue.pop_front().expect("front exists");
-                head.granted.store(true, SeqCst);
-                woken.push(head);
-            }
-            if queue.is_empty() {
-                self.state.fetch_and(FREE, SeqCst);
-            }
-        }
-        for waiter in woken {
-            waiter.waker.wake();
         }
     }
 }
@@ -214,36 +407,75 @@ pub struct Acquire<'a> {
     waiter: Option<Arc<Waiter>>,
 }
 
+impl Acquire<'_> {
+    /// The first poll, when the fast path failed: joins the queue, serves it, and returns the
+    /// new waiter.
+    #[cold]
+    #[inline(never)]
+    fn enqueue(&mut self, cx: &mut Context<'_>) -> &Waiter {
+        let waiter = Arc::new(Waiter {
+            permits: self.permits,
+            granted: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+        });
+        waiter.waker.register(cx.waker());
+        let inner = self.semaphore.inner();
+        let woken = {
+            let mut queue = lock(&inner.queue);
+            queue.push_back(waiter.clone());
+            // Relaxed: see `grant`.
+            inner.state.fetch_or(QUEUED, Ordering::Relaxed);
+            // Permits returned before the flag went up are for the queue to take (invariant 3).
+            inner.grant(&mut queue)
+        };
+        wake(woken);
+        self.waiter.insert(waiter)
+    }
+
+    /// [`Drop`] for a request that joined the queue.
+    #[cold]
+    #[inline(never)]
+    fn leave(&mut self, waiter: Arc<Waiter>) {
+        let inner = self.semaphore.inner();
+        let woken = {
+            let mut queue = lock(&inner.queue);
+            let position = queue.iter().position(|w| Arc::ptr_eq(w, &waiter));
+            position.map(|at| {
+                queue.remove(at);
+                // Still queued: the requests behind it may fit now.
+                inner.grant(&mut queue)
+            })
+        };
+        match woken {
+            Some(woken) => wake(woken),
+            // Granted but never handed over: give the permits back, as a permit would.
+            // SAFETY: the grant took these permits for this waiter and nothing else returns
+            // them; our handle keeps `Inner` alive anyway.
+            None => unsafe { give(self.semaphore.handle.inner, waiter.permits) },
+        }
+    }
+}
+
 impl Future for Acquire<'_> {
     type Output = Permit;
 
+    #[inline]
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Permit> {
         let this = &mut *self;
-        let inner = &this.semaphore.inner;
-        match &this.waiter {
+        let waiter = match &this.waiter {
             None => {
-                if inner.take_unqueued(this.permits) {
+                if this.semaphore.inner().take_unqueued(this.permits) {
                     return Poll::Ready(this.semaphore.permit(this.permits));
                 }
-                let waiter = Arc::new(Waiter {
-                    permits: this.permits,
-                    granted: AtomicBool::new(false),
-                    waker: AtomicWaker::new(),
-                });
-                waiter.waker.register(cx.waker());
-                {
-                    let mut queue = lock(&inner.queue);
-                    queue.push_back(waiter.clone());
-                    inner.state.fetch_or(QUEUED, SeqCst);
-                }
-                // Permits may have been returned before the flag was raised (invariant 3).
-                inner.serve();
-                this.waiter = Some(waiter);
+                this.enqueue(cx)
             }
-            Some(waiter) => waiter.waker.register(cx.waker()),
-        }
-        let waiter = this.waiter.as_ref().expect("queued above");
-        if waiter.granted.load(SeqCst) {
+            Some(waiter) => {
+                waiter.waker.register(cx.waker());
+                waiter
+            }
+        };
+        // Acquire: pairs with the `Release` store in `grant`, after the permits were taken.
+        if waiter.granted.load(Ordering::Acquire) {
             // The permit now owns the permits; with no waiter left, Drop has nothing to undo.
             this.waiter = None;
             Poll::Ready(this.semaphore.permit(this.permits))
@@ -254,23 +486,10 @@ impl Future for Acquire<'_> {
 }
 
 impl Drop for Acquire<'_> {
+    #[inline]
     fn drop(&mut self) {
-        let Some(waiter) = self.waiter.take() else {
-            return;
-        };
-        let inner = &self.semaphore.inner;
-        let removed = {
-            let mut queue = lock(&inner.queue);
-            let position = queue.iter().position(|w| Arc::ptr_eq(w, &waiter));
-            position.map(|at| {
-                queue.remove(at);
-            })
-        };
-        match removed {
-            // Still queued: the requests behind it may fit now.
-            Some(()) => inner.serve(),
-            // Granted but never handed over: give the permits back.
-            None => inner.give(waiter.permits),
+        if let Some(waiter) = self.waiter.take() {
+            self.leave(waiter);
         }
     }
 }
@@ -285,11 +504,22 @@ impl fmt::Debug for Acquire<'_> {
 }
 
 /// Permits taken from a [`Semaphore`]; returned when dropped (or released by a scope).
+///
+/// A permit may outlive every handle to its semaphore: the semaphore's state is freed when the
+/// last handle and the last permit are gone, whichever goes last.
 #[must_use = "dropping a Permit returns its permits at once"]
 pub struct Permit {
-    semaphore: Semaphore,
+    /// Kept alive by this permit's permits while there are any (module invariant 4); never
+    /// dereferenced by a permit of zero permits.
+    inner: NonNull<Inner>,
     permits: usize,
 }
+
+// SAFETY: a permit only reads `Inner` through shared references (when it is dropped), and `Inner`
+// is `Send + Sync`; the permits it holds keep `Inner` alive wherever it is dropped.
+unsafe impl Send for Permit {}
+// SAFETY: `&Permit` gives access to the permit count only.
+unsafe impl Sync for Permit {}
 
 impl Permit {
     /// How many permits this holds.
@@ -299,9 +529,11 @@ impl Permit {
 }
 
 impl Drop for Permit {
+    #[inline]
     fn drop(&mut self) {
         if self.permits > 0 {
-            self.semaphore.inner.give(self.permits);
+            // SAFETY: this permit holds `self.permits` permits of `inner`, returned only here.
+            unsafe { give(self.inner, self.permits) }
         }
     }
 }
@@ -323,10 +555,11 @@ impl fmt::Debug for Permit {
 
 impl fmt::Debug for Semaphore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = self.inner();
         f.debug_struct("Semaphore")
-            .field("capacity", &self.inner.capacity)
+            .field("capacity", &inner.capacity)
             .field("available", &self.available())
-            .field("waiters", &lock(&self.inner.queue).len())
+            .field("waiters", &lock(&inner.queue).len())
             .finish()
     }
 }

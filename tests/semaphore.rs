@@ -2,13 +2,74 @@
 
 mod common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
 
 use common::{on_every_executor, poll_once, yield_now, Log, GENEROUS};
 use futures::executor::block_on;
 use futures::future;
-use leasehold::{ExitStatus, Permit, Scope, Semaphore};
+use leasehold::{Acquire, ExitStatus, Permit, Scope, Semaphore};
+
+/// Counts, per thread, the bytes allocated minus the bytes freed. A permit may outlive every
+/// handle to its semaphore, and the semaphore's state is then freed by whichever goes last: the
+/// tests below use this count to see that it is freed, and not before the last permit is back.
+struct CountingAllocator;
+
+thread_local! {
+    static LIVE_BYTES: Cell<isize> = const { Cell::new(0) };
+}
+
+fn count(bytes: isize) {
+    // `try_with`: allocations made while the thread's locals are torn down are not counted.
+    let _ = LIVE_BYTES.try_with(|live| live.set(live.get() + bytes));
+}
+
+/// Bytes this thread has allocated and not freed (minus those it freed for other threads).
+fn live_bytes() -> isize {
+    LIVE_BYTES.with(Cell::get)
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts on the side.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's guarantees.
+        let block = unsafe { System.alloc(layout) };
+        if !block.is_null() {
+            count(layout.size() as isize);
+        }
+        block
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's guarantees.
+        let block = unsafe { System.alloc_zeroed(layout) };
+        if !block.is_null() {
+            count(layout.size() as isize);
+        }
+        block
+    }
+
+    unsafe fn realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded with the caller's guarantees.
+        let moved = unsafe { System.realloc(block, layout, new_size) };
+        if !moved.is_null() {
+            count(new_size as isize - layout.size() as isize);
+        }
+        moved
+    }
+
+    unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { System.dealloc(block, layout) };
+        count(-(layout.size() as isize));
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 fn ready(poll: std::task::Poll<Permit>) -> Permit {
     match poll {
@@ -246,4 +307,228 @@ fn no_more_than_the_capacity_is_ever_held_under_contention() {
     assert!(most.load(Ordering::SeqCst) >= 2, "there was no contention");
     assert_eq!(held.load(Ordering::SeqCst), 0);
     assert_eq!(semaphore.available(), CAPACITY);
+}
+
+#[test]
+fn permits_that_outlive_every_handle_return_cleanly_and_the_last_one_frees_the_semaphore() {
+    let before = live_bytes();
+    let semaphore = Semaphore::new(4);
+    let other = semaphore.clone();
+    let a = semaphore.try_acquire(1).unwrap();
+    let b = ready(poll_once(&mut other.acquire(2)));
+    let none = ready(poll_once(&mut semaphore.acquire(0)));
+    let c = other.try_acquire(1).unwrap();
+    drop((semaphore, other));
+
+    drop(b);
+    drop(a);
+    assert!(
+        live_bytes() > before,
+        "the semaphore was freed while a permit was still out"
+    );
+    drop(c);
+    assert_eq!(
+        live_bytes(),
+        before,
+        "the last permit back did not free the semaphore"
+    );
+    // A permit of no permits never touches the semaphore: dropping it now is harmless.
+    assert_eq!(none.permits(), 0);
+    drop(none);
+}
+
+#[test]
+fn the_last_handle_frees_the_semaphore_when_every_permit_is_already_back() {
+    let before = live_bytes();
+    let semaphore = Semaphore::new(2);
+    let permit = ready(poll_once(&mut semaphore.acquire(2)));
+    let other = semaphore.clone();
+    drop(permit);
+    drop(semaphore);
+    assert!(live_bytes() > before, "freed while a handle was left");
+    drop(other);
+    assert_eq!(live_bytes(), before, "the last handle did not free it");
+}
+
+#[test]
+fn a_permit_that_outlives_a_cancelled_waiter_and_every_handle_frees_the_semaphore() {
+    let before = live_bytes();
+    let semaphore = Semaphore::new(2);
+    let first = semaphore.try_acquire(1).unwrap();
+    let second = ready(poll_once(&mut semaphore.acquire(1)));
+    {
+        let mut cancelled = semaphore.acquire(2);
+        assert!(poll_once(&mut cancelled).is_pending());
+        drop(first); // granted to nobody: the head needs 2
+        let mut granted_unseen = semaphore.acquire(1);
+        assert!(poll_once(&mut granted_unseen).is_pending());
+        drop(cancelled); // the request behind it takes the free permit, and is never polled
+        assert_eq!(semaphore.available(), 0);
+    } // ... and gives it back when dropped
+    assert_eq!(semaphore.available(), 1);
+    drop(semaphore);
+    drop(second);
+    assert_eq!(live_bytes(), before, "the semaphore was not freed");
+}
+
+// `mem::forget` of a queued request is safe code. Its permits may then be granted and never come
+// back: the semaphore's state may leak, but must not be freed early, nor twice. (Both tests leak
+// on purpose: run them apart from the others under a leak checker.)
+
+#[test]
+fn a_leaked_acquire_granted_while_handles_remain_keeps_its_permits_and_the_rest_work() {
+    let semaphore = Semaphore::new(2);
+    let held = semaphore.try_acquire(2).unwrap();
+    let mut leaked = semaphore.acquire(1);
+    assert!(poll_once(&mut leaked).is_pending());
+    std::mem::forget(leaked);
+    drop(held); // grants the leaked request one permit, for good
+    assert_eq!(semaphore.available(), 1);
+    let last = semaphore.try_acquire(1).expect("the queue flag went down");
+    drop(semaphore);
+    drop(last); // the leaked permit is still out: the state stays (leaked)
+}
+
+#[test]
+fn a_leaked_acquire_granted_after_the_last_handle_went_does_not_stop_the_free() {
+    let semaphore = Semaphore::new(2);
+    let held = semaphore.try_acquire(2).unwrap();
+    let mut leaked = semaphore.acquire(1);
+    assert!(poll_once(&mut leaked).is_pending());
+    std::mem::forget(leaked);
+    drop(semaphore);
+    // Every permit is back and no handle is left, so this return frees the state, after serving
+    // the queue under its lock: which grants the leaked request, whose permits never come back.
+    drop(held);
+}
+
+/// Runs `test` on its own thread and fails if it has not finished within `limit`: a deadlock
+/// fails the test instead of hanging it.
+fn finishes_within(limit: Duration, test: impl FnOnce() + Send + 'static) {
+    let (finished, done) = std::sync::mpsc::channel();
+    let runner = std::thread::spawn(move || {
+        test();
+        let _ = finished.send(());
+    });
+    match done.recv_timeout(limit) {
+        Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = runner.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("not finished within {limit:?}: deadlocked?")
+        }
+    }
+}
+
+/// Polls `acquire` until it is granted, yielding the thread in between.
+fn spin_until_granted(acquire: &mut Acquire<'_>) -> Permit {
+    let deadline = Instant::now() + GENEROUS;
+    loop {
+        if let std::task::Poll::Ready(permit) = poll_once(acquire) {
+            return permit;
+        }
+        assert!(Instant::now() < deadline, "a waiter was never granted");
+        std::thread::yield_now();
+    }
+}
+
+/// What a thread of the race below does with its handle besides dropping it.
+#[derive(Clone, Copy)]
+enum Request {
+    None,
+    /// Queues a request, then drops it when the race starts.
+    Cancelled,
+    /// Queues a request, then polls it until granted and drops the permit.
+    Awaited,
+}
+
+#[test]
+fn the_last_handle_and_the_last_permits_racing_free_the_semaphore_exactly_once() {
+    const CAPACITY: usize = 3;
+    const ROUNDS: usize = 2000;
+
+    // Each round, released by one barrier: a thread drops a handle, two drop a permit each, and
+    // two, each with a handle and a request queued behind those permits, cancel their request or
+    // take it. Whoever goes last frees the semaphore's state. Every other round the test keeps a
+    // handle too, and checks that every permit came back. Each thread counts the bytes it
+    // allocates and frees, so the sum over a round is zero when the state was freed (a second
+    // free would make it negative, if the allocator did not abort first).
+    finishes_within(Duration::from_secs(120), || {
+        for round in 0..ROUNDS {
+            let start = live_bytes();
+            let semaphore = Semaphore::new(CAPACITY);
+            let one = semaphore.try_acquire(1).unwrap();
+            let two = ready(poll_once(&mut semaphore.acquire(2)));
+            let [first, second] = [semaphore.clone(), semaphore.clone()];
+            let kept = (round % 2 == 0).then(|| semaphore.clone());
+            let barrier = Barrier::new(5);
+            let requests = match round % 8 / 2 {
+                0 => [Request::None, Request::None],
+                1 => [Request::Cancelled, Request::Cancelled],
+                2 => [Request::Awaited, Request::Awaited],
+                _ => [Request::Cancelled, Request::Awaited],
+            };
+            let setup = live_bytes() - start;
+
+            let threads: isize = std::thread::scope(|scope| {
+                let barrier = &barrier;
+                let mut counted = Vec::new();
+                counted.push(scope.spawn(move || {
+                    let start = live_bytes();
+                    barrier.wait();
+                    drop(semaphore);
+                    live_bytes() - start
+                }));
+                for permit in [one, two] {
+                    counted.push(scope.spawn(move || {
+                        let start = live_bytes();
+                        barrier.wait();
+                        drop(permit);
+                        live_bytes() - start
+                    }));
+                }
+                // Requests of 2 and 1 permits, queued in whichever order their threads start.
+                for ((handle, request), wants) in
+                    [first, second].into_iter().zip(requests).zip([2, 1])
+                {
+                    counted.push(scope.spawn(move || {
+                        let start = live_bytes();
+                        let mut acquire = handle.acquire(wants);
+                        if !matches!(request, Request::None) {
+                            assert!(poll_once(&mut acquire).is_pending(), "nothing is free yet");
+                        }
+                        barrier.wait();
+                        if let Request::Awaited = request {
+                            drop(spin_until_granted(&mut acquire));
+                        }
+                        // Cancelled while permits come back: still queued, or granted unseen.
+                        drop(acquire);
+                        drop(handle);
+                        live_bytes() - start
+                    }));
+                }
+                counted.into_iter().map(|t| t.join().unwrap()).sum()
+            });
+
+            let end = live_bytes();
+            if let Some(kept) = kept {
+                assert_eq!(
+                    kept.available(),
+                    CAPACITY,
+                    "round {round}: permits went missing"
+                );
+                let all = kept.try_acquire(CAPACITY);
+                assert!(all.is_some(), "round {round}: the queue flag was left up");
+                drop((all, kept));
+            }
+            let freed = live_bytes() - end;
+            assert_eq!(
+                setup + threads + freed,
+                0,
+                "round {round}: the semaphore's state was not freed"
+            );
+        }
+    });
 }
