@@ -1203,7 +1203,8 @@ fn final_count(config: &Config, db: &Path) -> Result<u64, Box<dyn std::error::Er
     })?;
     drop(cleaner);
     let connection = sqlite::open(db)?;
-    let mut statement = connection.prepare("SELECT COUNT(*) FROM locks")?;
+    // The row with key '' is the ticket counter, not a lock.
+    let mut statement = connection.prepare("SELECT COUNT(*) FROM locks WHERE key <> ''")?;
     statement.next()?;
     Ok(statement.read::<i64, _>(0)? as u64)
 }

@@ -20,6 +20,69 @@ fn a_database_from_a_newer_version_is_refused() {
     }
 }
 
+/// A database written by schema version 1 (a separate `tickets` table) opens: its rows are kept,
+/// and tickets go on from where its counter stood, so fencing tokens keep increasing.
+#[test]
+fn a_version_1_database_is_migrated_keeping_its_rows_and_its_ticket_sequence() {
+    futures::executor::block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        let far_future = i64::MAX / 2;
+        sqlite::open(&path)
+            .unwrap()
+            .execute(format!(
+                "PRAGMA journal_mode = WAL;
+                 CREATE TABLE tickets (id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL);
+                 INSERT INTO tickets (id, last) VALUES (1, 41);
+                 CREATE TABLE locks (
+                     key TEXT NOT NULL, ticket INTEGER NOT NULL, mode INTEGER NOT NULL,
+                     operation TEXT NOT NULL, owner TEXT NOT NULL, held INTEGER NOT NULL,
+                     requested_at INTEGER NOT NULL, acquired_at INTEGER,
+                     expires_at INTEGER NOT NULL, heartbeat_at INTEGER NOT NULL,
+                     PRIMARY KEY (key, ticket)
+                 ) WITHOUT ROWID;
+                 INSERT INTO locks VALUES ('old', 41, 1, 'from v1', 'someone', 1, 0, 0, {far_future}, 0);
+                 PRAGMA user_version = 1;"
+            ))
+            .unwrap();
+
+        let locks = LockManager::open(&path).unwrap();
+        let entries = locks.inspect(None).await.unwrap();
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        assert_eq!((entries[0].key.as_str(), entries[0].ticket), ("old", 41));
+        assert!(locks.is_locked("old").await.unwrap());
+        let guard = locks.exclusive("new", "after the migration").await.unwrap();
+        assert_eq!(guard.fencing_token(), 42);
+        guard.release().await.unwrap();
+
+        let connection = sqlite::open(&path).unwrap();
+        let mut version = connection.prepare("PRAGMA user_version").unwrap();
+        version.next().unwrap();
+        assert_eq!(version.read::<i64, _>(0).unwrap(), 2);
+        let mut tables = connection
+            .prepare("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'tickets'")
+            .unwrap();
+        tables.next().unwrap();
+        assert_eq!(tables.read::<i64, _>(0).unwrap(), 0, "the tickets table is gone");
+    });
+}
+
+/// The ticket counter is a row of the locks table (key ''), and no query shows it as a lock.
+#[test]
+fn the_ticket_counter_is_never_seen_as_a_lock() {
+    futures::executor::block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let guard = locks.exclusive("k", "held").await.unwrap();
+        assert!(!locks.is_locked("").await.unwrap());
+        assert!(locks.inspect(Some("")).await.unwrap().is_empty());
+        let entries = locks.inspect(None).await.unwrap();
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        assert_eq!(entries[0].key, "k");
+        guard.release().await.unwrap();
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
 #[test]
 fn a_path_in_a_missing_directory_is_a_storage_error() {
     let dir = tempfile::tempdir().unwrap();
