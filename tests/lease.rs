@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::executor::block_on;
-use leasehold::{fork_daemon, EntryState, LeaseLost, LockManager, LockRequest, TestClock};
+use leasehold::{fork_daemon, Clock, EntryState, LeaseLost, LockManager, LockRequest, TestClock};
 
 const LEASE: Duration = Duration::from_secs(10);
 const BEAT: Duration = Duration::from_secs(2);
@@ -233,5 +233,79 @@ fn a_waiter_whose_lease_ran_out_queues_again_and_is_granted() {
         let granted = waiter.join().await.success().unwrap().unwrap();
         assert_eq!(granted.requests()[0].operation, "frozen waiter");
         granted.release().await.unwrap();
+    });
+}
+
+/// A spawner that holds what it is given until `start` is called, then runs it on smol's
+/// executor: background work that starts late, as on a busy executor.
+#[derive(Clone, Default)]
+struct LateSpawner(Arc<std::sync::Mutex<Vec<futures::future::BoxFuture<'static, ()>>>>);
+
+impl LateSpawner {
+    fn start(&self) {
+        for task in self.0.lock().unwrap().drain(..) {
+            smol::spawn(task).detach();
+        }
+    }
+}
+
+/// A waiter's heartbeat counts from when the request was sent, not from when its fiber first
+/// runs: a fiber that starts a whole heartbeat late renews at once.
+#[test]
+fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_starts() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let clock = TestClock::new();
+        let late = LateSpawner::default();
+        let locks = {
+            let late = late.clone();
+            LockManager::builder()
+                .lease(LEASE)
+                .heartbeat(BEAT)
+                .clock(Arc::new(clock.clone()))
+                .spawner(Arc::new(move |task| late.0.lock().unwrap().push(task)))
+                .open(&path)
+                .unwrap()
+        };
+        let other = manager(&path, &clock);
+        let guard = other.exclusive("k", "holder").await.unwrap();
+        let waiter = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("k", "waiter").await })
+        };
+        within(5_000, "the waiter queued", || async {
+            locks.inspect(Some("k")).await.unwrap().len() == 2
+        })
+        .await;
+        let queued_until = clock.now() + LEASE;
+
+        clock.advance(BEAT);
+        late.start();
+        within(
+            5_000,
+            "the late heartbeat renewed the waiting row",
+            || async {
+                let rows = locks.inspect(Some("k")).await.unwrap();
+                rows.iter()
+                    .any(|row| row.operation == "waiter" && row.expires_at == queued_until + BEAT)
+            },
+        )
+        .await;
+
+        guard.release().await.unwrap();
+        within(5_000, "the waiter was granted", || async {
+            waiter.is_finished()
+        })
+        .await;
+        waiter
+            .join()
+            .await
+            .success()
+            .unwrap()
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
     });
 }

@@ -63,7 +63,11 @@ fn a_version_1_database_is_migrated_keeping_its_rows_and_its_ticket_sequence() {
             .prepare("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'tickets'")
             .unwrap();
         tables.next().unwrap();
-        assert_eq!(tables.read::<i64, _>(0).unwrap(), 0, "the tickets table is gone");
+        assert_eq!(
+            tables.read::<i64, _>(0).unwrap(),
+            0,
+            "the tickets table is gone"
+        );
     });
 }
 

@@ -18,10 +18,12 @@ use crate::clock::{Clock, SystemClock};
 use crate::fiber::fork_daemon_on;
 use crate::sync::lock;
 
-/// Renews while a request waits; forked into the acquisition's scope.
-pub(super) async fn waiter(shared: Arc<Shared>) {
+/// Renews while a request waits; forked into the acquisition's scope. The first beat comes one
+/// heartbeat after `since` (when the request was sent, so no later than its row's lease began),
+/// however late the fiber itself starts.
+pub(super) async fn waiter(shared: Arc<Shared>, since: Duration) {
     let common = &shared.common;
-    let mut pause = common.heartbeat;
+    let mut pause = (since + common.heartbeat).saturating_sub(common.clock.now());
     loop {
         common.clock.sleep(pause).await;
         pause = match shared.renew().await {

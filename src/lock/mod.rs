@@ -292,6 +292,8 @@ pub(crate) struct Common {
     last_renewal: AtomicU64,
     /// The database file, for waking other managers of this process that share it.
     path: Option<PathBuf>,
+    /// The worker's replies, as awaited by callers.
+    replies: Replies,
 }
 
 #[derive(Default)]
@@ -318,7 +320,6 @@ pub(crate) struct Shared {
     common: Arc<Common>,
     next_request: AtomicU64,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
-    replies: Replies,
 }
 
 impl Drop for Shared {
@@ -347,7 +348,7 @@ impl Shared {
     ) -> Result<T, LockError> {
         let (reply, response) = oneshot::channel();
         self.send(command(reply))?;
-        self.replies.wait(response).await
+        self.common.replies.wait(response).await
     }
 
     async fn acquire(
@@ -509,6 +510,7 @@ impl LockManagerBuilder {
             unqueued: AtomicUsize::new(0),
             last_renewal: AtomicU64::new(0),
             path: path.map(canonical),
+            replies: Replies::default(),
         });
         // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
         let (opened_tx, opened_rx) = std::sync::mpsc::channel();
@@ -536,7 +538,6 @@ impl LockManagerBuilder {
             common,
             next_request: AtomicU64::new(1),
             worker: Mutex::new(Some(worker)),
-            replies: Replies::default(),
         });
         siblings::register(&shared);
         Ok(LockManager { shared })
@@ -991,12 +992,14 @@ async fn acquire_in_scope(
         Policy::Queue => {
             let mut beating = false;
             loop {
+                // No later than the row's lease starts: the heartbeat counts from here.
+                let sent_at = shared.common.clock.now();
                 match shared.acquire(id, &requests, true).await? {
                     Acquired::Granted(ticket) => break ticket,
                     Acquired::Queued(ticket, slot) => {
                         if !beating {
                             beating = true;
-                            scope.fork(heartbeat::waiter(shared.clone()));
+                            scope.fork(heartbeat::waiter(shared.clone(), sent_at));
                         }
                         if slot.granted().await? {
                             break ticket;
@@ -1240,7 +1243,7 @@ impl Guard {
         }));
         self.trace_release();
         sent?;
-        self.shared.replies.wait(response).await
+        self.shared.common.replies.wait(response).await
     }
 
     fn forget(&self) {

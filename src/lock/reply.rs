@@ -2,11 +2,17 @@
 //!
 //! A reply usually takes one transaction, 10 to 20 microseconds. Letting the executor park the
 //! caller's thread meanwhile costs a wake-up when the reply comes, and on small virtual machines
-//! that is 25 to 40 microseconds: longer than the work. So a call that is alone in awaiting the
-//! worker (the worker is then idle, and its reply at most one transaction away) first *yields*:
-//! its future wakes its own task and returns `Pending`, for up to [`YIELD_FOR`]. An executor with
-//! other tasks runs them in between; one with nothing else to do polls again at once instead of
-//! parking. After that, or as soon as another call is waiting too, it waits to be woken.
+//! that is 25 to 150 microseconds: longer than the work. So a call that is alone in awaiting the
+//! worker (the worker is then idle, and its reply one transaction away) first *yields*: its future
+//! wakes its own task and returns `Pending`, for up to [`YIELD_FOR`]. An executor with other tasks
+//! runs them in between; one with nothing else to do polls again at once instead of parking. Each
+//! such poll also yields the thread to the operating system (`sched_yield`), in case the worker
+//! shares its CPU. After that, or as soon as another call is waiting too, it waits to be woken.
+//!
+//! If the worker had gone to sleep, the reply is also one thread wake-up away, and waking a thread
+//! whose CPU has gone idle can take hundreds of microseconds on a virtual machine; such a call
+//! yields for up to [`YIELD_FOR_ASLEEP`]. It is the call that gets caller and worker back in step:
+//! once it has its reply at once, its next call finds the worker still looking for work.
 //!
 //! Yielding pays only when the worker has a CPU to run on while the caller occupies another. On a
 //! machine with one CPU it never happens; on an oversubscribed one the worker is starved by the
@@ -17,7 +23,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -26,13 +32,18 @@ use futures::channel::oneshot;
 
 use super::LockError;
 
-/// How long a call alone in awaiting the worker yields before it waits to be woken.
+/// How long a call alone in awaiting an awake worker yields before it waits to be woken.
 pub(crate) const YIELD_FOR: Duration = Duration::from_micros(100);
 
-/// The most calls that wait without yielding after replies kept missing [`YIELD_FOR`].
+/// How long a call alone in awaiting a sleeping worker yields. Were it [`YIELD_FOR`], a caller
+/// that once parked (so that the worker went to sleep meanwhile) would miss again on waking it,
+/// and back off further each time: the slow path would feed itself.
+pub(crate) const YIELD_FOR_ASLEEP: Duration = Duration::from_millis(1);
+
+/// The most calls that wait without yielding after replies kept missing their time.
 pub(crate) const MAX_SKIP: u32 = 1024;
 
-/// The replies one manager handle awaits, and whether yielding for them pays.
+/// The replies a manager (with all its clones) awaits, and whether yielding for them pays.
 #[derive(Debug, Default)]
 pub(crate) struct Replies {
     /// Calls awaiting a reply now.
@@ -41,6 +52,8 @@ pub(crate) struct Replies {
     skip: AtomicU32,
     /// How many the last miss set `skip` to (0 after a hit).
     backoff: AtomicU32,
+    /// Whether the worker is blocked waiting for a command.
+    worker_asleep: AtomicBool,
 }
 
 impl Replies {
@@ -54,6 +67,25 @@ impl Replies {
             replies: self,
             receiver,
             yielding: Yielding::NotYet,
+        }
+    }
+
+    /// The worker is about to block waiting for a command.
+    pub(crate) fn worker_sleeps(&self) {
+        self.worker_asleep.store(true, Relaxed);
+    }
+
+    /// The worker is back from waiting.
+    pub(crate) fn worker_wakes(&self) {
+        self.worker_asleep.store(false, Relaxed);
+    }
+
+    /// How long a call that starts yielding now may yield.
+    fn yield_for(&self) -> Duration {
+        if self.worker_asleep.load(Relaxed) {
+            YIELD_FOR_ASLEEP
+        } else {
+            YIELD_FOR
         }
     }
 
@@ -76,7 +108,7 @@ impl Replies {
         self.backoff.store(0, Relaxed);
     }
 
-    /// The reply did not come within [`YIELD_FOR`]: skip twice as many calls as last time.
+    /// The reply did not come while its caller yielded: skip twice as many calls as last time.
     fn missed(&self) {
         let backoff = (self.backoff.load(Relaxed) * 2).clamp(1, MAX_SKIP);
         self.backoff.store(backoff, Relaxed);
@@ -116,7 +148,7 @@ impl<T> Future for Response<'_, T> {
         let replies = self.replies;
         self.yielding = match self.yielding {
             Yielding::NotYet if replies.alone() && replies.may_yield() => {
-                Yielding::Until(Instant::now() + YIELD_FOR)
+                Yielding::Until(Instant::now() + replies.yield_for())
             }
             Yielding::Until(until) if Instant::now() >= until => {
                 replies.missed();
@@ -129,6 +161,9 @@ impl<T> Future for Response<'_, T> {
             Yielding::NotYet | Yielding::Over => Yielding::Over,
         };
         if let Yielding::Until(_) = self.yielding {
+            // After the thread last slept, the scheduler may have woken it on the worker's CPU;
+            // polling there without a pause would starve the very transaction it waits for.
+            std::thread::yield_now();
             cx.waker().wake_by_ref();
         }
         Poll::Pending

@@ -213,11 +213,17 @@ impl<'c> Worker<'c> {
         loop {
             let received = match self.spin() {
                 Some(received) => received,
-                None if self.has_waiters() => {
-                    let left = self.common.poll.saturating_sub(self.last_look.elapsed());
-                    self.rx.recv_timeout(left)
+                None => {
+                    self.common.replies.worker_sleeps();
+                    let received = if self.has_waiters() {
+                        let left = self.common.poll.saturating_sub(self.last_look.elapsed());
+                        self.rx.recv_timeout(left)
+                    } else {
+                        self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                    };
+                    self.common.replies.worker_wakes();
+                    received
                 }
-                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
             };
             match received {
                 Ok(first) => {
