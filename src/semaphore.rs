@@ -214,35 +214,24 @@ impl Inner {
     /// holds a handle.
     #[inline]
     fn take_unqueued(&self, n: usize) -> bool {
-        let mut now = self.state.load(Ordering::Relaxed);
-        loop {
-            // A handle exists, so `ORPHANED` is clear: with `QUEUED` clear too, `now` is the free
-            // count.
-            debug_assert_eq!(now & ORPHANED, 0, "a handle exists");
-            if now & QUEUED != 0 || now < n {
-                return false;
-            }
-            // Acquire: the previous holders' writes happen-before ours.
-            match self.state.compare_exchange_weak(
-                now,
-                now - n,
-                Ordering::Acquire,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(actual) => now = actual,
-            }
-        }
+        self.take(n, QUEUED)
     }
 
     /// Takes `n` permits for the head of the queue if that many are free.
     fn take_queued(&self, n: usize) -> bool {
+        self.take(n, 0)
+    }
+
+    /// Takes `n` permits if that many are free and none of the `unless` flags is set.
+    #[inline]
+    fn take(&self, n: usize, unless: usize) -> bool {
         let mut now = self.state.load(Ordering::Relaxed);
         loop {
-            if now & FREE < n {
+            if now & unless != 0 || now & FREE < n {
                 return false;
             }
-            // Acquire: as in `take_unqueued`; the grantee sees it through `granted`.
+            // Acquire: the previous holders' writes happen-before ours (a queued grantee sees
+            // them through `granted`).
             match self.state.compare_exchange_weak(
                 now,
                 now - n,
