@@ -309,3 +309,43 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
             .unwrap();
     });
 }
+
+/// A renewal that waited for another connection's write lock judges the rows by the time once it
+/// holds the lock: a row that ran out while it waited (and that others may already have passed
+/// over) stays out, and its guard is told it is lost.
+#[test]
+fn a_renewal_held_up_past_the_lease_does_not_revive_the_row() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let clock = TestClock::new();
+        let locks = manager(&path, &clock);
+        let guard = locks.exclusive("k", "held").await.unwrap();
+        let expires_at = clock.now() + LEASE;
+        within(5_000, "the lock heartbeat sleeps", || async {
+            clock.sleepers() > 0
+        })
+        .await;
+
+        let write_lock = lock_support::WriteLock::take(&path);
+        clock.advance(BEAT);
+        within(5_000, "the heartbeat woke to renew", || async {
+            clock.sleepers() == 0
+        })
+        .await;
+        // Let the renewal reach the worker and wait for the write lock. (Too short a pause
+        // could only let the renewal read the clock late, which hides a bug; it cannot fail a
+        // correct build.)
+        std::thread::sleep(Duration::from_millis(30));
+        // While it waits, the row runs out: past `expires_at`, before `renewal time + LEASE`.
+        clock.advance(LEASE - BEAT + Duration::from_secs(1));
+        assert!(clock.now() > expires_at);
+        drop(write_lock);
+
+        within(5_000, "the guard was told it is lost", || async {
+            guard.lost().is_aborted()
+        })
+        .await;
+        assert!(locks.inspect(Some("k")).await.unwrap().is_empty());
+    });
+}

@@ -6,34 +6,11 @@
 
 mod lock_support;
 
-use std::path::Path;
 use std::time::Duration;
 
 use futures::executor::block_on;
 use leasehold::{fork_daemon, AbortController, AbortReason, LockError, LockManager, LockRequest};
-use lock_support::{bounded, join_within, rows_of, temp_db, within};
-
-/// SQLite's write lock on a database file, held by a connection of the test's own until dropped.
-struct WriteLock(sqlite::Connection);
-
-impl WriteLock {
-    fn take(path: &Path) -> WriteLock {
-        let mut connection = sqlite::Connection::open(path).expect("open the database");
-        connection
-            .set_busy_timeout(10_000)
-            .expect("set a busy timeout");
-        connection
-            .execute("BEGIN IMMEDIATE")
-            .expect("take the write lock");
-        WriteLock(connection)
-    }
-}
-
-impl Drop for WriteLock {
-    fn drop(&mut self) {
-        let _ = self.0.execute("ROLLBACK");
-    }
-}
+use lock_support::{bounded, join_within, rows_of, temp_db, within, WriteLock};
 
 /// Starts a write on `locks` that stalls in `BEGIN IMMEDIATE` while a `WriteLock` is held, and
 /// gives the worker time to take it off its queue alone. Too short a pause could only make the

@@ -378,19 +378,18 @@ impl<'c> Worker<'c> {
     /// Runs `writes` in one transaction; if that fails, each alone, so one bad write does not
     /// fail the others.
     fn write(&mut self, writes: Vec<Write>) {
-        let now = self.now();
         let may_free = writes
             .iter()
             .any(|write| matches!(write, Write::Remove { .. } | Write::Shutdown { .. }));
-        let outcome = self.transaction(now, may_free, |worker, now| {
+        let outcome = self.transaction(may_free, |worker, now| {
             let mut decided = Vec::with_capacity(writes.len());
             for write in &writes {
                 decided.push(worker.apply(write, now)?);
             }
-            Ok(decided)
+            Ok((decided, now))
         });
         match outcome {
-            Ok((decided, freed)) => {
+            Ok(((decided, now), freed)) => {
                 for (write, decided) in writes.into_iter().zip(decided) {
                     self.deliver(write, decided, now);
                 }
@@ -427,9 +426,12 @@ impl<'c> Worker<'c> {
     /// freed some) deletion of expired rows and promotion, `COMMIT`. Returns what `body`
     /// returned and what was freed. A transaction that only adds rows frees nothing, and expired
     /// rows are ignored by every decision, so it skips the queue pass.
+    ///
+    /// The clock is read once the write lock is held, and `body` is given that time: a time read
+    /// before could be stale by however long another connection held the lock, and a renewal
+    /// judged by it could revive a row that had run out, and been passed over, meanwhile.
     fn transaction<T>(
         &mut self,
-        now: i64,
         may_free: bool,
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
     ) -> Result<(T, Freed), LockError> {
@@ -437,6 +439,7 @@ impl<'c> Worker<'c> {
             file.check()?;
         }
         self.db.begin_immediate("starting a write transaction")?;
+        let now = self.now();
         Counters::bump(&self.counters().write_transactions);
         self.deleted = false;
         let result = (|| {
@@ -665,7 +668,7 @@ impl<'c> Worker<'c> {
         self.last_data_version = Some(version);
 
         if !promotable(&self.db.rows_on_waited_keys(now)?).is_empty() {
-            let ((), freed) = self.transaction(now, true, |_, _| Ok(()))?;
+            let ((), freed) = self.transaction(true, |_, _| Ok(()))?;
             self.after_commit(&freed);
         } else if changed {
             // Others' changes may matter to waiters that hold no queue position. (Not on a look
@@ -680,9 +683,8 @@ impl<'c> Worker<'c> {
 
     /// The manager is gone (every handle dropped): leave no row behind.
     fn close(&mut self) {
-        let now = self.now();
         let owner = self.common.owner.clone();
-        let deleted = self.transaction(now, true, |worker, _| {
+        let deleted = self.transaction(true, |worker, _| {
             worker.deleted |= worker.db.delete_owner(&owner)? > 0;
             Ok(())
         });

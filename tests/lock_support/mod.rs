@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
@@ -59,4 +59,26 @@ pub async fn rows_of(locks: &LockManager, operation: &str) -> Vec<LockEntry> {
         .into_iter()
         .filter(|e| e.operation == operation)
         .collect()
+}
+
+/// SQLite's write lock on a database file, held by a connection of the test's own until dropped.
+pub struct WriteLock(sqlite::Connection);
+
+impl WriteLock {
+    pub fn take(path: &Path) -> WriteLock {
+        let mut connection = sqlite::Connection::open(path).expect("open the database");
+        connection
+            .set_busy_timeout(10_000)
+            .expect("set a busy timeout");
+        connection
+            .execute("BEGIN IMMEDIATE")
+            .expect("take the write lock");
+        WriteLock(connection)
+    }
+}
+
+impl Drop for WriteLock {
+    fn drop(&mut self) {
+        let _ = self.0.execute("ROLLBACK");
+    }
 }
