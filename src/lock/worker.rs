@@ -676,6 +676,8 @@ impl<'c> Worker<'c> {
             // started it, which would try again, start a wait again: a loop of writes.)
             self.common.changed.notify(usize::MAX);
         }
+        // Judged by the time now: a promotion above may have waited for the write lock.
+        let now = self.now();
         self.check_own_rows(now)?;
         self.next_deadline = self.db.next_foreign_expiry(&self.common.owner, now)?;
         Ok(())
