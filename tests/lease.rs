@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::executor::block_on;
-use leasehold::{fork_daemon, Clock, EntryState, LeaseLost, LockManager, LockRequest, TestClock};
+use leasehold::{
+    fork_daemon, Clock, EntryState, Fiber, Guard, LeaseLost, LockError, LockManager, LockRequest,
+    TestClock,
+};
 
 const LEASE: Duration = Duration::from_secs(10);
 const BEAT: Duration = Duration::from_secs(2);
@@ -22,6 +25,23 @@ fn manager(path: &std::path::Path, clock: &TestClock) -> LockManager {
         .clock(Arc::new(clock.clone()))
         .open(path)
         .unwrap()
+}
+
+/// Starts an exclusive acquisition of "k" on `locks` in the background, and waits until it is
+/// queued behind the one holder.
+async fn queue_behind_the_holder(
+    locks: &LockManager,
+    operation: &'static str,
+) -> Fiber<Result<Guard, LockError>> {
+    let waiter = {
+        let locks = locks.clone();
+        fork_daemon(async move { locks.exclusive("k", operation).await })
+    };
+    within(5_000, "the waiter queued", || async {
+        locks.inspect(Some("k")).await.unwrap().len() == 2
+    })
+    .await;
+    waiter
 }
 
 /// Advances `clock` in heartbeat steps, waiting after each for `locks` to finish the renewal
@@ -70,14 +90,7 @@ fn a_frozen_owners_lock_goes_to_a_waiter_after_its_lease_and_not_before() {
         let live = manager(&path, &live_clock);
 
         let stale = frozen.exclusive("k", "frozen").await.unwrap();
-        let waiter = {
-            let live = live.clone();
-            fork_daemon(async move { live.exclusive("k", "waiter").await })
-        };
-        within(5_000, "the waiter queued", || async {
-            live.inspect(Some("k")).await.unwrap().len() == 2
-        })
-        .await;
+        let waiter = queue_behind_the_holder(&live, "waiter").await;
 
         // Half a lease: the frozen owner's row is still live, so the waiter must wait.
         advance_with_heartbeats(&live_clock, &live, LEASE / 2).await;
@@ -208,14 +221,7 @@ fn a_waiter_whose_lease_ran_out_queues_again_and_is_granted() {
         let waiting = manager(&path, &waiter_clock);
 
         let guard = holder.exclusive("k", "holder").await.unwrap();
-        let waiter = {
-            let waiting = waiting.clone();
-            fork_daemon(async move { waiting.exclusive("k", "frozen waiter").await })
-        };
-        within(5_000, "the waiter queued", || async {
-            holder.inspect(Some("k")).await.unwrap().len() == 2
-        })
-        .await;
+        let waiter = queue_behind_the_holder(&waiting, "frozen waiter").await;
         // The waiter's process is frozen (its clock stands still) while the holder's time runs
         // past the waiter's lease; the holder's release then deletes the expired waiting row.
         advance_with_heartbeats(&holder_clock, &holder, LEASE + BEAT).await;
@@ -270,14 +276,7 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
         };
         let other = manager(&path, &clock);
         let guard = other.exclusive("k", "holder").await.unwrap();
-        let waiter = {
-            let locks = locks.clone();
-            fork_daemon(async move { locks.exclusive("k", "waiter").await })
-        };
-        within(5_000, "the waiter queued", || async {
-            locks.inspect(Some("k")).await.unwrap().len() == 2
-        })
-        .await;
+        let waiter = queue_behind_the_holder(&locks, "waiter").await;
         let queued_until = clock.now() + LEASE;
 
         clock.advance(BEAT);
