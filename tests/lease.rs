@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::executor::block_on;
 use leasehold::{
     fork_daemon, Clock, EntryState, Fiber, Guard, LeaseLost, LockError, LockManager, LockRequest,
-    TestClock,
+    SystemClock, TestClock,
 };
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -47,6 +47,17 @@ async fn queue_behind_the_holder(
 /// Advances `clock` in heartbeat steps, waiting after each for `locks` to finish the renewal
 /// that step triggers, so that time never outruns the heartbeats.
 async fn advance_with_heartbeats(clock: &TestClock, locks: &LockManager, total: Duration) {
+    advance_with_heartbeats_until(clock, locks, total, || false).await;
+}
+
+/// [`advance_with_heartbeats`], for a manager whose only heartbeat may end on its own (a
+/// waiter's, when `ended` says its wait is over): a step that wakes it then may renew nothing.
+async fn advance_with_heartbeats_until(
+    clock: &TestClock,
+    locks: &LockManager,
+    total: Duration,
+    ended: impl Fn() -> bool,
+) {
     let mut moved = Duration::ZERO;
     while moved < total {
         let before = locks.stats().heartbeats;
@@ -54,10 +65,11 @@ async fn advance_with_heartbeats(clock: &TestClock, locks: &LockManager, total: 
             clock.sleepers() > 0
         })
         .await;
+        let ended_before = ended();
         clock.advance(BEAT);
         moved += BEAT;
         within(5_000, "the heartbeat renewed", || async {
-            locks.stats().heartbeats > before
+            locks.stats().heartbeats > before || (!ended_before && ended())
         })
         .await;
     }
@@ -100,7 +112,10 @@ fn a_frozen_owners_lock_goes_to_a_waiter_after_its_lease_and_not_before() {
         }
 
         // Past the lease: granted within a few polls, with a larger fencing token.
-        advance_with_heartbeats(&live_clock, &live, LEASE / 2 + BEAT).await;
+        advance_with_heartbeats_until(&live_clock, &live, LEASE / 2 + BEAT, || {
+            waiter.is_finished()
+        })
+        .await;
         let guard = waiter.join().await.success().unwrap().unwrap();
         assert!(guard.fencing_token() > stale.fencing_token());
 
@@ -109,8 +124,11 @@ fn a_frozen_owners_lock_goes_to_a_waiter_after_its_lease_and_not_before() {
         frozen_clock.advance(LEASE * 2);
         let reason = lost.aborted().await;
         assert!(reason.downcast_ref::<LeaseLost>().is_some(), "{reason}");
-        // Its late release must not touch the new holder's row.
-        stale.release().await.unwrap();
+        // Its late release says the lease was lost, and must not touch the new holder's row.
+        assert!(matches!(
+            stale.release().await,
+            Err(LockError::LeaseLost(_))
+        ));
         let entries = live.inspect(Some("k")).await.unwrap();
         assert_eq!(entries.len(), 1);
         assert_eq!(entries[0].owner, live.owner_id());
@@ -238,7 +256,10 @@ fn a_waiter_whose_lease_ran_out_queues_again_and_is_granted() {
         waiter_clock.advance(LEASE * 2);
         let granted = waiter.join().await.success().unwrap().unwrap();
         assert_eq!(granted.requests()[0].operation, "frozen waiter");
-        granted.release().await.unwrap();
+        // If it queued again before the jump (its storage thread saw the release), the jump
+        // of two leases at once has since lost the new lease too: dropping releases either way.
+        drop(granted);
+        assert!(waiting.inspect(None).await.unwrap().is_empty());
     });
 }
 
@@ -346,5 +367,251 @@ fn a_renewal_held_up_past_the_lease_does_not_revive_the_row() {
         })
         .await;
         assert!(locks.inspect(Some("k")).await.unwrap().is_empty());
+    });
+}
+
+/// Two managers on one file, sharing `clock`, with the smallest lease the builder allows
+/// (twice the heartbeat).
+fn tight_managers(path: &std::path::Path, clock: &TestClock) -> (LockManager, LockManager) {
+    let open = || {
+        LockManager::builder()
+            .lease(Duration::from_secs(2))
+            .heartbeat(Duration::from_secs(1))
+            .poll(Duration::from_millis(5))
+            .clock(Arc::new(clock.clone()))
+            .open(path)
+            .unwrap()
+    };
+    (open(), open())
+}
+
+/// A guard granted from the queue starts with a whole lease, as one granted at once does: a
+/// waiter promoted just before its waiter heartbeat was due keeps its lock through a first lock
+/// heartbeat that comes 200 ms late.
+#[test]
+fn a_lock_granted_from_the_queue_starts_with_a_whole_lease() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let (a, b) = tight_managers(&dir.path().join("l.db"), &clock);
+        let holder = a.exclusive("k", "A").await.unwrap();
+        let waiter = queue_behind_the_holder(&b, "B").await;
+        // A's lock heartbeat and B's waiter heartbeat.
+        within(5_000, "both heartbeats asleep", || async {
+            clock.sleepers() >= 2
+        })
+        .await;
+        clock.advance(Duration::from_secs(1));
+        let renewed_until = clock.now() + Duration::from_secs(2);
+        within(5_000, "B's waiting row renewed", || async {
+            b.inspect(Some("k"))
+                .await
+                .unwrap()
+                .iter()
+                .any(|e| e.operation == "B" && e.expires_at == renewed_until)
+        })
+        .await;
+
+        clock.advance(Duration::from_millis(900));
+        holder.release().await.unwrap();
+        let granted_at = clock.now();
+        let guard = waiter.join().await.success().unwrap().unwrap();
+        let row = b.inspect(Some("k")).await.unwrap();
+        assert_eq!(row.len(), 1);
+        assert_eq!(
+            row[0].expires_at,
+            granted_at + Duration::from_secs(2),
+            "the promoted row keeps the expiry of its last waiter renewal"
+        );
+
+        // B's lock heartbeat is asleep; wake it 200 ms after it was due.
+        let beats = b.stats().heartbeats;
+        within(5_000, "B's lock heartbeat asleep", || async {
+            clock.sleepers() >= 1
+        })
+        .await;
+        clock.advance(Duration::from_millis(1_200));
+        within(5_000, "B's lock heartbeat ran", || async {
+            b.stats().heartbeats > beats
+        })
+        .await;
+        assert!(
+            !guard.lost().is_aborted(),
+            "a first heartbeat 200 ms late lost a lock granted from the queue"
+        );
+        let row = b.inspect(Some("k")).await.unwrap();
+        assert_eq!(row.len(), 1, "{row:?}");
+        assert_eq!(row[0].expires_at, clock.now() + Duration::from_secs(2));
+        guard.release().await.unwrap();
+    });
+}
+
+/// The same on real clocks: lease 400 ms, heartbeat 200 ms, each release coming just before the
+/// waiter's heartbeat was due. Every promoted guard outlives a whole lease.
+#[test]
+fn locks_granted_from_the_queue_on_real_clocks_are_not_lost() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let open = || {
+            LockManager::builder()
+                .lease(Duration::from_millis(400))
+                .heartbeat(Duration::from_millis(200))
+                .poll(Duration::from_millis(5))
+                .open(&path)
+                .unwrap()
+        };
+        let (a, b) = (open(), open());
+        let mut lost = 0;
+        for _ in 0..10 {
+            let holder = a.exclusive("k", "A").await.unwrap();
+            let waiter = queue_behind_the_holder(&b, "B").await;
+            let first = b.inspect(Some("k")).await.unwrap()[1].expires_at;
+            // Its first waiter heartbeat renews the row...
+            within(5_000, "B's waiting row renewed", || async {
+                b.inspect(Some("k")).await.unwrap()[1].expires_at > first
+            })
+            .await;
+            let renewed_until = b.inspect(Some("k")).await.unwrap()[1].expires_at;
+            // ...and A lets go just before the second is due.
+            let release_at =
+                renewed_until - Duration::from_millis(400) + Duration::from_millis(198);
+            SystemClock
+                .sleep(release_at.saturating_sub(SystemClock.now()))
+                .await;
+            holder.release().await.unwrap();
+            let guard = waiter.join().await.success().unwrap().unwrap();
+            smol::Timer::after(Duration::from_millis(500)).await;
+            lost += usize::from(guard.lost().is_aborted());
+            drop(guard);
+        }
+        assert_eq!(
+            lost, 0,
+            "{lost} of 10 locks granted from the queue were lost"
+        );
+    });
+}
+
+/// A grant whose lease ran out between the decision and its delivery (the caller's executor
+/// stalled past the lease) is never handed out: the caller gets a live guard or keeps waiting.
+#[test]
+fn a_grant_delivered_after_its_lease_ran_out_is_not_handed_out() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let (a, b) = tight_managers(&dir.path().join("l.db"), &clock);
+        let holder = a.exclusive("k", "A").await.unwrap();
+        // B's acquisition is polled only by this test: its task is "stalled" between polls.
+        let mut acquisition = b.exclusive("k", "B");
+        within(5_000, "B queued", || {
+            assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
+            async { b.inspect(Some("k")).await.unwrap().len() == 2 }
+        })
+        .await;
+        holder.release().await.unwrap();
+        within(5_000, "B's row promoted", || async {
+            let rows = b.inspect(Some("k")).await.unwrap();
+            rows.len() == 1 && rows[0].state == EntryState::Held
+        })
+        .await;
+
+        // The stall outlasts the lease, and nobody renews the row meanwhile.
+        clock.advance(Duration::from_secs(3));
+        let mut delivered = None;
+        within(5_000, "B's acquisition returned", || {
+            delivered = futures::FutureExt::now_or_never(&mut acquisition);
+            let returned = delivered.is_some();
+            async move { returned }
+        })
+        .await;
+        let guard = delivered.unwrap().unwrap();
+        assert!(!guard.lost().is_aborted());
+        let rows = b.inspect(Some("k")).await.unwrap();
+        assert_eq!(rows.len(), 1, "B's guard has no live row: {rows:?}");
+        assert_eq!(rows[0].ticket, guard.fencing_token());
+        assert!(rows[0].expires_at > clock.now());
+        guard.release().await.unwrap();
+    });
+}
+
+/// The same for a lock granted at once: a `try_acquire` whose reply is read after the lease ran
+/// out takes the lock again, with a new ticket, or reports it busy; never an expired guard.
+#[test]
+fn an_immediate_grant_read_after_its_lease_ran_out_is_not_handed_out() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let (locks, _) = tight_managers(&dir.path().join("l.db"), &clock);
+        let mut stalled = 0;
+        for _ in 0..20 {
+            let mut attempt = Box::pin(locks.try_acquire(LockRequest::exclusive("k", "late")));
+            let mut delivered = futures::FutureExt::now_or_never(&mut attempt);
+            if delivered.is_none() {
+                // The reply was not there at the first poll: stall past the lease before the next.
+                stalled += 1;
+                within(5_000, "the grant was written", || async {
+                    locks.is_locked("k").await.unwrap()
+                })
+                .await;
+                clock.advance(Duration::from_secs(3));
+                within(5_000, "try_acquire returned", || {
+                    delivered = futures::FutureExt::now_or_never(&mut attempt);
+                    let returned = delivered.is_some();
+                    async move { returned }
+                })
+                .await;
+            }
+            let guard = delivered.unwrap().unwrap().expect("nothing else holds k");
+            assert!(!guard.lost().is_aborted());
+            let rows = locks.inspect(Some("k")).await.unwrap();
+            assert_eq!(rows.len(), 1, "the guard has no live row: {rows:?}");
+            assert_eq!(rows[0].ticket, guard.fencing_token());
+            guard.release().await.unwrap();
+        }
+        assert!(stalled > 0, "no reply was ever late enough to stall");
+    });
+}
+
+/// Releasing a guard whose lease was lost says so: the critical section may have overlapped
+/// with another holder's.
+#[test]
+fn releasing_a_lost_lease_reports_it() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let locks = manager(&dir.path().join("l.db"), &clock);
+
+        // Lost, and told so by the heartbeat.
+        let guard = locks.exclusive("k", "told").await.unwrap();
+        within(5_000, "the daemon sleeps", || async {
+            clock.sleepers() > 0
+        })
+        .await;
+        clock.advance(LEASE + BEAT);
+        guard.lost().aborted().await;
+        match guard.release().await {
+            Err(LockError::LeaseLost(lost)) => assert!(!lost.by_shutdown()),
+            other => panic!("released a lost lease with {other:?}"),
+        }
+
+        // Lost, before any heartbeat could tell: the release itself finds the row run out.
+        let guard = locks.exclusive("k", "untold").await.unwrap();
+        let lost = guard.lost();
+        clock.advance(LEASE + BEAT);
+        assert!(matches!(
+            guard.release().await,
+            Err(LockError::LeaseLost(_))
+        ));
+        assert!(lost.is_aborted(), "the lost signal was not aborted");
+
+        // A live lease releases cleanly, and a lost one dropped says nothing.
+        locks
+            .exclusive("k", "live")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        assert!(locks.inspect(None).await.unwrap().is_empty());
     });
 }

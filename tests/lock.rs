@@ -715,3 +715,56 @@ fn an_acquisition_dropped_right_after_it_was_sent_leaves_no_row() {
         }
     });
 }
+
+/// Every command sees what every command sent before it did, whatever batch they share: a
+/// `try_acquire` right after a guard was dropped finds the lock free.
+#[test]
+fn a_try_acquire_right_after_a_dropped_guard_is_never_refused() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let mut refused = 0;
+        for _ in 0..1000 {
+            match locks
+                .try_acquire(LockRequest::exclusive("k", "a"))
+                .await
+                .unwrap()
+            {
+                Some(guard) => drop(guard),
+                None => refused += 1,
+            }
+        }
+        assert_eq!(
+            refused, 0,
+            "refused {refused} of 1000 with nothing else holding k"
+        );
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+/// As above, with a pending acquisition dropped (granted or not, its removal is sent from
+/// `Drop`) instead of a guard.
+#[test]
+fn a_try_acquire_right_after_a_dropped_acquisition_is_never_refused() {
+    block_on(async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let mut refused = 0;
+        for _ in 0..1000 {
+            let mut pending = locks.exclusive("k", "dropped");
+            let _ = futures::FutureExt::now_or_never(&mut pending);
+            drop(pending);
+            match locks
+                .try_acquire(LockRequest::exclusive("k", "a"))
+                .await
+                .unwrap()
+            {
+                Some(guard) => drop(guard),
+                None => refused += 1,
+            }
+        }
+        assert_eq!(
+            refused, 0,
+            "refused {refused} of 1000 with nothing else holding k"
+        );
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}

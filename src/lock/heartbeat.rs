@@ -105,7 +105,7 @@ fn lose_expired(common: &Common) {
     let expired: Vec<u64> = guards
         .entries
         .iter()
-        .filter(|(_, entry)| entry.granted_at.max(renewed) + lease <= now)
+        .filter(|(_, entry)| entry.expires_at.max(renewed + lease) <= now)
         .map(|(ticket, _)| *ticket)
         .collect();
     for ticket in expired {

@@ -33,7 +33,7 @@ use crate::sync::lock;
 
 use self::reply::Replies;
 use self::sqlite::{from_micros, micros, Counters, Db};
-use self::worker::{Acquired, Command, Worker, Write};
+use self::worker::{Acquired, Command, Grant, Worker, Write};
 
 /// The longest key or operation name accepted, in bytes.
 pub const MAX_NAME_BYTES: usize = 1024;
@@ -174,6 +174,11 @@ pub enum LockError {
     },
     /// The manager was shut down.
     Shutdown,
+    /// A guard was released after its lease had been lost: its rows were gone or had run out,
+    /// so another holder may have had the lock meanwhile, and the work it protected may have
+    /// overlapped with theirs. (A resource that checks [fencing tokens](Guard::fencing_token)
+    /// has refused the stale writes.)
+    LeaseLost(LeaseLost),
 }
 
 impl LockError {
@@ -216,6 +221,10 @@ impl fmt::Display for LockError {
                  version of leasehold understands; upgrade leasehold to use it"
             ),
             LockError::Shutdown => f.write_str("the lock manager has been shut down"),
+            LockError::LeaseLost(lost) => write!(
+                f,
+                "{lost}; the work it protected may have overlapped with another holder's"
+            ),
         }
     }
 }
@@ -224,6 +233,7 @@ impl Error for LockError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         match self {
             LockError::Interrupted(interrupted) => Some(interrupted),
+            LockError::LeaseLost(lost) => Some(lost),
             _ => None,
         }
     }
@@ -309,7 +319,8 @@ struct GuardEntry {
     rows: usize,
     keys: Vec<String>,
     lost: AbortController,
-    granted_at: i64,
+    /// When the rows' lease ran out as granted (clock micros), before any renewal.
+    expires_at: i64,
 }
 
 /// A handle: the command sender plus what is common.
@@ -368,7 +379,8 @@ impl Shared {
         .await
     }
 
-    async fn remove(&self, request: u64) -> Result<(), LockError> {
+    /// Deletes a request's rows; returns whether every row it had was still live.
+    async fn remove(&self, request: u64) -> Result<bool, LockError> {
         self.call(|reply| {
             Command::Write(Write::Remove {
                 request,
@@ -376,6 +388,23 @@ impl Shared {
             })
         })
         .await
+    }
+
+    /// `grant` if its lease has not run out by now. Otherwise its rows are removed and `None`
+    /// returned, for the caller to ask again: a grant is read late when the caller's executor
+    /// (or its whole process) was stalled after the worker decided it, and a guard whose lease
+    /// has already run out must never be handed out, since another owner may hold the lock.
+    async fn deliverable(&self, request: u64, grant: Grant) -> Result<Option<Grant>, LockError> {
+        if micros(self.common.clock.now()) < grant.expires_at {
+            return Ok(Some(grant));
+        }
+        tracing::warn!(
+            ticket = grant.ticket,
+            "a grant's lease ran out before it could be handed over (was this process paused or \
+             starved for longer than the lease?); asking again"
+        );
+        self.remove(request).await?;
+        Ok(None)
     }
 
     /// Renews this owner's rows (or finds them renewed recently); returns when, in clock time.
@@ -658,13 +687,26 @@ impl LockManager {
     }
 
     /// Waits for a shared lock on `key`. See [`acquire`](LockManager::acquire).
-    pub fn shared(&self, key: &str, operation: &str) -> Scoped<Guard, LockError> {
-        self.acquire(LockRequest::shared(key, operation))
+    ///
+    /// The key and operation may be borrowed or owned: `locks.shared(format!("repo/{id}"),
+    /// "backup")` works as `locks.shared("repo/7", "backup")` does.
+    pub fn shared(
+        &self,
+        key: impl AsRef<str>,
+        operation: impl AsRef<str>,
+    ) -> Scoped<Guard, LockError> {
+        self.acquire(LockRequest::shared(key.as_ref(), operation.as_ref()))
     }
 
     /// Waits for an exclusive lock on `key`. See [`acquire`](LockManager::acquire).
-    pub fn exclusive(&self, key: &str, operation: &str) -> Scoped<Guard, LockError> {
-        self.acquire(LockRequest::exclusive(key, operation))
+    ///
+    /// The key and operation may be borrowed or owned, as for [`shared`](LockManager::shared).
+    pub fn exclusive(
+        &self,
+        key: impl AsRef<str>,
+        operation: impl AsRef<str>,
+    ) -> Scoped<Guard, LockError> {
+        self.acquire(LockRequest::exclusive(key.as_ref(), operation.as_ref()))
     }
 
     /// Waits, in FIFO order, for the lock `request` describes.
@@ -804,12 +846,17 @@ impl LockManager {
         let shared = self.shared.clone();
         let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
         let undo = RemoveOnDrop::new(&shared, id);
-        let acquired = shared.acquire(id, &requests, false).await?;
+        let grant = loop {
+            let grant = match shared.acquire(id, &requests, false).await? {
+                Acquired::Granted(grant) => grant,
+                Acquired::NotNow | Acquired::Queued(..) => break None,
+            };
+            if let Some(grant) = shared.deliverable(id, grant).await? {
+                break Some(grant);
+            }
+        };
         undo.disarm();
-        match acquired {
-            Acquired::Granted(ticket) => Ok(Some(Guard::new(&shared, id, ticket, requests, None))),
-            Acquired::NotNow | Acquired::Queued(..) => Ok(None),
-        }
+        Ok(grant.map(|grant| Guard::new(&shared, id, grant, requests, None)))
     }
 
     /// Whether `key` has a live holder.
@@ -979,7 +1026,7 @@ async fn acquire_in_scope(
         if !matches!(status, ExitStatus::Success) {
             match undo.remove(id).await {
                 // A shut-down manager has deleted every row of its owner already.
-                Ok(()) | Err(LockError::Shutdown) => {}
+                Ok(_) | Err(LockError::Shutdown) => {}
                 Err(error) => tracing::warn!(
                     %error,
                     "removing an abandoned lock request failed; the worker retries it"
@@ -988,28 +1035,32 @@ async fn acquire_in_scope(
         }
     });
     let removal = RemoveOnDrop::new(&shared, id);
-    let ticket = match policy {
-        Policy::Queue => {
-            let mut beating = false;
-            loop {
+    let mut beating = false;
+    // The caller still wants the lock whenever a grant or a wait runs out of lease: its place
+    // is lost, its turn is not, so it asks again.
+    let grant = loop {
+        let grant = match policy {
+            Policy::Queue => {
                 // No later than the row's lease starts: the heartbeat counts from here.
                 let sent_at = shared.common.clock.now();
                 match shared.acquire(id, &requests, true).await? {
-                    Acquired::Granted(ticket) => break ticket,
+                    Acquired::Granted(grant) => grant,
                     Acquired::Queued(ticket, slot) => {
                         if !beating {
                             beating = true;
                             scope.fork(heartbeat::waiter(shared.clone(), sent_at));
                         }
-                        if slot.granted().await? {
-                            break ticket;
+                        match slot.granted().await? {
+                            Some(expires_at) => Grant { ticket, expires_at },
+                            None => {
+                                tracing::warn!(
+                                    ticket,
+                                    "a waiting request's lease ran out (was this process paused \
+                                     or starved for longer than the lease?); queueing it again"
+                                );
+                                continue;
+                            }
                         }
-                        // The caller still wants the lock: its place is lost, its turn is not.
-                        tracing::warn!(
-                            ticket,
-                            "a waiting request's lease ran out (was this process paused or \
-                             starved for longer than the lease?); queueing it again"
-                        );
                     }
                     Acquired::NotNow => {
                         return Err(LockError::Storage(
@@ -1018,21 +1069,25 @@ async fn acquire_in_scope(
                     }
                 }
             }
-        }
-        Policy::NoQueue => {
-            let _waiting = UnqueuedWaiter::new(&shared.common);
-            loop {
-                // Listen before trying, so a change between the try and the wait is not missed.
-                let changed = shared.common.changed.listen();
-                match shared.acquire(id, &requests, false).await? {
-                    Acquired::Granted(ticket) => break ticket,
-                    Acquired::NotNow | Acquired::Queued(..) => changed.await,
+            Policy::NoQueue => {
+                let _waiting = UnqueuedWaiter::new(&shared.common);
+                loop {
+                    // Listen before trying, so a change between the try and the wait is not
+                    // missed.
+                    let changed = shared.common.changed.listen();
+                    match shared.acquire(id, &requests, false).await? {
+                        Acquired::Granted(grant) => break grant,
+                        Acquired::NotNow | Acquired::Queued(..) => changed.await,
+                    }
                 }
             }
+        };
+        if let Some(grant) = shared.deliverable(id, grant).await? {
+            break grant;
         }
     };
     removal.disarm();
-    Ok(Guard::new(&shared, id, ticket, requests, Some(started)))
+    Ok(Guard::new(&shared, id, grant, requests, Some(started)))
 }
 
 /// Counts a waiter without a queue position while it lives.
@@ -1148,10 +1203,11 @@ impl Guard {
     fn new(
         shared: &Arc<Shared>,
         request: u64,
-        ticket: u64,
+        grant: Grant,
         requests: Vec<LockRequest>,
         started: Option<Duration>,
     ) -> Guard {
+        let ticket = grant.ticket;
         let common = &shared.common;
         let now = common.clock.now();
         let lost = AbortController::new();
@@ -1167,7 +1223,7 @@ impl Guard {
                         rows: requests.len(),
                         keys: requests.iter().map(|r| r.key.clone()).collect(),
                         lost,
-                        granted_at: micros(now),
+                        expires_at: grant.expires_at,
                     },
                 );
                 None
@@ -1220,22 +1276,44 @@ impl Guard {
         self.lost.clone()
     }
 
-    /// Deletes this owner's rows and wakes local waiters. Dropping the guard releases it too.
+    /// Deletes this owner's rows and wakes local waiters. Dropping the guard releases it too
+    /// (silently, whether or not the lease was lost).
     ///
     /// A guard from `many` releases all its keys in one transaction, so no other request ever
     /// sees part of the set released.
     ///
     /// # Errors
     ///
-    /// [`LockError::Storage`] if the rows could not be deleted (they then expire with their
-    /// lease); [`LockError::Shutdown`] if the manager was shut down (which released them).
+    /// [`LockError::LeaseLost`] if the lease had been lost before the release: the rows were
+    /// gone or had run out (the [`lost`](Guard::lost) signal is then aborted too, if it was
+    /// not already), so the work the guard protected may have overlapped with another
+    /// holder's. [`LockError::Storage`] if the rows could not be deleted (they then expire
+    /// with their lease); [`LockError::Shutdown`] if the manager was shut down (which released
+    /// them).
     ///
     /// # Cancel safety
     ///
     /// The release is sent before the first await, so dropping this future still releases.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use leasehold::{LockError, LockManager, TestClock};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let clock = TestClock::new();
+    /// let locks = LockManager::builder().clock(Arc::new(clock.clone())).open_in_memory()?;
+    /// let guard = locks.exclusive("k", "paused too long").await?;
+    /// clock.advance(Duration::from_secs(60)); // past the lease, with no heartbeat
+    /// assert!(matches!(guard.release().await, Err(LockError::LeaseLost(_))));
+    /// # Ok::<(), leasehold::LockError>(())
+    /// # }).unwrap();
+    /// ```
     pub async fn release(mut self) -> Result<(), LockError> {
         self.released = true;
-        self.forget();
+        let entry = self.forget();
         let (reply, response) = oneshot::channel();
         let sent = self.shared.send(Command::Write(Write::Remove {
             request: self.request,
@@ -1243,13 +1321,33 @@ impl Guard {
         }));
         self.trace_release();
         sent?;
-        self.shared.common.replies.wait(response).await
+        // The database decides: rows that were all live when deleted mean nobody else can have
+        // held the lock meanwhile, even if a slow renewal made this process fear otherwise.
+        if self.shared.common.replies.wait(response).await? {
+            return Ok(());
+        }
+        let lost = self
+            .lost
+            .reason()
+            .and_then(|reason| reason.downcast_ref::<LeaseLost>().copied())
+            .unwrap_or_else(LeaseLost::expired);
+        if let Some(entry) = entry {
+            // Lost before any heartbeat could tell: tell the work it protected now.
+            tracing::warn!(
+                ticket = self.ticket,
+                "released a lock whose lease had run out"
+            );
+            entry.lost.abort(AbortReason::new(lost));
+        }
+        Err(LockError::LeaseLost(lost))
     }
 
-    fn forget(&self) {
+    /// Stops the heartbeat's bookkeeping of this guard; returns its entry, unless a lost lease
+    /// or a shutdown took it already.
+    fn forget(&self) -> Option<GuardEntry> {
         lock(&self.shared.common.guards)
             .entries
-            .remove(&self.ticket);
+            .remove(&self.ticket)
     }
 
     fn trace_release(&self) {

@@ -61,6 +61,19 @@ pub(crate) struct OwnedRequest {
     pub(crate) ticket: u64,
     pub(crate) held: bool,
     pub(crate) rows: usize,
+    /// The earliest lease expiry among them.
+    pub(crate) expires_at: i64,
+}
+
+/// What deleting one row found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Deleted {
+    /// A row whose lease had not run out.
+    Live,
+    /// A row whose lease had run out (invisible to every decision already).
+    Expired,
+    /// No row.
+    Missing,
 }
 
 pub(crate) fn micros(time: Duration) -> i64 {
@@ -475,12 +488,17 @@ impl<'c> Db<'c> {
         Ok(())
     }
 
-    /// Turns the waiting row of `ticket` on `key` into a held row, keeping the ticket.
+    /// Turns the waiting row of `ticket` on `key` into a held row, keeping the ticket, with a
+    /// whole lease from `now`: a grant from the queue starts as one made at once does, not with
+    /// what is left of the waiter's last renewal. The lease is the row's own (its owner's
+    /// setting, which may differ from the promoter's): the length its last renewal gave it.
     pub(crate) fn promote(&self, key: &str, ticket: u64, now: i64) -> Result<()> {
         let doing = "promoting a waiting request";
         let mut statement = self.prepare(
             doing,
-            "UPDATE locks SET held = 1, acquired_at = ? WHERE key = ? AND ticket = ? AND held = 0",
+            "UPDATE locks SET held = 1, acquired_at = ?1,
+                              expires_at = ?1 + (expires_at - heartbeat_at), heartbeat_at = ?1
+             WHERE key = ?2 AND ticket = ?3 AND held = 0",
         )?;
         bind(doing, &mut statement, 1, now)?;
         bind(doing, &mut statement, 2, key)?;
@@ -489,19 +507,37 @@ impl<'c> Db<'c> {
         Ok(())
     }
 
-    /// Deletes this owner's row of `ticket` on `key` (held or waiting); returns whether there
-    /// was one.
-    pub(crate) fn delete_row(&self, owner: &str, key: &str, ticket: u64) -> Result<bool> {
+    /// Deletes this owner's row of `ticket` on `key` (held or waiting); says whether there was
+    /// one and whether its lease had run out.
+    pub(crate) fn delete_row(
+        &self,
+        owner: &str,
+        key: &str,
+        ticket: u64,
+        now: i64,
+    ) -> Result<Deleted> {
         let doing = "deleting a request's rows";
-        let mut statement = self.prepare(
-            doing,
-            "DELETE FROM locks WHERE key = ? AND ticket = ? AND owner = ?",
-        )?;
-        bind(doing, &mut statement, 1, key)?;
-        bind(doing, &mut statement, 2, sql_ticket(ticket))?;
-        bind(doing, &mut statement, 3, owner)?;
-        step(doing, &mut statement)?;
-        Ok(self.conn.change_count() > 0)
+        let delete = |sql: &'static str| -> Result<bool> {
+            let mut statement = self.prepare(doing, sql)?;
+            bind(doing, &mut statement, 1, key)?;
+            bind(doing, &mut statement, 2, sql_ticket(ticket))?;
+            bind(doing, &mut statement, 3, owner)?;
+            bind(doing, &mut statement, 4, now)?;
+            step(doing, &mut statement)?;
+            Ok(self.conn.change_count() > 0)
+        };
+        // The live row first, in one statement: the usual case.
+        if delete(
+            "DELETE FROM locks WHERE key = ?1 AND ticket = ?2 AND owner = ?3 AND expires_at > ?4",
+        )? {
+            return Ok(Deleted::Live);
+        }
+        if delete(
+            "DELETE FROM locks WHERE key = ?1 AND ticket = ?2 AND owner = ?3 AND expires_at <= ?4",
+        )? {
+            return Ok(Deleted::Expired);
+        }
+        Ok(Deleted::Missing)
     }
 
     /// Deletes every row of this owner; returns how many there were.
@@ -542,7 +578,7 @@ impl<'c> Db<'c> {
         let doing = "reading this owner's rows";
         let mut statement = self.prepare(
             doing,
-            "SELECT ticket, held, COUNT(*) FROM locks
+            "SELECT ticket, held, COUNT(*), MIN(expires_at) FROM locks
              WHERE owner = ? AND expires_at > ? GROUP BY ticket, held",
         )?;
         bind(doing, &mut statement, 1, owner)?;
@@ -553,6 +589,7 @@ impl<'c> Db<'c> {
                 ticket: ticket_of(read(doing, &statement, 0)?),
                 held: read::<i64>(doing, &statement, 1)? != 0,
                 rows: usize::try_from(read::<i64>(doing, &statement, 2)?).unwrap_or(0),
+                expires_at: read(doing, &statement, 3)?,
             });
         }
         Ok(requests)

@@ -31,7 +31,7 @@ use event_listener::Event;
 use futures::channel::oneshot;
 
 use super::grant::{grantable_now, promotable};
-use super::sqlite::{micros, Counters, Db, FileIdentity, OwnedRequest, Row};
+use super::sqlite::{micros, Counters, Db, Deleted, FileIdentity, OwnedRequest, Row};
 use super::{Common, LeaseLost, LockError, LockRequest};
 use crate::abort::AbortReason;
 use crate::sync::{lock, wait_for};
@@ -68,9 +68,10 @@ pub(crate) enum Write {
         reply: Reply<Acquired>,
     },
     /// Delete this owner's rows of a request, whatever their state (release or cancel).
+    /// Replies whether every row it had was still live (a release whose lease held).
     Remove {
         request: u64,
-        reply: Option<Reply<()>>,
+        reply: Option<Reply<bool>>,
     },
     /// Renew this owner's live rows, unless that was done less than half a heartbeat ago.
     /// Replies with when the rows were last renewed (clock micros).
@@ -79,10 +80,25 @@ pub(crate) enum Write {
     Shutdown { reply: Reply<()> },
 }
 
+impl Write {
+    /// Whether this write may delete rows, and so change what a request after it is granted.
+    fn may_free(&self) -> bool {
+        matches!(self, Write::Remove { .. } | Write::Shutdown { .. })
+    }
+}
+
 pub(crate) enum Acquired {
-    Granted(u64),
+    Granted(Grant),
     Queued(u64, Arc<WaitSlot>),
     NotNow,
+}
+
+/// A granted request: its ticket, and when its rows' lease runs out unless renewed (clock
+/// micros), so that a caller who reads the grant late can tell it is no longer good.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Grant {
+    pub(crate) ticket: u64,
+    pub(crate) expires_at: i64,
 }
 
 /// Where a queued request learns that it was granted (or can never be).
@@ -96,7 +112,8 @@ pub(crate) struct WaitSlot {
 enum SlotState {
     #[default]
     Waiting,
-    Granted,
+    /// Granted; the rows' lease runs out at this clock time (micros) unless renewed.
+    Granted(i64),
     Expired,
     Shutdown,
 }
@@ -111,17 +128,20 @@ impl WaitSlot {
         *lock(&self.state)
     }
 
-    /// Resolves with `true` when the request is granted, `false` if its lease ran out while it
-    /// waited (its rows are gone: it may queue again), or `Shutdown`.
-    pub(crate) async fn granted(&self) -> Result<bool, LockError> {
-        match wait_for(&self.event, || {
-            Some(self.get()).filter(|s| *s != SlotState::Waiting)
-        })
-        .await
-        {
-            SlotState::Shutdown => Err(LockError::Shutdown),
-            SlotState::Expired => Ok(false),
-            SlotState::Granted | SlotState::Waiting => Ok(true),
+    /// Resolves with when the granted rows' lease runs out, `None` if it ran out while the
+    /// request waited (its rows are gone: it may queue again), or `Shutdown`.
+    pub(crate) async fn granted(&self) -> Result<Option<i64>, LockError> {
+        loop {
+            match wait_for(&self.event, || {
+                Some(self.get()).filter(|s| *s != SlotState::Waiting)
+            })
+            .await
+            {
+                SlotState::Shutdown => return Err(LockError::Shutdown),
+                SlotState::Expired => return Ok(None),
+                SlotState::Granted(expires_at) => return Ok(Some(expires_at)),
+                SlotState::Waiting => {}
+            }
         }
     }
 }
@@ -138,13 +158,17 @@ struct Freed {
     any: bool,
     /// The promoted tickets, whoever owns them.
     promoted: Vec<u64>,
+    /// When the promoted rows' leases began (clock micros).
+    at: i64,
 }
 
 /// What a write decided inside the transaction, delivered once it has committed.
 enum Decided {
-    Granted(u64),
+    Granted(Grant),
     Queued(u64),
     NotNow,
+    /// A removal: whether every row it deleted was live.
+    Removed(bool),
     Done,
 }
 
@@ -288,9 +312,14 @@ impl<'c> Worker<'c> {
                     queue,
                     reply,
                 }) => {
-                    if !queue && self.refused_by_a_read(&requests) {
+                    if !queue
+                        && !writes.iter().any(Write::may_free)
+                        && self.refused_by_a_read(&requests)
+                    {
                         // A waiter without a queue position, still blocked: no need to take the
-                        // write lock to tell it so.
+                        // write lock to tell it so. Only when nothing earlier in this batch may
+                        // free rows: the read sees the database before the batch's writes, and
+                        // a request must see every command sent before it.
                         self.remember_view();
                         let _ = reply.send(Ok(Acquired::NotNow));
                         continue;
@@ -308,7 +337,7 @@ impl<'c> Worker<'c> {
                         writes.push(Write::Remove { request, reply });
                     } else if let Some(reply) = reply {
                         // Nothing was ever written for it, or it is gone already.
-                        let _ = reply.send(Ok(()));
+                        let _ = reply.send(Ok(false));
                     }
                 }
                 Command::Write(Write::Renew { reply }) => {
@@ -378,9 +407,7 @@ impl<'c> Worker<'c> {
     /// Runs `writes` in one transaction; if that fails, each alone, so one bad write does not
     /// fail the others.
     fn write(&mut self, writes: Vec<Write>) {
-        let may_free = writes
-            .iter()
-            .any(|write| matches!(write, Write::Remove { .. } | Write::Shutdown { .. }));
+        let may_free = writes.iter().any(Write::may_free);
         let outcome = self.transaction(may_free, |worker, now| {
             let mut decided = Vec::with_capacity(writes.len());
             for write in &writes {
@@ -447,6 +474,7 @@ impl<'c> Worker<'c> {
             let mut freed = Freed {
                 any: self.deleted,
                 promoted: Vec::new(),
+                at: now,
             };
             if may_free {
                 let expired = self.db.delete_expired(now)?;
@@ -495,18 +523,21 @@ impl<'c> Worker<'c> {
                 let keys = requests.iter().map(|r| r.key.clone()).collect();
                 self.requests.insert(*request, Written { ticket, keys });
                 Ok(if granted {
-                    Decided::Granted(ticket)
+                    Decided::Granted(Grant { ticket, expires_at })
                 } else {
                     Decided::Queued(ticket)
                 })
             }
             Write::Remove { request, .. } => {
+                let mut live = true;
                 if let Some(written) = self.requests.get(request) {
                     for key in &written.keys {
-                        self.deleted |= self.db.delete_row(owner, key, written.ticket)?;
+                        let deleted = self.db.delete_row(owner, key, written.ticket, now)?;
+                        self.deleted |= deleted != Deleted::Missing;
+                        live &= deleted == Deleted::Live;
                     }
                 }
-                Ok(Decided::Done)
+                Ok(Decided::Removed(live))
             }
             Write::Renew { .. } => {
                 let expires_at = now + micros(self.common.lease);
@@ -522,8 +553,8 @@ impl<'c> Worker<'c> {
 
     fn deliver(&mut self, write: Write, decided: Decided, now: i64) {
         match (write, decided) {
-            (Write::Acquire { reply, .. }, Decided::Granted(ticket)) => {
-                let _ = reply.send(Ok(Acquired::Granted(ticket)));
+            (Write::Acquire { reply, .. }, Decided::Granted(grant)) => {
+                let _ = reply.send(Ok(Acquired::Granted(grant)));
             }
             (Write::Acquire { reply, .. }, Decided::Queued(ticket)) => {
                 let slot = Arc::new(WaitSlot::default());
@@ -535,12 +566,12 @@ impl<'c> Worker<'c> {
                 self.remember_view();
                 let _ = reply.send(Ok(Acquired::NotNow));
             }
-            (Write::Remove { request, reply }, _) => {
+            (Write::Remove { request, reply }, decided) => {
                 if let Some(Written { ticket, .. }) = self.requests.remove(&request) {
                     self.waits.remove(&ticket);
                 }
                 if let Some(reply) = reply {
-                    let _ = reply.send(Ok(()));
+                    let _ = reply.send(Ok(matches!(decided, Decided::Removed(true))));
                 }
             }
             (Write::Renew { reply }, _) => {
@@ -575,9 +606,11 @@ impl<'c> Worker<'c> {
     /// After a commit: wake the local waiters that were promoted, and if anything was freed,
     /// the waiters without a queue position and the other managers of this process.
     fn after_commit(&mut self, freed: &Freed) {
+        // This owner's rows were promoted with this owner's lease (see `Db::promote`).
+        let expires_at = freed.at + micros(self.common.lease);
         for ticket in &freed.promoted {
             if let Some(slot) = self.waits.remove(ticket) {
-                slot.set(SlotState::Granted);
+                slot.set(SlotState::Granted(expires_at));
             }
         }
         if freed.any {
@@ -590,12 +623,12 @@ impl<'c> Worker<'c> {
     /// or expired has lost its lease; a wait whose rows are gone can never be granted.
     fn check_own_rows(&mut self, now: i64) -> Result<(), LockError> {
         let owned = self.db.owned_requests(&self.common.owner, now)?;
-        let find = |ticket: u64, held: bool| {
+        let find_request = |ticket: u64, held: bool| {
             owned
                 .iter()
                 .find(|r: &&OwnedRequest| r.ticket == ticket && r.held == held)
-                .map_or(0, |r| r.rows)
         };
+        let find = |ticket: u64, held: bool| find_request(ticket, held).map_or(0, |r| r.rows);
         {
             let mut guards = lock(&self.common.guards);
             let lost: Vec<u64> = guards
@@ -617,8 +650,9 @@ impl<'c> Worker<'c> {
         }
         let mut settled = Vec::new();
         for (&ticket, slot) in &self.waits {
-            if find(ticket, true) > 0 {
-                slot.set(SlotState::Granted);
+            if let Some(held) = find_request(ticket, true) {
+                // Promoted by another manager, with this owner's lease from its clock.
+                slot.set(SlotState::Granted(held.expires_at));
                 settled.push(ticket);
             } else if find(ticket, false) == 0 {
                 slot.set(SlotState::Expired);
