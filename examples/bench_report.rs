@@ -460,7 +460,7 @@ fn waiting_write_txn_per_s(dir: &Path, waiters: usize) -> Result<f64, Error> {
         let fibers: Vec<_> = (0..waiters)
             .map(|i| {
                 let locks = locks.clone();
-                fork_daemon(async move { locks.shared("key", &format!("waiter {i}")).await })
+                fork_daemon(async move { locks.shared("key", format!("waiter {i}")).await })
             })
             .collect();
         while locks.inspect(Some("key")).await?.len() < waiters + 1 {
@@ -492,7 +492,7 @@ fn heartbeat_write_txn_per_round(dir: &Path, count: usize) -> Result<f64, Error>
     block_on(async {
         let mut guards = Vec::with_capacity(count);
         for i in 0..count {
-            guards.push(locks.shared(&format!("key {i}"), "held").await?);
+            guards.push(locks.shared(format!("key {i}"), "held").await?);
         }
         while clock.sleepers() == 0 {
             SystemClock.sleep(Duration::from_millis(1)).await;

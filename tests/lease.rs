@@ -145,7 +145,7 @@ fn a_heartbeat_renews_a_thousand_locks_in_one_transaction() {
         let locks = manager(&dir.path().join("l.db"), &clock);
         let mut guards = Vec::new();
         for i in 0..1_000 {
-            guards.push(locks.shared(&format!("key{i}"), "hold").await.unwrap());
+            guards.push(locks.shared(format!("key{i}"), "hold").await.unwrap());
         }
         let before = locks.stats();
         advance_with_heartbeats(&clock, &locks, BEAT).await;
@@ -167,7 +167,7 @@ fn waiting_costs_no_write_transactions_however_many_wait() {
         for i in 0..200 {
             let locks = locks.clone();
             waiters.push(fork_daemon(async move {
-                locks.shared("k", &format!("waiter {i}")).await
+                locks.shared("k", format!("waiter {i}")).await
             }));
         }
         within(10_000, "all queued", || async {

@@ -115,7 +115,7 @@ async fn contend(db: &Path, folder: &Path, id: &str) {
 async fn contend_rounds(locks: &LockManager, log: &Path, id: &str) {
     for round in 0..CONTEND_ROUNDS {
         let guard = locks
-            .exclusive("k", &format!("{id}-{round}"))
+            .exclusive("k", format!("{id}-{round}"))
             .await
             .unwrap();
         append(log, &format!("+ {id} {}\n", guard.fencing_token()));
