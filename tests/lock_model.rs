@@ -4,26 +4,38 @@
 //! own `TestClock`) sharing one database file and two or three keys: acquisitions that may
 //! queue, `many` and `many_queued`, `try_acquire`, releases, interruptions of waiting requests,
 //! and the expiry of an owner, simulated by freezing its clock (so it never heartbeats again)
-//! while the others' clocks move on and their heartbeats keep their own leases alive.
+//! while the others' clocks move on and their heartbeats keep their own leases alive. Time also
+//! moves by fractions of a heartbeat, so that grants fall between beats.
+//!
+//! Bursts send several commands back to back, without awaiting in between, as a task does that
+//! drops a guard and asks again at once: drops of guards and of just-sent acquisitions,
+//! interruptions, `try_acquire`s, acquisitions and `many`s. They reach the storage worker in one
+//! batch or several, and every command must see the effects of every command sent before it: a
+//! `try_acquire` is judged against what the commands before it in the burst left.
 //!
 //! The model knows every live request: who made it, what it wants, how it was asked for, and the
 //! ticket it was given (read once from `inspect`, and never allowed to change). From these the
 //! rule says which requests must hold and which must wait; after every step the test waits,
 //! within a bound, until `inspect` shows exactly that. Every snapshot it reads on the way, even
 //! before the system settles, must be safe: no row of a dead request, no holder with a
-//! conflicting row ahead of it, all rows of one request together. The pure rule is unit-tested in
+//! conflicting row ahead of it, all rows of one request together. Once settled, every held row of
+//! a live owner has at least a lease less one heartbeat left: one late heartbeat never loses a
+//! lock, whether it was granted at once or from the queue. The pure rule is unit-tested in
 //! `src/lock/grant.rs`; this is the manager built around it.
 
 mod lock_support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
+use futures::FutureExt;
 use leasehold::{
     fork_daemon, AbortController, AbortReason, Clock, Exit, Fiber, Guard, LockEntry, LockError,
-    LockManager, LockRequest, Mode, TestClock,
+    LockManager, LockRequest, Mode, Scoped, TestClock,
 };
 use lock_support::{entries, join_within, rows_of, temp_db};
 use proptest::prelude::*;
@@ -71,6 +83,60 @@ enum Op {
     Expire {
         owner: usize,
     },
+    /// Every live owner's clock moves by this many tenths of a heartbeat.
+    Advance {
+        tenths: u32,
+    },
+    /// Commands sent back to back, with no await between them.
+    Burst {
+        actions: Vec<Action>,
+    },
+}
+
+/// One command of a burst.
+#[derive(Clone, Debug)]
+enum Action {
+    /// Drop a held guard (its release is sent from `Drop`).
+    DropGuard { pick: usize },
+    /// Send an acquisition (polled once) and keep it.
+    Acquire {
+        owner: usize,
+        key: usize,
+        exclusive: bool,
+    },
+    /// Send a `many` or `many_queued` (polled once) and keep it.
+    Many {
+        owner: usize,
+        first: (usize, bool),
+        second: (usize, bool),
+        queued: bool,
+    },
+    /// Drop an acquisition sent earlier in this burst (its removal is sent from `Drop`).
+    DropSent { pick: usize },
+    /// Interrupt a waiting acquisition without waiting for it.
+    Interrupt { pick: usize },
+    /// Send a `try_acquire`, whose answer is read after the burst.
+    Try {
+        owner: usize,
+        key: usize,
+        exclusive: bool,
+    },
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    let owner = 0..3usize;
+    let key = 0..3usize;
+    prop_oneof![
+        3 => any::<usize>().prop_map(|pick| Action::DropGuard { pick }),
+        2 => (owner.clone(), key.clone(), any::<bool>())
+            .prop_map(|(owner, key, exclusive)| Action::Acquire { owner, key, exclusive }),
+        1 => (owner.clone(), (key.clone(), any::<bool>()), (key.clone(), any::<bool>()), any::<bool>())
+            .prop_map(|(owner, first, second, queued)| Action::Many { owner, first, second, queued }),
+        1 => any::<usize>().prop_map(|pick| Action::DropSent { pick }),
+        1 => any::<usize>().prop_map(|pick| Action::Interrupt { pick }),
+        3 => (owner, key, any::<bool>())
+            .prop_map(|(owner, key, exclusive)| Action::Try { owner, key, exclusive }),
+    ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -86,6 +152,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => any::<usize>().prop_map(|pick| Op::Release { pick }),
         2 => any::<usize>().prop_map(|pick| Op::Interrupt { pick }),
         1 => owner.prop_map(|owner| Op::Expire { owner }),
+        2 => (3..=9u32).prop_map(|tenths| Op::Advance { tenths }),
+        3 => proptest::collection::vec(action(), 2..=5).prop_map(|actions| Op::Burst { actions }),
     ]
 }
 
@@ -131,6 +199,91 @@ fn allowed(rows: &[LockEntry], key: &str, mode: Mode, ticket: u64) -> bool {
     rows.iter()
         .filter(|row| row.key == key && row.ticket < ticket)
         .all(|row| mode == Mode::Shared && row.mode == Mode::Shared)
+}
+
+fn mode(exclusive: bool) -> Mode {
+    if exclusive {
+        Mode::Exclusive
+    } else {
+        Mode::Shared
+    }
+}
+
+/// Whether a new request for `mode` on `key` is granted after the rows in `model` (request name,
+/// key, mode): shared needs no exclusive row, exclusive needs no row at all.
+fn free_for(model: &[(String, String, Mode)], key: &str, mode: Mode) -> bool {
+    model
+        .iter()
+        .filter(|(_, k, _)| k == key)
+        .all(|(_, _, other)| mode == Mode::Shared && *other == Mode::Shared)
+}
+
+/// Notes that `owner`'s manager changed the keys of `wants` in a burst.
+fn touch(touched: &mut HashMap<String, HashSet<usize>>, wants: &[(String, Mode)], owner: usize) {
+    for (key, _) in wants {
+        touched.entry(key.clone()).or_default().insert(owner);
+    }
+}
+
+/// An acquisition of a burst, sent (polled once) but not yet handed to a fiber.
+struct Sent {
+    name: String,
+    owner: usize,
+    wants: Vec<(String, Mode)>,
+    policy: Policy,
+    acquisition: Scoped<Guard, LockError>,
+    stop: AbortController,
+    /// The guard, if the acquisition returned at its first poll already.
+    early: Option<Guard>,
+}
+
+impl Sent {
+    /// Polls the acquisition once, which sends its request to the storage worker.
+    fn send(&mut self) {
+        match (&mut self.acquisition).now_or_never() {
+            None => {}
+            Some(Ok(guard)) => self.early = Some(guard),
+            Some(Err(error)) => panic!("{} failed at its first poll: {error}", self.name),
+        }
+    }
+
+    /// The rows it will have, in the burst's model.
+    fn rows(&self) -> Vec<(String, String, Mode)> {
+        self.wants
+            .iter()
+            .map(|(key, mode)| (self.name.clone(), key.clone(), *mode))
+            .collect()
+    }
+
+    fn into_request(self) -> Request {
+        let state = match self.early {
+            Some(guard) => State::Held(guard),
+            None => State::Pending {
+                fiber: fork_daemon(self.acquisition),
+                stop: self.stop,
+            },
+        };
+        Request {
+            name: self.name,
+            owner: self.owner,
+            wants: self.wants,
+            policy: self.policy,
+            ticket: None,
+            state,
+        }
+    }
+}
+
+/// A `try_acquire` of a burst: what the model expects (`None` where it cannot tell), and its
+/// answer, if the first poll had it already.
+struct Try {
+    name: String,
+    owner: usize,
+    key: String,
+    mode: Mode,
+    expected: Option<bool>,
+    early: Option<Result<Option<Guard>, LockError>>,
+    answer: Pin<Box<dyn Future<Output = Result<Option<Guard>, LockError>> + Send>>,
 }
 
 struct World {
@@ -246,20 +399,7 @@ impl World {
                 queued,
             } => {
                 let owner = self.live_owner(owner);
-                let n = self.keys.len();
-                let a = first.0 % n;
-                // A different key: `many` refuses a key named twice.
-                let b = (a + 1 + second.0 % (n - 1)) % n;
-                let mode = |x: bool| if x { Mode::Exclusive } else { Mode::Shared };
-                let wants = vec![
-                    (self.keys[a].clone(), mode(first.1)),
-                    (self.keys[b].clone(), mode(second.1)),
-                ];
-                let policy = if queued {
-                    Policy::Queued
-                } else {
-                    Policy::Unqueued
-                };
+                let (wants, policy) = self.many_wants(first, second, queued);
                 self.start(owner, wants, policy);
             }
             Op::TryAcquire {
@@ -285,15 +425,45 @@ impl World {
                 }
             }
             Op::Expire { owner } => self.expire(owner % self.owners.len()).await,
+            Op::Advance { tenths } => self.advance(HEARTBEAT * tenths / 10).await,
+            Op::Burst { ref actions } => self.burst(actions).await,
         }
         self.settle().await;
     }
 
+    /// The keys and policy of a `many` (two different keys: `many` refuses a key named twice).
+    fn many_wants(
+        &self,
+        first: (usize, bool),
+        second: (usize, bool),
+        queued: bool,
+    ) -> (Vec<(String, Mode)>, Policy) {
+        let n = self.keys.len();
+        let a = first.0 % n;
+        let b = (a + 1 + second.0 % (n - 1)) % n;
+        let wants = vec![
+            (self.keys[a].clone(), mode(first.1)),
+            (self.keys[b].clone(), mode(second.1)),
+        ];
+        let policy = if queued {
+            Policy::Queued
+        } else {
+            Policy::Unqueued
+        };
+        (wants, policy)
+    }
+
     fn start(&mut self, owner: usize, wants: Vec<(String, Mode)>, policy: Policy) {
+        let sent = self.acquisition(owner, wants, policy);
+        self.requests.push(sent.into_request());
+    }
+
+    /// A new request, not yet sent: its acquisition sends it when first polled.
+    fn acquisition(&mut self, owner: usize, wants: Vec<(String, Mode)>, policy: Policy) -> Sent {
         let name = format!("r{}", self.next_name);
         self.next_name += 1;
         self.log
-            .push(format!("{name}: o{owner} {policy:?} {wants:?}"));
+            .push(format!("  {name}: o{owner} {policy:?} {wants:?}"));
         let requests: Vec<LockRequest> = wants
             .iter()
             .map(|(key, mode)| LockRequest {
@@ -310,17 +480,247 @@ impl World {
             Policy::Unqueued => locks.many(requests),
         }
         .with_signal(&stop.signal());
-        self.requests.push(Request {
+        Sent {
             name,
             owner,
             wants,
             policy,
-            ticket: None,
-            state: State::Pending {
-                fiber: fork_daemon(acquisition),
-                stop,
-            },
-        });
+            acquisition,
+            stop,
+            early: None,
+        }
+    }
+
+    /// Sends the commands of a burst back to back, then reads their answers. A `try_acquire` is
+    /// judged against the rows that the commands before it left, where those are certain: not on
+    /// a key that an interruption may or may not have freed yet, or that a waiting `many` may
+    /// have taken meanwhile, or that a command of the burst sent to another manager changes,
+    /// before or after it (each manager keeps the order of its own commands; two managers' are
+    /// concurrent).
+    async fn burst(&mut self, actions: &[Action]) {
+        self.log.push("burst {".into());
+        // Settled: these rows (in ticket order) are what the burst starts from. Each is
+        // (request name, key, mode); new requests' rows go after them, as their tickets will.
+        let mut model: Vec<(String, String, Mode)> = entries(self.observer())
+            .await
+            .into_iter()
+            .map(|e| (e.operation, e.key, e.mode))
+            .collect();
+        let mut uncertain: HashSet<String> = self
+            .requests
+            .iter()
+            .filter(|r| r.is_pending() && matches!(r.policy, Policy::Unqueued))
+            .flat_map(|r| r.wants.iter().map(|(key, _)| key.clone()))
+            .collect();
+        // Key -> the managers that commands of this burst changed it through.
+        let mut touched: HashMap<String, HashSet<usize>> = HashMap::new();
+        let mut sent: Vec<Sent> = Vec::new();
+        let mut tries: Vec<Try> = Vec::new();
+        let mut interrupted: Vec<(Request, AbortReason)> = Vec::new();
+        for action in actions {
+            match *action {
+                Action::DropGuard { pick } => {
+                    let held: Vec<usize> = (0..self.requests.len())
+                        .filter(|&r| matches!(self.requests[r].state, State::Held(_)))
+                        .collect();
+                    if held.is_empty() {
+                        continue;
+                    }
+                    let request = self.requests.remove(held[pick % held.len()]);
+                    self.log
+                        .push(format!("  drop the guard of {}", request.name));
+                    model.retain(|(name, _, _)| *name != request.name);
+                    touch(&mut touched, &request.wants, request.owner);
+                    drop(request);
+                }
+                Action::Acquire {
+                    owner,
+                    key,
+                    exclusive,
+                } => {
+                    let owner = self.live_owner(owner);
+                    let wants = vec![(self.key(key), mode(exclusive))];
+                    let mut new = self.acquisition(owner, wants, Policy::Single);
+                    new.send();
+                    touch(&mut touched, &new.wants, owner);
+                    model.extend(new.rows());
+                    sent.push(new);
+                }
+                Action::Many {
+                    owner,
+                    first,
+                    second,
+                    queued,
+                } => {
+                    let owner = self.live_owner(owner);
+                    let (wants, policy) = self.many_wants(first, second, queued);
+                    let mut new = self.acquisition(owner, wants, policy);
+                    new.send();
+                    touch(&mut touched, &new.wants, owner);
+                    let takes_rows = match policy {
+                        Policy::Unqueued => {
+                            if new.wants.iter().any(|(key, _)| uncertain.contains(key)) {
+                                uncertain.extend(new.wants.iter().map(|(key, _)| key.clone()));
+                            }
+                            new.wants
+                                .iter()
+                                .all(|(key, mode)| free_for(&model, key, *mode))
+                        }
+                        _ => true,
+                    };
+                    if takes_rows {
+                        model.extend(new.rows());
+                    }
+                    sent.push(new);
+                }
+                Action::DropSent { pick } => {
+                    if sent.is_empty() {
+                        continue;
+                    }
+                    let dropped = sent.remove(pick % sent.len());
+                    self.log.push(format!("  drop {} as sent", dropped.name));
+                    model.retain(|(name, _, _)| *name != dropped.name);
+                    touch(&mut touched, &dropped.wants, dropped.owner);
+                    drop(dropped);
+                }
+                Action::Interrupt { pick } => {
+                    let pending: Vec<usize> = (0..self.requests.len())
+                        .filter(|&r| self.requests[r].is_pending())
+                        .collect();
+                    if pending.is_empty() {
+                        continue;
+                    }
+                    let request = self.requests.remove(pending[pick % pending.len()]);
+                    self.log.push(format!("  interrupt {}", request.name));
+                    let reason = AbortReason::from(format!("interrupt {}", request.name));
+                    if let State::Pending { stop, .. } = &request.state {
+                        stop.abort(reason.clone());
+                    }
+                    uncertain.extend(request.wants.iter().map(|(key, _)| key.clone()));
+                    interrupted.push((request, reason));
+                }
+                Action::Try {
+                    owner,
+                    key,
+                    exclusive,
+                } => {
+                    let owner = self.live_owner(owner);
+                    let (key, mode) = (self.key(key), mode(exclusive));
+                    let name = format!("r{}", self.next_name);
+                    self.next_name += 1;
+                    self.log
+                        .push(format!("  {name}: o{owner} try_acquire {key} {mode:?}"));
+                    let granted = free_for(&model, &key, mode);
+                    let expected = (!uncertain.contains(&key)).then_some(granted);
+                    if granted {
+                        model.push((name.clone(), key.clone(), mode));
+                    }
+                    touch(&mut touched, &[(key.clone(), mode)], owner);
+                    let locks = self.owners[owner].locks.clone();
+                    let request = LockRequest {
+                        key: key.clone(),
+                        mode,
+                        operation: name.clone(),
+                    };
+                    let mut answer: Pin<Box<dyn Future<Output = _> + Send>> =
+                        Box::pin(async move { locks.try_acquire(request).await });
+                    let early = (&mut answer).now_or_never();
+                    tries.push(Try {
+                        name,
+                        owner,
+                        key,
+                        mode,
+                        expected,
+                        early,
+                        answer,
+                    });
+                }
+            }
+        }
+        self.log.push("}".into());
+        // Each manager handles its commands in order: once a read on each has returned, every
+        // command of the burst has taken effect, and any manager's snapshot shows it.
+        for owner in self.owners.iter().filter(|o| !o.frozen) {
+            entries(&owner.locks).await;
+        }
+
+        for new in sent {
+            self.requests.push(new.into_request());
+        }
+        for attempt in &mut tries {
+            let others = touched
+                .get(&attempt.key)
+                .is_some_and(|owners| owners.iter().any(|&o| o != attempt.owner));
+            if others {
+                attempt.expected = None;
+            }
+        }
+        for attempt in tries {
+            let Try {
+                name,
+                owner,
+                key,
+                mode,
+                expected,
+                early,
+                answer,
+            } = attempt;
+            let granted = match early {
+                Some(granted) => granted,
+                None => lock_support::bounded(SETTLE_MS, "a try_acquire", answer).await,
+            }
+            .expect("try_acquire");
+            if expected.is_some_and(|expected| expected != granted.is_some()) {
+                let rows = entries(self.observer()).await;
+                self.fail(
+                    &format!(
+                        "{name}: try_acquire in a burst gave {granted:?}; the commands before \
+                         it left the rule saying {expected:?}"
+                    ),
+                    &rows,
+                );
+            }
+            if let Some(guard) = granted {
+                self.requests.push(Request {
+                    name,
+                    owner,
+                    wants: vec![(key, mode)],
+                    policy: Policy::Single,
+                    ticket: None,
+                    state: State::Held(guard),
+                });
+            }
+        }
+        for (mut request, reason) in interrupted {
+            let State::Pending { fiber, .. } =
+                std::mem::replace(&mut request.state, State::Joining)
+            else {
+                unreachable!("picked among pending requests")
+            };
+            match join_within(SETTLE_MS, "an interrupted acquisition", fiber).await {
+                Exit::Success(Err(error))
+                    if error.abort_reason().is_some_and(|r| r.ptr_eq(&reason)) =>
+                {
+                    let left = rows_of(&self.owners[request.owner].locks, &request.name).await;
+                    if !left.is_empty() {
+                        self.fail(
+                            &format!("{} left rows when its interruption returned", request.name),
+                            &left,
+                        );
+                    }
+                }
+                // Granted by a command earlier in the burst before the interruption was seen:
+                // the value wins, and it holds.
+                Exit::Success(Ok(guard)) => {
+                    request.state = State::Held(guard);
+                    self.requests.push(request);
+                }
+                other => self.fail(
+                    &format!("{} interrupted returned {other:?}", request.name),
+                    &[],
+                ),
+            }
+        }
     }
 
     async fn try_acquire(&mut self, owner: usize, key: String, mode: Mode) {
@@ -421,26 +821,7 @@ impl World {
 
         let ticks = (LEASE.as_millis() / HEARTBEAT.as_millis()) as usize;
         for tick in 1..=ticks {
-            for o in (0..self.owners.len()).filter(|&o| !self.owners[o].frozen) {
-                // Every heartbeat of the owner is asleep on its clock before the clock moves.
-                let waiting = self
-                    .requests
-                    .iter()
-                    .filter(|r| {
-                        r.owner == o && r.is_pending() && !matches!(r.policy, Policy::Unqueued)
-                    })
-                    .count();
-                let holding = self
-                    .requests
-                    .iter()
-                    .any(|r| r.owner == o && matches!(r.state, State::Held(_)));
-                let beats = waiting + usize::from(holding);
-                let clock = &self.owners[o].clock;
-                lock_support::within(SETTLE_MS, "heartbeats asleep", || async {
-                    clock.sleepers() >= beats
-                })
-                .await;
-            }
+            self.heartbeats_asleep().await;
             for o in self.owners.iter().filter(|o| !o.frozen) {
                 o.clock.advance(HEARTBEAT);
             }
@@ -463,6 +844,67 @@ impl World {
         }
     }
 
+    /// Waits until every heartbeat of every live owner is asleep on its clock: before the
+    /// clocks move, and after, when the beats they woke have renewed.
+    async fn heartbeats_asleep(&self) {
+        for o in (0..self.owners.len()).filter(|&o| !self.owners[o].frozen) {
+            let waiting = self
+                .requests
+                .iter()
+                .filter(|r| r.owner == o && r.is_pending() && !matches!(r.policy, Policy::Unqueued))
+                .count();
+            let holding = self
+                .requests
+                .iter()
+                .any(|r| r.owner == o && matches!(r.state, State::Held(_)));
+            let beats = waiting + usize::from(holding);
+            let clock = &self.owners[o].clock;
+            lock_support::within(SETTLE_MS, "heartbeats asleep", || async {
+                clock.sleepers() >= beats
+            })
+            .await;
+        }
+    }
+
+    /// Moves every live owner's clock by `by` (less than a heartbeat), so that the beats due
+    /// then run, and grants made next fall between beats.
+    async fn advance(&mut self, by: Duration) {
+        self.log.push(format!("advance {by:?}"));
+        self.heartbeats_asleep().await;
+        for o in self.owners.iter().filter(|o| !o.frozen) {
+            o.clock.advance(by);
+        }
+        self.heartbeats_asleep().await;
+    }
+
+    /// Every held row of a live owner has at least a lease less one heartbeat left, by its
+    /// owner's clock: one late heartbeat does not lose it.
+    fn check_margins(&self, rows: &[LockEntry]) {
+        for row in rows
+            .iter()
+            .filter(|e| e.state == leasehold::EntryState::Held)
+        {
+            let Some(owner) = self
+                .owners
+                .iter()
+                .find(|o| !o.frozen && o.locks.owner_id() == row.owner)
+            else {
+                continue;
+            };
+            let left = row.expires_at.saturating_sub(owner.clock.now());
+            if left < LEASE - HEARTBEAT {
+                self.fail(
+                    &format!(
+                        "{} holds {} with {left:?} of its lease left, less than a lease less a \
+                         heartbeat",
+                        row.operation, row.key
+                    ),
+                    rows,
+                );
+            }
+        }
+    }
+
     /// Waits until the system is quiescent and matches the model; checks every snapshot on the
     /// way for safety.
     async fn settle(&mut self) {
@@ -474,6 +916,7 @@ impl World {
             let by_request = self.check_safety(&rows, &finished);
             match self.quiescent(&rows, &by_request, &finished) {
                 Ok(()) => {
+                    self.check_margins(&rows);
                     self.absorb(&rows, &by_request).await;
                     return;
                 }
