@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use event_listener::{Event, EventListener};
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, FusedFuture};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
@@ -918,6 +918,15 @@ impl<T, E> Drop for ScopedInner<T, E> {
             Some(parent) => parent.adopt_close(close),
             None => self.scope().spawner().spawn(close),
         }
+    }
+}
+
+/// `select!` takes a `Scoped` without `.fuse()`: one that has resolved is never polled again.
+impl<T, E> FusedFuture for Scoped<T, E> {
+    fn is_terminated(&self) -> bool {
+        // Between polls, `Done` means resolved: the other phases pass through it only inside
+        // `poll` (or in `Drop`, after which nobody can ask).
+        matches!(self.inner.phase, Phase::Done)
     }
 }
 
