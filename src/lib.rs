@@ -11,6 +11,8 @@
 //!   `Scoped` futures inner first, and resolves with [`Interrupted`] carrying *your* reason.
 //! - [`Fiber`]: spawned work tied to a scope ([`Scope::fork`]) or to nothing ([`fork_daemon`]);
 //!   [`Fiber::interrupt`] waits for its clean-up before it reports.
+//! - [`race`] and [`all`]: Effect's `raceAll` and `all` over `Scoped` futures; the losers are
+//!   interrupted ([`RaceLost`]) and their clean-up has finished before either resolves.
 //! - [`Schedule`]: retry and repeat policies as values (`spaced`, `fixed`, `exponential`,
 //!   `recurs`, `jittered`, `up_to`, `union`, `intersect`).
 //! - [`Semaphore`]: fair, strictly FIFO. [`Clock`]: [`SystemClock`], or [`TestClock`] whose time
@@ -107,6 +109,7 @@ mod abort;
 mod clock;
 mod fiber;
 mod lock;
+mod race;
 mod schedule;
 mod scope;
 mod semaphore;
@@ -120,6 +123,7 @@ pub use lock::{
     EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
     LockRequest, Mode, StorageStats, MAX_NAME_BYTES,
 };
+pub use race::{all, race, RaceLost};
 pub use schedule::{Schedule, ScheduleRun};
 pub use scope::{scoped, ExitStatus, Release, Scope, ScopeClosed, Scoped};
 pub use semaphore::{Acquire, Permit, Semaphore};
