@@ -48,7 +48,7 @@
 //!   under any executor.
 //!
 //! To keep all background work on your own runtime: on tokio, switch on the `tokio` feature (or
-//! set [`Scoped::with_spawner`] with a [`TokioSpawner`] on the outermost `Scoped` of each
+//! set [`Scoped::with_spawner`] with a `TokioSpawner` on the outermost `Scoped` of each
 //! request), and give every lock manager `LockManagerBuilder::spawner`. On any other executor,
 //! pass a [`Spawner`] (a closure that spawns onto it) in the same places. Work on a runtime stops
 //! when the runtime shuts down, clean-up included: keep the runtime alive until the work you
