@@ -5,6 +5,7 @@ mod common;
 
 use std::fmt;
 use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
 
 use common::{
     interrupted_by, interrupted_with, on_every_executor, record_status, slow_finalizer, within,
@@ -13,7 +14,10 @@ use common::{
 use futures::executor::block_on;
 use futures::future::{self, FusedFuture};
 use futures::FutureExt;
-use leasehold::{all, race, AbortController, AbortReason, Interrupted, RaceLost, Scoped};
+use leasehold::{
+    all, race, AbortController, AbortReason, Clock, EntryState, Interrupted, LockEntry,
+    LockManager, RaceLost, Scoped, SystemClock,
+};
 
 /// A test's own error type, as users have: a failure of the work, or an interruption.
 #[derive(Debug)]
@@ -218,6 +222,47 @@ fn alls_first_failure_interrupts_the_others_with_race_lost_and_awaits_their_fina
         let told = statuses.all();
         assert_eq!(told.len(), 2, "{told:?}");
         assert!(told.iter().all(interrupted_with::<RaceLost>), "{told:?}");
+    });
+}
+
+/// The live rows whose operation is `operation`.
+async fn rows_of(locks: &LockManager, operation: &str) -> Vec<LockEntry> {
+    let entries = locks.inspect(None).await.expect("inspect");
+    entries
+        .into_iter()
+        .filter(|entry| entry.operation == operation)
+        .collect()
+}
+
+#[test]
+fn racing_two_acquisitions_on_busy_keys_leaves_one_guard_and_no_row_of_the_loser() {
+    on_every_executor(|| async {
+        let locks = LockManager::open_in_memory().unwrap();
+        let holder_of_a = locks.exclusive("a", "hold").await.unwrap();
+        let holder_of_b = locks.exclusive("b", "hold").await.unwrap();
+        let racers = [locks.exclusive("a", "race"), locks.exclusive("b", "race")];
+        let free_a = async {
+            let deadline = Instant::now() + GENEROUS;
+            while rows_of(&locks, "race").await.len() < 2 {
+                assert!(Instant::now() < deadline, "both racers queued");
+                SystemClock.sleep(Duration::from_millis(1)).await;
+            }
+            holder_of_a.release().await.unwrap();
+        };
+
+        let (winner, ()) = future::join(race(racers), free_a).await;
+
+        let winner = winner.unwrap();
+        assert_eq!(winner.requests()[0].key, "a");
+        let rows = rows_of(&locks, "race").await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(
+            (rows[0].key.as_str(), &rows[0].state),
+            ("a", &EntryState::Held)
+        );
+        winner.release().await.unwrap();
+        holder_of_b.release().await.unwrap();
+        assert!(locks.inspect(None).await.unwrap().is_empty());
     });
 }
 
