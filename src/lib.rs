@@ -50,9 +50,10 @@
 //! To keep all background work on your own runtime: on tokio, switch on the `tokio` feature (or
 //! set [`Scoped::with_spawner`] with a `TokioSpawner` on the outermost `Scoped` of each
 //! request), and give every lock manager `LockManagerBuilder::spawner`. On any other executor,
-//! pass a [`Spawner`] (a closure that spawns onto it) in the same places. Work on a runtime stops
-//! when the runtime shuts down, clean-up included: keep the runtime alive until the work you
-//! started on it has finished.
+//! pass a [`Spawner`] (a closure that spawns onto it) in the same places. Work on a runtime runs
+//! only while the runtime does (a current-thread runtime, while something drives it) and stops
+//! when it shuts down, clean-up included: keep the runtime running until the work you started on
+//! it has finished.
 //!
 //! # Cancel safety
 //!
