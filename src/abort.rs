@@ -23,7 +23,7 @@ use std::time::Duration;
 use event_listener::{Event, EventListener};
 
 use crate::clock::{Clock, SystemClock};
-use crate::spawn::{SmolSpawner, Spawner};
+use crate::spawn::default_spawner;
 use crate::sync::{lock, wait_for};
 
 /// Why a unit of work was interrupted: the caller's own error object, shared.
@@ -380,7 +380,8 @@ impl AbortSignal {
 
     /// A signal that aborts with a [`TimedOut`] reason once `after` has passed (real time).
     ///
-    /// The timer runs on the default spawner, so this works under any executor.
+    /// The timer runs on the default spawner (with the `tokio` feature, the tokio runtime this is
+    /// called on, if any; otherwise smol's global executor), so this works under any executor.
     ///
     /// # Examples
     ///
@@ -406,7 +407,7 @@ impl AbortSignal {
             dropped: Some(dropped),
         });
         let weak = Arc::downgrade(&inner);
-        SmolSpawner.spawn(Box::pin(async move {
+        default_spawner().spawn(Box::pin(async move {
             // The timer task ends when the signal is dropped, so many short-lived timeouts do
             // not leave as many sleeping tasks behind.
             let timer = SystemClock.sleep(after);

@@ -9,7 +9,7 @@ use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, Dropped, Interrupted};
 use crate::scope::{panic_message, Scoped};
-use crate::spawn::{SmolSpawner, Spawner};
+use crate::spawn::{default_spawner, Spawner};
 use crate::sync::{lock, CompleteOnDrop, Completion};
 
 /// How a fiber ended.
@@ -105,7 +105,7 @@ where
     });
     let unit = Scoped::<T, Interrupted>::new(move |_| async move { Ok(future.await) })
         .with_signal(&controller.signal())
-        .on_spawner(spawner.clone())
+        .with_spawner(spawner.clone())
         .detached();
     let task_shared = shared.clone();
     let task = Box::pin(async move {
@@ -199,6 +199,9 @@ impl<T> fmt::Debug for Fiber<T> {
 
 /// Effect's forkDaemon: a fiber tied to no scope, on the default spawner.
 ///
+/// The default spawner is, with the `tokio` feature, the tokio runtime this is called on, if any;
+/// otherwise smol's global executor.
+///
 /// # Examples
 ///
 /// ```
@@ -214,7 +217,7 @@ where
     T: Send + 'static,
     Fut: Future<Output = T> + Send + 'static,
 {
-    fork_daemon_on(future, &(Arc::new(SmolSpawner) as Arc<dyn Spawner>))
+    fork_daemon_on(future, &default_spawner())
 }
 
 /// [`fork_daemon`] on a given spawner.

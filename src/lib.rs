@@ -11,6 +11,8 @@
 //!   `Scoped` futures inner first, and resolves with [`Interrupted`] carrying *your* reason.
 //! - [`Fiber`]: spawned work tied to a scope ([`Scope::fork`]) or to nothing ([`fork_daemon`]);
 //!   [`Fiber::interrupt`] waits for its clean-up before it reports.
+//! - [`race`] and [`all`]: Effect's `raceAll` and `all` over `Scoped` futures; the losers are
+//!   interrupted ([`RaceLost`]) and their clean-up has finished before either resolves.
 //! - [`Schedule`]: retry and repeat policies as values (`spaced`, `fixed`, `exponential`,
 //!   `recurs`, `jittered`, `up_to`, `union`, `intersect`).
 //! - [`Semaphore`]: fair, strictly FIFO. [`Clock`]: [`SystemClock`], or [`TestClock`] whose time
@@ -22,9 +24,36 @@
 //! nothing acquisition of several keys, fencing tokens, and cancellation that never leaves a row
 //! behind.
 //!
-//! Everything runs on any executor (`futures::executor::block_on`, smol, tokio) with no runtime
-//! feature switched on. Background work goes through a [`Spawner`]; the default is smol's global
-//! executor, which runs on threads of its own.
+//! Every future works under any executor (`futures::executor::block_on`, smol, tokio) with no
+//! runtime feature switched on. Background work goes through a [`Spawner`]; see below for which.
+//!
+//! # Where background work runs
+//!
+//! Background work is whatever must go on after its caller is gone: fibers, the rest of a dropped
+//! `Scoped`'s close, a lock manager's heartbeats. **It runs on the spawner given explicitly
+//! ([`Scoped::with_spawner`], [`Scope::with_spawner`], [`LockManagerBuilder::spawner`]), else on
+//! the enclosing scope's (a `Scoped` first polled inside another inherits it, a forked fiber uses
+//! its scope's), else, with the `tokio` feature, on the tokio runtime the `Scoped` is first polled
+//! on, else on smol's global executor.** ([`Scope::new`], [`fork_daemon`] and
+//! [`AbortSignal::timeout`] take the same default where they are called.)
+//!
+//! The library starts these threads:
+//!
+//! - one storage thread per [`LockManager`], which owns its SQLite connection;
+//! - smol's global executor threads (one unless `SMOL_THREADS` says otherwise), only when some
+//!   work falls to smol's executor: the default spawner without the `tokio` feature or outside a
+//!   tokio runtime, an explicit [`SmolSpawner`], or a lock manager built without
+//!   [`spawner`](LockManagerBuilder::spawner);
+//! - async-io's timer driver thread, for [`SystemClock`] sleeps and timeouts; its wake-ups work
+//!   under any executor.
+//!
+//! To keep all background work on your own runtime: on tokio, switch on the `tokio` feature (or
+//! set [`Scoped::with_spawner`] with a `TokioSpawner` on the outermost `Scoped` of each
+//! request), and give every lock manager `LockManagerBuilder::spawner`. On any other executor,
+//! pass a [`Spawner`] (a closure that spawns onto it) in the same places. Work on a runtime runs
+//! only while the runtime does (a current-thread runtime, while something drives it) and stops
+//! when it shuts down, clean-up included: keep the runtime running until the work you started on
+//! it has finished.
 //!
 //! # Cancel safety
 //!
@@ -81,6 +110,7 @@ mod abort;
 mod clock;
 mod fiber;
 mod lock;
+mod race;
 mod schedule;
 mod scope;
 mod semaphore;
@@ -94,9 +124,12 @@ pub use lock::{
     EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
     LockRequest, Mode, StorageStats, MAX_NAME_BYTES,
 };
+pub use race::{all, race, RaceLost};
 pub use schedule::{Schedule, ScheduleRun};
 pub use scope::{scoped, ExitStatus, Release, Scope, ScopeClosed, Scoped};
 pub use semaphore::{Acquire, Permit, Semaphore};
+#[cfg(feature = "tokio")]
+pub use spawn::TokioSpawner;
 pub use spawn::{SmolSpawner, Spawner};
 
 /// The README's examples, compiled and run as doc tests so that they stay true.

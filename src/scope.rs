@@ -16,6 +16,10 @@
 //!    parent's close awaits it, inner before outer), or as a tracked background child if not (so
 //!    it runs now, and the parent's close still waits for it). Without a parent it goes to the
 //!    spawner.
+//! 5. A scope's spawner is fixed when the scope is made. A `Scoped` chooses it on its first poll:
+//!    the one given with `with_spawner`, else its parent's, else the default (with the `tokio`
+//!    feature, the runtime it is polled on; otherwise smol's). Fibers run on their scope's
+//!    spawner, and so does every clean-up a scope hands off.
 //!
 //! Lock order: a scope's `state` lock is never held across an await or a call into user code.
 
@@ -30,11 +34,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use event_listener::{Event, EventListener};
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, FusedFuture};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
-use crate::spawn::{SmolSpawner, Spawner};
+use crate::spawn::{default_spawner, Spawner};
 use crate::sync::{lock, wait_for, CompleteOnDrop, Completion};
 
 /// How a scope ended; every finalizer is told.
@@ -163,9 +167,10 @@ pub struct Scope {
 }
 
 impl Scope {
-    /// An open scope whose background work runs on the default spawner.
+    /// An open scope whose background work runs on the default spawner: with the `tokio`
+    /// feature, the tokio runtime this is called on, if any; otherwise smol's global executor.
     pub fn new() -> Self {
-        Scope::with_spawner(Arc::new(SmolSpawner))
+        Scope::with_spawner(default_spawner())
     }
 
     /// An open scope whose background work (fibers, handed-off clean-ups) runs on `spawner`.
@@ -724,16 +729,51 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
         self
     }
 
-    /// Runs background work (handed-off clean-ups) on `spawner` instead of the default.
-    pub(crate) fn on_spawner(mut self, spawner: Arc<dyn Spawner>) -> Self {
-        self.inner.spawner = Some(spawner);
-        self
-    }
-
     /// Ignores the ambient parent: for work that is spawned, not awaited by its creator.
     pub(crate) fn detached(mut self) -> Self {
         self.inner.inherit = false;
         self
+    }
+}
+
+impl<T, E> Scoped<T, E> {
+    /// Its scope's fibers and handed-off clean-ups run on `spawner`; nested `Scoped` futures and
+    /// forked fibers inherit it.
+    ///
+    /// Without it, a `Scoped` takes its spawner when first polled: its parent's if it is first
+    /// polled inside another `Scoped`, else the default (with the `tokio` feature, the tokio
+    /// runtime it is polled on, if any; otherwise smol's global executor). Setting it once on the
+    /// outermost `Scoped` of a request is therefore enough. It has no effect on a `Scoped` that
+    /// has already been polled.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use leasehold::{Interrupted, Scoped, Spawner};
+    ///
+    /// // Any executor can be plugged in; here, one thread per piece of background work.
+    /// let spawner: Arc<dyn Spawner> = Arc::new(|future| {
+    ///     std::thread::spawn(move || futures::executor::block_on(future));
+    /// });
+    /// # futures::executor::block_on(async {
+    /// let answer = Scoped::<_, Interrupted>::new(|scope| async move {
+    ///     // Forked onto `spawner`, as are the fibers of any `Scoped` nested in this one.
+    ///     Ok(scope.fork(async { 6 * 7 }).join().await.success())
+    /// })
+    /// .with_spawner(spawner)
+    /// .await;
+    /// assert_eq!(answer.unwrap(), Some(42));
+    /// # });
+    /// ```
+    pub fn with_spawner(mut self, spawner: Arc<dyn Spawner>) -> Self {
+        self.inner.spawner = Some(spawner);
+        self
+    }
+
+    /// [`with_spawner`](Scoped::with_spawner), under the name the lock manager uses.
+    pub(crate) fn on_spawner(self, spawner: Arc<dyn Spawner>) -> Self {
+        self.with_spawner(spawner)
     }
 }
 
@@ -803,7 +843,7 @@ impl<T, E> Future for Scoped<T, E> {
                     let spawner = match (&this.spawner, &this.parent) {
                         (Some(spawner), _) => spawner.clone(),
                         (None, Some(parent)) => parent.spawner(),
-                        (None, None) => Arc::new(SmolSpawner),
+                        (None, None) => default_spawner(),
                     };
                     let scope = Scope::with_spawner(spawner);
                     this.scope = Some(scope.clone());
@@ -878,6 +918,15 @@ impl<T, E> Drop for ScopedInner<T, E> {
             Some(parent) => parent.adopt_close(close),
             None => self.scope().spawner().spawn(close),
         }
+    }
+}
+
+/// `select!` takes a `Scoped` without `.fuse()`: one that has resolved is never polled again.
+impl<T, E> FusedFuture for Scoped<T, E> {
+    fn is_terminated(&self) -> bool {
+        // Between polls, `Done` means resolved: the other phases pass through it only inside
+        // `poll` (or in `Drop`, after which nobody can ask).
+        matches!(self.inner.phase, Phase::Done)
     }
 }
 

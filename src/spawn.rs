@@ -1,6 +1,12 @@
 //! Where background work runs.
+//!
+//! Background work goes to the first of: a spawner given explicitly, the spawner of the enclosing
+//! scope, (with the `tokio` feature) the tokio runtime current when the default is chosen, and
+//! smol's global executor. This module holds the last two: `default_spawner` chooses between
+//! them.
 
 use std::fmt;
+use std::sync::{Arc, LazyLock};
 
 use futures::future::BoxFuture;
 
@@ -57,4 +63,92 @@ impl fmt::Debug for SmolSpawner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("SmolSpawner")
     }
+}
+
+/// A tokio runtime as a [`Spawner`]: background work runs as tasks on that runtime, so it can use
+/// tokio's timers and I/O, and it stops when the runtime shuts down.
+///
+/// Available with the `tokio` feature, which also makes a `Scoped` first polled inside a tokio
+/// runtime (with no spawner given or inherited) use that runtime without being told.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use leasehold::{Interrupted, Scoped, TokioSpawner};
+///
+/// let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+/// let spawner = Arc::new(TokioSpawner::new(runtime.handle().clone()));
+/// let work = Scoped::<_, Interrupted>::new(|scope| async move {
+///     // Forked onto `runtime`, whichever executor polls `work`.
+///     let fiber = scope.fork(async { tokio::task::yield_now().await; 7 });
+///     Ok(fiber.join().await.success())
+/// })
+/// .with_spawner(spawner);
+/// assert_eq!(runtime.block_on(work).unwrap(), Some(7));
+/// ```
+#[cfg(feature = "tokio")]
+#[derive(Clone, Debug)]
+pub struct TokioSpawner {
+    handle: tokio::runtime::Handle,
+}
+
+#[cfg(feature = "tokio")]
+impl TokioSpawner {
+    /// The runtime this is called on.
+    ///
+    /// # Panics
+    ///
+    /// Panics when called outside a tokio runtime (as [`tokio::runtime::Handle::current`] does).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{Spawner, TokioSpawner};
+    ///
+    /// let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let spawner = runtime.block_on(async { TokioSpawner::current() });
+    /// let (tx, rx) = futures::channel::oneshot::channel();
+    /// spawner.spawn(Box::pin(async move { tx.send(42).unwrap() }));
+    /// assert_eq!(runtime.block_on(rx).unwrap(), 42);
+    /// ```
+    pub fn current() -> Self {
+        TokioSpawner::new(tokio::runtime::Handle::current())
+    }
+
+    /// The runtime of `handle`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::TokioSpawner;
+    ///
+    /// let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let spawner = TokioSpawner::new(runtime.handle().clone());
+    /// # drop(spawner);
+    /// ```
+    pub fn new(handle: tokio::runtime::Handle) -> Self {
+        TokioSpawner { handle }
+    }
+}
+
+#[cfg(feature = "tokio")]
+impl Spawner for TokioSpawner {
+    fn spawn(&self, future: BoxFuture<'static, ()>) {
+        // Detached: the work reports through its own completion, not through the JoinHandle.
+        // On a runtime that has shut down, tokio drops the future at once.
+        drop(self.handle.spawn(future));
+    }
+}
+
+/// The spawner for work that was given none and inherits none: with the `tokio` feature, the
+/// tokio runtime this is called on, if any; otherwise smol's global executor.
+pub(crate) fn default_spawner() -> Arc<dyn Spawner> {
+    #[cfg(feature = "tokio")]
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        return Arc::new(TokioSpawner::new(handle));
+    }
+    // One shared handle: most `Scoped` futures take the default, and each would allocate.
+    static SMOL: LazyLock<Arc<dyn Spawner>> = LazyLock::new(|| Arc::new(SmolSpawner));
+    SMOL.clone()
 }

@@ -37,6 +37,9 @@ const _: () = send_sync::<ScheduleRun>();
 const _: () = send_sync::<TestClock>();
 const _: () = send_sync::<SystemClock>();
 const _: () = send_sync::<SmolSpawner>();
+#[cfg(feature = "tokio")]
+const _: () = send_sync::<leasehold::TokioSpawner>();
+const _: () = send_sync::<leasehold::RaceLost>();
 const _: () = send_sync::<Fiber<u32>>();
 const _: () = send::<Fiber<NotSync>>();
 const _: () = send::<Exit<NotSync>>();
@@ -82,6 +85,18 @@ fn repeat_future(schedule: &Schedule) -> impl Future<Output = Result<u8, String>
 
 fn scoped_shorthand_future() -> impl Future<Output = Result<u8, Interrupted>> + Send {
     leasehold::scoped(|_scope| async { Ok(1) })
+}
+
+fn race_future(
+    contenders: Vec<Scoped<NotSync, Interrupted>>,
+) -> impl Future<Output = Result<NotSync, Interrupted>> + Send {
+    leasehold::race(contenders)
+}
+
+fn all_future(
+    members: Vec<Scoped<NotSync, Interrupted>>,
+) -> impl Future<Output = Result<Vec<NotSync>, Interrupted>> + Send {
+    leasehold::all(members)
 }
 
 fn acquire_future(semaphore: &Semaphore) -> Acquire<'_> {

@@ -1,0 +1,207 @@
+//! Structured `race` and `all`: every contender has finished, clean-up included, before either
+//! resolves.
+//!
+//! Invariants:
+//!
+//! 1. Every contender runs with one extra signal, shared by all of them, that is aborted with
+//!    [`RaceLost`] once the outcome is known (a winner, a failure of `all`, or a panic).
+//! 2. Neither function resolves until every contender has resolved: a `Scoped` resolves only
+//!    after its scope has closed, so the losers' finalizers have finished by then.
+//! 3. A contender's panic is caught, the others are interrupted and awaited as for a loss, and
+//!    then the panic resumes.
+//! 4. Dropping `race` or `all` before it resolves drops the contenders, which hands their clean-up
+//!    to the enclosing `Scoped` (if any, whose close then waits for it) or to their spawner, as
+//!    for any dropped `Scoped`. An interruption of the enclosing `Scoped` therefore reaches every
+//!    contender with the caller's reason.
+
+use std::any::Any;
+use std::error::Error;
+use std::fmt;
+use std::panic::{resume_unwind, AssertUnwindSafe};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use futures::FutureExt;
+
+use crate::abort::{AbortController, AbortReason, Interrupted};
+use crate::scope::Scoped;
+
+/// The reason given to the contenders that [`race`] and [`all`] interrupt once the outcome is
+/// known.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::RaceLost;
+///
+/// assert_eq!(RaceLost.to_string(), "lost a race");
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RaceLost;
+
+impl fmt::Display for RaceLost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("lost a race")
+    }
+}
+
+impl Error for RaceLost {}
+
+/// How one contender ended, with its place in the list.
+type Finish<T, E> = (usize, Result<Result<T, E>, Box<dyn Any + Send>>);
+
+/// The contenders, started together and each interruptible by `lost`.
+struct Contest<T, E> {
+    lost: AbortController,
+    running: FuturesUnordered<futures::future::BoxFuture<'static, Finish<T, E>>>,
+}
+
+impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Contest<T, E> {
+    fn new(contenders: impl IntoIterator<Item = Scoped<T, E>>) -> Self {
+        let lost = AbortController::new();
+        let signal = lost.signal();
+        let running = contenders
+            .into_iter()
+            .enumerate()
+            .map(|(place, contender)| {
+                AssertUnwindSafe(contender.with_signal(&signal))
+                    .catch_unwind()
+                    .map(move |result| (place, result))
+                    .boxed()
+            })
+            .collect();
+        Contest { lost, running }
+    }
+
+    fn len(&self) -> usize {
+        self.running.len()
+    }
+
+    /// The next contender to finish, or `None` when none is left.
+    async fn next(&mut self) -> Option<Finish<T, E>> {
+        self.running.next().await
+    }
+
+    /// Interrupts every contender still running and waits for all of them; what they end with
+    /// is dropped (a value that beat the interruption too, as a late winner's).
+    async fn stop_the_rest(&mut self) {
+        self.lost.abort(AbortReason::new(RaceLost));
+        while self.running.next().await.is_some() {}
+    }
+}
+
+/// Effect's `raceAll`: the first contender to succeed wins; the others are interrupted (reason
+/// [`RaceLost`]) and their clean-up has finished before `race` resolves. If every contender
+/// fails, the error of the last to fail.
+///
+/// The contenders run concurrently, polled by the task that awaits `race` (so inside a `Scoped`,
+/// each is nested in it). A loser that produced its value before it saw the interruption has
+/// that value dropped.
+///
+/// # Panics
+///
+/// Panics, when first polled, if `contenders` is empty: there would be neither a winner nor a
+/// last error (Effect's `raceAll` dies the same way). If a contender panics, the others are
+/// interrupted and awaited, and then the panic resumes.
+///
+/// # Cancel safety
+///
+/// Dropping this future drops the contenders: their clean-up goes to the enclosing `Scoped`,
+/// whose close waits for it, or to the background. Interrupt the enclosing `Scoped` instead to
+/// wait for it; every contender is then interrupted with your reason.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use leasehold::{race, ExitStatus, Interrupted, RaceLost, Scoped};
+///
+/// # futures::executor::block_on(async {
+/// let told = Arc::new(Mutex::new(None));
+/// let record = told.clone();
+/// let slow = Scoped::<&str, Interrupted>::new(|scope| async move {
+///     scope.add_finalizer(move |status| async move { *record.lock().unwrap() = Some(status) });
+///     std::future::pending().await
+/// });
+/// let quick = Scoped::new(|_| async { Ok("quick") });
+/// assert_eq!(race([slow, quick]).await.unwrap(), "quick");
+/// // The loser was interrupted, and its finalizer had finished, before `race` returned.
+/// let status = told.lock().unwrap().take().unwrap();
+/// assert!(matches!(status, ExitStatus::Interrupted(reason) if reason.downcast_ref::<RaceLost>().is_some()));
+/// # });
+/// ```
+pub async fn race<T, E>(contenders: impl IntoIterator<Item = Scoped<T, E>>) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: From<Interrupted> + Send + 'static,
+{
+    let mut contest = Contest::new(contenders);
+    assert!(contest.len() > 0, "`race` needs at least one contender");
+    let mut last_error = None;
+    while let Some((_, finish)) = contest.next().await {
+        match finish {
+            Ok(Ok(value)) => {
+                contest.stop_the_rest().await;
+                return Ok(value);
+            }
+            Ok(Err(error)) => last_error = Some(error),
+            Err(panic) => {
+                contest.stop_the_rest().await;
+                resume_unwind(panic);
+            }
+        }
+    }
+    Err(last_error.expect("a race with contenders ends with a winner or an error"))
+}
+
+/// Effect's `all`, run concurrently: every member to success, values in the members' order. On
+/// the first failure the others are interrupted (reason [`RaceLost`]) and awaited, then that
+/// failure is returned.
+///
+/// No members gives `Ok(vec![])`. The members are polled by the task that awaits `all` (so inside
+/// a `Scoped`, each is nested in it).
+///
+/// # Panics
+///
+/// If a member panics, the others are interrupted and awaited, and then the panic resumes.
+///
+/// # Cancel safety
+///
+/// Dropping this future drops the members: their clean-up goes to the enclosing `Scoped`, whose
+/// close waits for it, or to the background. Interrupt the enclosing `Scoped` instead to wait for
+/// it; every member is then interrupted with your reason.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{all, Interrupted, Scoped};
+///
+/// # futures::executor::block_on(async {
+/// let members = (1..=3).map(|n| Scoped::<u32, Interrupted>::new(move |_| async move { Ok(n * 10) }));
+/// assert_eq!(all(members).await.unwrap(), [10, 20, 30]);
+/// # });
+/// ```
+pub async fn all<T, E>(members: impl IntoIterator<Item = Scoped<T, E>>) -> Result<Vec<T>, E>
+where
+    T: Send + 'static,
+    E: From<Interrupted> + Send + 'static,
+{
+    let mut contest = Contest::new(members);
+    let mut values: Vec<Option<T>> = (0..contest.len()).map(|_| None).collect();
+    while let Some((place, finish)) = contest.next().await {
+        match finish {
+            Ok(Ok(value)) => values[place] = Some(value),
+            Ok(Err(error)) => {
+                contest.stop_the_rest().await;
+                return Err(error);
+            }
+            Err(panic) => {
+                contest.stop_the_rest().await;
+                resume_unwind(panic);
+            }
+        }
+    }
+    Ok(values
+        .into_iter()
+        .map(|value| value.expect("every member succeeded"))
+        .collect())
+}
