@@ -35,22 +35,24 @@
 //! the enclosing scope's (a `Scoped` first polled inside another inherits it, a forked fiber uses
 //! its scope's), else, with the `tokio` feature, on the tokio runtime the `Scoped` is first polled
 //! on, else on smol's global executor.** ([`Scope::new`], [`fork_daemon`] and
-//! [`AbortSignal::timeout`] take the same default where they are called.)
+//! [`AbortSignal::timeout`] take the same default where they are called. A lock manager built
+//! without a spawner follows the same rule: an acquisition is a `Scoped`, and the owner's lock
+//! heartbeat starts where the guard that needed it was taken.)
 //!
 //! The library starts these threads:
 //!
 //! - one storage thread per [`LockManager`], which owns its SQLite connection;
 //! - smol's global executor threads (one unless `SMOL_THREADS` says otherwise), only when some
 //!   work falls to smol's executor: the default spawner without the `tokio` feature or outside a
-//!   tokio runtime, an explicit [`SmolSpawner`], or a lock manager built without
-//!   [`spawner`](LockManagerBuilder::spawner);
+//!   tokio runtime, or an explicit [`SmolSpawner`];
 //! - async-io's timer driver thread, for [`SystemClock`] sleeps and timeouts; its wake-ups work
 //!   under any executor.
 //!
 //! To keep all background work on your own runtime: on tokio, switch on the `tokio` feature (or
 //! set [`Scoped::with_spawner`] with a `TokioSpawner` on the outermost `Scoped` of each
-//! request), and give every lock manager `LockManagerBuilder::spawner`. On any other executor,
-//! pass a [`Spawner`] (a closure that spawns onto it) in the same places. Work on a runtime runs
+//! request). On any other executor, pass a [`Spawner`] (a closure that spawns onto it) there,
+//! and to [`LockManagerBuilder::spawner`] for a lock manager whose guards outlive the requests
+//! that took them. Work on a runtime runs
 //! only while the runtime does (a current-thread runtime, while something drives it) and stops
 //! when it shuts down, clean-up included: keep the runtime running until the work you started on
 //! it has finished.

@@ -599,6 +599,12 @@ fn ambient() -> Option<Scope> {
     AMBIENT.with(|ambient| ambient.borrow().clone())
 }
 
+/// Where background work started now belongs: on the spawner of the scope whose body this
+/// thread is running, if any, otherwise on the default.
+pub(crate) fn current_spawner() -> Arc<dyn Spawner> {
+    ambient().map_or_else(default_spawner, |scope| scope.spawner())
+}
+
 type Body<T, E> = Box<dyn FnOnce(Scope) -> BoxFuture<'static, Result<T, E>> + Send>;
 
 enum Phase<T, E> {
@@ -769,11 +775,6 @@ impl<T, E> Scoped<T, E> {
     pub fn with_spawner(mut self, spawner: Arc<dyn Spawner>) -> Self {
         self.inner.spawner = Some(spawner);
         self
-    }
-
-    /// [`with_spawner`](Scoped::with_spawner), under the name the lock manager uses.
-    pub(crate) fn on_spawner(self, spawner: Arc<dyn Spawner>) -> Self {
-        self.with_spawner(spawner)
     }
 }
 

@@ -1,6 +1,9 @@
 //! The lock manager's conformance cases (API.md), one test each, plus the manager's own
-//! behaviours: validation, fencing, inspection, leases, shutdown.
+//! behaviours: validation, fencing, inspection, leases, shutdown. Each runs under every executor
+//! the library promises to work under (`common::on_every_executor`): the storage worker's
+//! replies, and where background work runs, depend on it.
 
+mod common;
 mod lock_support;
 
 use lock_support::within;
@@ -8,7 +11,6 @@ use lock_support::within;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::executor::block_on;
 use leasehold::{
     fork_daemon, AbortController, AbortReason, EntryState, Exit, Fiber, Guard, LockEntry,
     LockError, LockManager, LockRequest, Mode,
@@ -76,7 +78,7 @@ async fn guard_of(fiber: Fiber<Result<Guard, LockError>>) -> Guard {
 
 #[test]
 fn case_01_shared_waits_behind_a_queued_exclusive() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let grants = Grants::default();
         let s1 = locks.shared("k", "S1").await.unwrap();
@@ -103,7 +105,7 @@ fn case_01_shared_waits_behind_a_queued_exclusive() {
 
 #[test]
 fn case_02_interrupting_a_queued_exclusive_lets_the_shared_behind_it_through() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let grants = Grants::default();
         let holder = locks.exclusive("k", "H").await.unwrap();
@@ -139,7 +141,7 @@ fn case_02_interrupting_a_queued_exclusive_lets_the_shared_behind_it_through() {
 
 #[test]
 fn case_03_the_third_exclusive_is_granted_when_the_first_two_are_interrupted() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let grants = Grants::default();
         let holder = locks.exclusive("k", "H").await.unwrap();
@@ -180,7 +182,7 @@ fn case_03_the_third_exclusive_is_granted_when_the_first_two_are_interrupted() {
 
 #[test]
 fn case_04_interrupting_a_queued_request_never_releases_anyone_else() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let grants = Grants::default();
         let s1 = locks.shared("k", "S1").await.unwrap();
@@ -212,7 +214,7 @@ fn case_04_interrupting_a_queued_request_never_releases_anyone_else() {
 
 #[test]
 fn case_05_an_interrupted_request_returns_the_callers_reason_with_no_trace_left() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let holder = locks.exclusive("k", "H").await.unwrap();
         let stop = AbortController::new();
@@ -237,7 +239,7 @@ fn case_05_an_interrupted_request_returns_the_callers_reason_with_no_trace_left(
 
 #[test]
 fn case_06_shared_locks_are_held_together_and_exclusive_waits_for_all() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let grants = Grants::default();
         let a = locks.shared("k", "A").await.unwrap();
@@ -264,7 +266,7 @@ fn case_06_shared_locks_are_held_together_and_exclusive_waits_for_all() {
 
 #[test]
 fn case_07_while_exclusive_is_held_later_requests_are_granted_in_arrival_order() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let grants = Grants::default();
         let holder = locks.exclusive("k", "H").await.unwrap();
@@ -293,7 +295,7 @@ fn case_07_while_exclusive_is_held_later_requests_are_granted_in_arrival_order()
 
 #[test]
 fn case_08_releasing_exclusive_grants_the_leading_shared_run_together() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let grants = Grants::default();
         let holder = locks.exclusive("k", "H").await.unwrap();
@@ -338,7 +340,7 @@ fn case_08_releasing_exclusive_grants_the_leading_shared_run_together() {
 
 #[test]
 fn case_09_many_never_holds_part_of_its_set_and_leaves_nothing_when_interrupted() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let mirror = locks.exclusive("mirror", "prune").await.unwrap();
         let stop = AbortController::new();
@@ -402,7 +404,7 @@ fn case_09_many_never_holds_part_of_its_set_and_leaves_nothing_when_interrupted(
 
 #[test]
 fn case_10_an_already_aborted_signal_runs_nothing_and_writes_nothing() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let before = locks.stats().write_transactions;
         let stop = AbortController::new();
@@ -423,7 +425,7 @@ fn case_10_an_already_aborted_signal_runs_nothing_and_writes_nothing() {
 
 #[test]
 fn case_11_release_removes_only_the_callers_rows() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("locks.db");
         let alice = LockManager::open(&path).unwrap();
@@ -446,7 +448,7 @@ fn case_11_release_removes_only_the_callers_rows() {
 
 #[test]
 fn case_12_a_waiter_in_this_process_is_woken_at_once_even_with_a_long_poll() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("locks.db");
         let slow_poll = |path| {
@@ -480,7 +482,7 @@ fn case_12_a_waiter_in_this_process_is_woken_at_once_even_with_a_long_poll() {
 
 #[test]
 fn invalid_requests_are_refused_before_anything_is_written() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let long = "x".repeat(leasehold::MAX_NAME_BYTES + 1);
         let cases: Vec<Vec<LockRequest>> = vec![
@@ -545,7 +547,7 @@ fn a_lease_shorter_than_two_heartbeats_is_refused() {
 
 #[test]
 fn fencing_tokens_increase_across_keys_and_owners() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("locks.db");
         let a = LockManager::open(&path).unwrap();
@@ -564,7 +566,7 @@ fn fencing_tokens_increase_across_keys_and_owners() {
 
 #[test]
 fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let b = locks.exclusive("b", "holder").await.unwrap();
         let both = {
@@ -610,7 +612,7 @@ fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
 
 #[test]
 fn dropping_a_queued_acquisition_removes_its_row() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let holder = locks.exclusive("k", "H").await.unwrap();
         {
@@ -634,7 +636,7 @@ fn dropping_a_queued_acquisition_removes_its_row() {
 
 #[test]
 fn dropping_a_guard_releases_it() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         drop(locks.exclusive("k", "H").await.unwrap());
         // The release went to the worker before this inspection, so it is already done.
@@ -644,7 +646,7 @@ fn dropping_a_guard_releases_it() {
 
 #[test]
 fn shutdown_releases_everything_and_ends_waits() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("locks.db");
         let locks = LockManager::open(&path).unwrap();
@@ -678,7 +680,7 @@ fn shutdown_releases_everything_and_ends_waits() {
 
 #[test]
 fn inspect_reports_modes_owners_positions_and_times() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let grants = Grants::default();
         let s = locks.shared("k", "S").await.unwrap();
@@ -701,7 +703,7 @@ fn inspect_reports_modes_owners_positions_and_times() {
 
 #[test]
 fn an_acquisition_dropped_right_after_it_was_sent_leaves_no_row() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         for round in 0..200 {
             // Polled once (the request is sent), then dropped, usually before the reply: the
@@ -720,7 +722,7 @@ fn an_acquisition_dropped_right_after_it_was_sent_leaves_no_row() {
 /// `try_acquire` right after a guard was dropped finds the lock free.
 #[test]
 fn a_try_acquire_right_after_a_dropped_guard_is_never_refused() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let mut refused = 0;
         for _ in 0..1000 {
@@ -745,7 +747,7 @@ fn a_try_acquire_right_after_a_dropped_guard_is_never_refused() {
 /// `Drop`) instead of a guard.
 #[test]
 fn a_try_acquire_right_after_a_dropped_acquisition_is_never_refused() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();
         let mut refused = 0;
         for _ in 0..1000 {

@@ -8,6 +8,7 @@
 //! grant either hands the guard over or leaves no row; and when everyone is done, nothing is
 //! left. A per-key counter, set while a guard is held, checks mutual exclusion on the way.
 
+mod common;
 mod lock_support;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
@@ -277,12 +278,22 @@ proptest! {
     fn interrupted_acquisitions_return_the_callers_reason_and_leave_no_row(
         plans in proptest::collection::vec(plan(), 2..=10),
     ) {
-        block_on(interrupted_workload(plans));
+        common::on_every_executor(|| {
+            let plans = plans.clone();
+            async move {
+                interrupted_workload(plans).await;
+            }
+        });
     }
 
     #[test]
     fn dropped_acquisitions_leave_no_row(plans in proptest::collection::vec(plan(), 2..=10)) {
-        block_on(dropped_workload(plans));
+        common::on_every_executor(|| {
+            let plans = plans.clone();
+            async move {
+                dropped_workload(plans).await;
+            }
+        });
     }
 }
 
@@ -310,7 +321,7 @@ fn interruptions_under_load_leave_nothing_behind() {
 /// both orders, with the holder and the waiter in one owner and in two.
 #[test]
 fn an_interruption_racing_the_grant_hands_over_the_guard_or_leaves_no_row() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let (_dir, path) = temp_db();
         let a = LockManager::open(&path).unwrap();
         let b = LockManager::open(&path).unwrap();

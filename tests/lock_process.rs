@@ -69,6 +69,7 @@ fn child_entry() {
     match role.as_str() {
         "hold-then-release" => block_on(hold_then_release(&db, &folder)),
         "hold-until-killed" => block_on(hold_until_killed(&db, &folder)),
+        "hold-on-a-stalled-executor" => block_on(hold_on_a_stalled_executor(&db, &folder)),
         "contend" => {
             let id = std::env::var(ID).expect("child id");
             block_on(contend(&db, &folder, &id));
@@ -99,6 +100,46 @@ async fn hold_until_killed(db: &Path, folder: &Path) {
     let _guard = locks.exclusive("k", "child").await.unwrap();
     mark(folder, "held", "");
     smol::Timer::after(CHILD_PATIENCE).await;
+}
+
+/// How long the stalled child's executor is blocked: several leases.
+const STALL: Duration = Duration::from_secs(4);
+
+/// Holds `k` with a short lease, its background work on an executor of one thread; when the
+/// parent says `stall`, a blocking task occupies that thread for [`STALL`], so no heartbeat can
+/// run. Writes `stall-over` when the thread is free again, and `lost` once the guard's `lost()`
+/// signal has fired ("yes") or its patience ran out ("no").
+async fn hold_on_a_stalled_executor(db: &Path, folder: &Path) {
+    let executor = Arc::new(smol::Executor::<'static>::new());
+    {
+        let executor = executor.clone();
+        std::thread::spawn(move || smol::block_on(executor.run(smol::future::pending::<()>())));
+    }
+    let spawner = executor.clone();
+    let locks = LockManager::builder()
+        .lease(SHORT_LEASE)
+        .heartbeat(SHORT_HEARTBEAT)
+        .spawner(Arc::new(move |task| spawner.spawn(task).detach()))
+        .open(db)
+        .unwrap();
+    let guard = locks.exclusive("k", "stalled").await.unwrap();
+    mark(folder, "held", "");
+    await_marker(folder, "stall");
+    let over = folder.to_path_buf();
+    executor
+        .spawn(async move {
+            std::thread::sleep(STALL);
+            mark(&over, "stall-over", "");
+        })
+        .detach();
+    let lost = guard.lost();
+    let fired = smol::future::or(async { lost.aborted().await.to_string() }, async {
+        smol::Timer::after(CHILD_PATIENCE).await;
+        String::new()
+    })
+    .await;
+    mark(folder, "lost", if fired.is_empty() { "no" } else { "yes" });
+    drop(guard);
 }
 
 const CONTEND_ROUNDS: usize = 15;
@@ -459,4 +500,44 @@ fn several_owners_in_one_process_hand_off_correctly() {
             assert!(entries(locks).await.is_empty());
         }
     });
+}
+
+/// Heartbeats run on the manager's spawner: a holder whose executor is blocked for longer than
+/// the lease loses its lock (deliberately: a stuck holder must not keep it forever). A waiter in
+/// another process gets the lock while the holder is still stuck, and the holder's `lost()`
+/// fires once its executor runs again; its late heartbeat does not take the lock back.
+#[test]
+fn a_holder_whose_executor_is_stalled_past_its_lease_loses_the_lock_and_is_told() {
+    let (_dir, folder, db) = folder_and_db();
+    let mut child = ChildProcess::spawn("hold-on-a-stalled-executor", &db, &folder, "0");
+    child.await_marker(&folder, "held", Duration::from_secs(20));
+    block_on(async {
+        let locks = LockManager::open(&db).unwrap();
+        mark(&folder, "stall", "");
+        let waiter = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("k", "parent").await })
+        };
+        let guard = match join_within(10_000, "the grant to the parent", waiter).await {
+            Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}\n{}", child.output()),
+        };
+        assert!(
+            !folder.join("stall-over").exists(),
+            "the parent waited for the stalled holder to recover"
+        );
+        child.await_marker(&folder, "lost", Duration::from_secs(20));
+        assert_eq!(
+            fs::read_to_string(folder.join("lost")).unwrap(),
+            "yes",
+            "the stalled holder was not told it lost the lock:\n{}",
+            child.output()
+        );
+        let rows = entries(&locks).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(rows[0].operation, "parent");
+        assert!(!guard.lost().is_aborted());
+        guard.release().await.unwrap();
+    });
+    child.assert_success(Duration::from_secs(20));
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::{within, Flag, Log, GENEROUS, SLOW};
 use futures::future::{self, Either};
-use leasehold::{Exit, Interrupted, Scoped, Spawner};
+use leasehold::{Exit, Interrupted, LockError, LockManager, Scoped, Spawner};
 
 /// The name of every thread of the runtime a scenario runs on (smol's and async-io's threads are
 /// named otherwise), so that work can tell whether it ran there.
@@ -47,7 +47,11 @@ const WAYS: &[Way] = &[
 
 impl Way {
     /// Gives `work` its spawner this way. Called inside the runtime.
-    fn apply<T: Send + 'static>(self, work: Scoped<T, Interrupted>) -> Scoped<T, Interrupted> {
+    fn apply<T, E>(self, work: Scoped<T, E>) -> Scoped<T, E>
+    where
+        T: Send + 'static,
+        E: From<Interrupted> + Send + 'static,
+    {
         match self {
             Way::Closure => {
                 let handle = tokio::runtime::Handle::current();
@@ -123,7 +127,7 @@ fn the_finalizer_of_an_aborted_tokio_task_runs_on_its_runtime_within_a_second() 
         let body_started = started.clone();
         let finalized = (cleaned_up.clone(), on_runtime.clone());
         let job = async move {
-            way.apply(Scoped::new(move |scope| async move {
+            way.apply(Scoped::<_, Interrupted>::new(move |scope| async move {
                 scope.add_finalizer(move |_status| async move {
                     // Panics unless it runs on a tokio runtime with timers.
                     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -151,11 +155,50 @@ fn the_finalizer_of_an_aborted_tokio_task_runs_on_its_runtime_within_a_second() 
     });
 }
 
+/// The same with a lock held by the aborted task: within a second its finalizer has finished and
+/// its row is gone.
+#[test]
+fn an_aborted_tokio_task_that_holds_a_lock_cleans_up_and_leaves_no_row_within_a_second() {
+    on_tokio_runtimes(|way| async move {
+        let locks = LockManager::open_in_memory().unwrap();
+        let (started, cleaned_up) = (Flag::new(), Flag::new());
+        let body_started = started.clone();
+        let finalized = cleaned_up.clone();
+        let holder = locks.clone();
+        let job = async move {
+            way.apply(Scoped::<(), LockError>::new(move |scope| async move {
+                scope.adopt(holder.exclusive("repo", "handler").await?);
+                scope.add_finalizer(move |_status| async move {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    finalized.set();
+                });
+                body_started.set();
+                future::pending().await
+            }))
+            .await
+        };
+        let task = tokio::spawn(job);
+        within(GENEROUS, "the job holds the lock", || started.is_set()).await;
+        assert_eq!(locks.inspect(None).await.unwrap().len(), 1);
+
+        task.abort();
+
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        while !(cleaned_up.is_set() && locks.inspect(None).await.unwrap().is_empty()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "not within a second: the finalizer finished and the row is gone"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+}
+
 #[test]
 fn a_fiber_forked_into_a_scope_can_use_tokio_and_succeeds() {
     on_tokio_runtimes(|way| async move {
         let exit = way
-            .apply(Scoped::new(|scope| async move {
+            .apply(Scoped::<_, Interrupted>::new(|scope| async move {
                 let fiber = scope.fork(async {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                     on_the_runtime()
@@ -172,7 +215,7 @@ fn a_fiber_forked_into_a_scope_can_use_tokio_and_succeeds() {
 fn a_fiber_forked_into_a_nested_scoped_inherits_the_outer_spawner() {
     on_tokio_runtimes(|way| async move {
         let exit = way
-            .apply(Scoped::new(|_| async move {
+            .apply(Scoped::<_, Interrupted>::new(|_| async move {
                 Scoped::<_, Interrupted>::new(|inner| async move {
                     let fiber = inner.fork(async {
                         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -194,7 +237,7 @@ fn a_scoped_dropped_inside_another_is_closed_on_the_same_runtime_before_the_pare
         let log = Log::new();
         let parent_log = log.clone();
         let result = way
-            .apply(Scoped::new(move |parent| async move {
+            .apply(Scoped::<_, Interrupted>::new(move |parent| async move {
                 let last = parent_log.clone();
                 parent.add_finalizer(move |_| async move { last.push("parent closed") });
                 let child = Scoped::<(), Interrupted>::new(move |child| async move {

@@ -16,6 +16,7 @@ use super::{Common, LeaseLost, Shared};
 use crate::abort::AbortReason;
 use crate::clock::{Clock, SystemClock};
 use crate::fiber::fork_daemon_on;
+use crate::scope::current_spawner;
 use crate::sync::lock;
 
 /// Renews while a request waits; forked into the acquisition's scope. The first beat comes one
@@ -54,14 +55,34 @@ pub(super) fn ensure_daemon(shared: &Arc<Shared>) {
         guards.daemon_running = true;
     }
     let common = shared.common.clone();
+    let spawner = common.spawner.clone().unwrap_or_else(current_spawner);
     drop(fork_daemon_on(
-        daemon(Arc::downgrade(shared), common.clone()),
-        &common.spawner,
+        daemon(Arc::downgrade(shared), common),
+        &spawner,
     ));
+}
+
+/// Marks the daemon stopped if its executor drops it (a runtime shut down with the daemon on
+/// it), so that the next guard starts another.
+struct Running<'a> {
+    common: &'a Common,
+    armed: bool,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(&self.common.guards).daemon_running = false;
+        }
+    }
 }
 
 /// Renews every heartbeat while the owner holds a guard; stops when it holds none.
 async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
+    let mut running = Running {
+        common: &common,
+        armed: true,
+    };
     let mut pause = common.heartbeat;
     loop {
         common.clock.sleep(pause).await;
@@ -70,7 +91,9 @@ async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
             match shared.upgrade() {
                 Some(shared) if !guards.entries.is_empty() => shared,
                 _ => {
+                    // Under the lock that a new guard takes to see whether a daemon runs.
                     guards.daemon_running = false;
+                    running.armed = false;
                     return;
                 }
             }

@@ -28,7 +28,7 @@ use futures::future::BoxFuture;
 use crate::abort::{AbortController, AbortReason, AbortSignal, Interrupted};
 use crate::clock::{Clock, SystemClock};
 use crate::scope::{ExitStatus, Release, Scope, Scoped};
-use crate::spawn::{SmolSpawner, Spawner};
+use crate::spawn::Spawner;
 use crate::sync::lock;
 
 use self::reply::Replies;
@@ -289,7 +289,8 @@ pub(crate) struct Common {
     heartbeat: Duration,
     poll: Duration,
     clock: Arc<dyn Clock>,
-    spawner: Arc<dyn Spawner>,
+    /// Given to the builder; `None`: background work follows the caller.
+    spawner: Option<Arc<dyn Spawner>>,
     counters: Counters,
     guards: Mutex<Guards>,
     /// Notified after every commit that freed or promoted something, and when other processes
@@ -437,7 +438,7 @@ pub struct LockManagerBuilder {
     heartbeat: Duration,
     poll: Duration,
     clock: Arc<dyn Clock>,
-    spawner: Arc<dyn Spawner>,
+    spawner: Option<Arc<dyn Spawner>>,
 }
 
 impl fmt::Debug for LockManagerBuilder {
@@ -476,10 +477,24 @@ impl LockManagerBuilder {
         self
     }
 
-    /// Where background work (heartbeats, clean-ups of dropped acquisitions) runs. Default
-    /// [`SmolSpawner`].
+    /// Where background work (heartbeats, clean-ups of dropped acquisitions) runs.
+    ///
+    /// By default it follows the caller, as a [`Scoped`]'s does: an acquisition's waiter
+    /// heartbeat and its clean-up run on the spawner of the scope it is awaited in, or (with
+    /// the `tokio` feature) on the tokio runtime it is first polled on, otherwise on smol's
+    /// global executor; the lock heartbeat runs where the first guard of a quiet spell was
+    /// taken. Give a spawner here to pin all of it down, for instance when guards outlive the
+    /// runtime (or executor) that took them: work on a runtime runs only while that runtime
+    /// does.
+    ///
+    /// Heartbeats renew leases only while their executor runs them. An executor blocked for
+    /// longer than the lease (a blocking call on a single-threaded runtime, a CPU-bound task)
+    /// loses the locks of this manager: another owner may take them, and the guards'
+    /// [`lost`](Guard::lost) signals abort once the heartbeat runs again. That is deliberate (a
+    /// stuck holder must not keep a lock forever); to avoid it, keep blocking work off the
+    /// executor (`spawn_blocking`), or use a multi-threaded runtime or a spawner of its own.
     pub fn spawner(mut self, spawner: Arc<dyn Spawner>) -> Self {
-        self.spawner = spawner;
+        self.spawner = Some(spawner);
         self
     }
 
@@ -670,14 +685,15 @@ impl LockManager {
         LockManager::builder().open_in_memory()
     }
 
-    /// Settings: lease 30 s, heartbeat 5 s, poll 10 ms, [`SystemClock`], [`SmolSpawner`].
+    /// Settings: lease 30 s, heartbeat 5 s, poll 10 ms, [`SystemClock`], and background work
+    /// that follows the caller (see [`LockManagerBuilder::spawner`]).
     pub fn builder() -> LockManagerBuilder {
         LockManagerBuilder {
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(5),
             poll: Duration::from_millis(10),
             clock: Arc::new(SystemClock),
-            spawner: Arc::new(SmolSpawner),
+            spawner: None,
         }
     }
 
@@ -1001,10 +1017,13 @@ impl LockManager {
             operation = requests.first().map_or("", |r| r.operation.as_str()),
             owner = %shared.common.owner,
         );
-        Scoped::new(move |scope| {
+        let acquisition = Scoped::new(move |scope| {
             tracing::Instrument::instrument(acquire_in_scope(shared, scope, requests, policy), span)
-        })
-        .on_spawner(spawner)
+        });
+        match spawner {
+            Some(spawner) => acquisition.with_spawner(spawner),
+            None => acquisition,
+        }
     }
 }
 
