@@ -55,6 +55,27 @@ pub enum Mode {
     Exclusive,
 }
 
+/// `shared` or `exclusive`, as [`LockEntry`]'s `Display` writes it. Width and alignment are
+/// honoured, for tables.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::Mode;
+///
+/// assert_eq!(Mode::Shared.to_string(), "shared");
+/// assert_eq!(format!("[{:<9}]", Mode::Exclusive), "[exclusive]");
+/// assert_eq!(format!("[{:<9}]", Mode::Shared), "[shared   ]");
+/// ```
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(match self {
+            Mode::Shared => "shared",
+            Mode::Exclusive => "exclusive",
+        })
+    }
+}
+
 /// One key to lock, how, and for what (the operation is shown by [`LockManager::inspect`]).
 ///
 /// # Examples
@@ -107,7 +128,31 @@ pub enum EntryState {
     },
 }
 
+/// `held`, or `waiting at N` where `N` is the queue position (`waiting at 0` is next in line).
+/// Width and alignment are honoured, for tables.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::EntryState;
+///
+/// assert_eq!(EntryState::Held.to_string(), "held");
+/// assert_eq!(EntryState::Waiting { position: 0 }.to_string(), "waiting at 0");
+/// assert_eq!(format!("[{:>12}]", EntryState::Held), "[        held]");
+/// ```
+impl fmt::Display for EntryState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EntryState::Held => f.pad("held"),
+            EntryState::Waiting { position } => f.pad(&format!("waiting at {position}")),
+        }
+    }
+}
+
 /// One live holder or waiter, as [`LockManager::inspect`] reports it.
+///
+/// Printed with `{}`, an entry is one line for operators; the format is documented on its
+/// `Display` implementation.
 #[derive(Clone, Debug)]
 pub struct LockEntry {
     /// The lock's key.
@@ -126,6 +171,112 @@ pub struct LockEntry {
     pub since: Duration,
     /// When its lease runs out unless renewed: clock time since the Unix epoch.
     pub expires_at: Duration,
+}
+
+/// One line, as an operator would print [`LockManager::inspect`]:
+///
+/// ```text
+/// "repo/photos" exclusive held, operation "prune", owner "4242-1a2b3c4d-0", ticket 7, expires 2024-01-01T00:00:30.000Z
+/// "repo/photos" shared waiting at 0, operation "backup", owner "4242-1a2b3c4d-0", ticket 8, expires 2024-01-01T00:00:30.000Z
+/// ```
+///
+/// The key, the mode and the state (as [`Mode`] and [`EntryState`] display them), then the
+/// operation, owner, ticket and the lease's expiry, in that order. Key, operation and
+/// owner are quoted and escaped as Rust string literals (`{:?}`), so that a name with spaces,
+/// commas or a line break cannot make the line ambiguous or split it. The expiry is
+/// [`expires_at`](LockEntry::expires_at) as a UTC time in RFC 3339 form, to the millisecond
+/// (truncated). `since` is not shown. This format is stable: a change to it is a breaking change.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold::{EntryState, LockEntry, Mode};
+///
+/// let entry = LockEntry {
+///     key: "repo/photos".into(),
+///     mode: Mode::Exclusive,
+///     operation: "prune".into(),
+///     owner: "4242-1a2b3c4d-0".into(),
+///     ticket: 7,
+///     state: EntryState::Held,
+///     since: Duration::from_secs(1_704_067_200),
+///     expires_at: Duration::from_millis(1_704_067_230_000),
+/// };
+/// assert_eq!(
+///     entry.to_string(),
+///     r#""repo/photos" exclusive held, operation "prune", owner "4242-1a2b3c4d-0", ticket 7, expires 2024-01-01T00:00:30.000Z"#,
+/// );
+/// ```
+///
+/// Printing what a manager sees:
+///
+/// ```
+/// use leasehold::LockManager;
+///
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::open_in_memory()?;
+/// let _guard = locks.exclusive("repo", "check").await?;
+/// for entry in locks.inspect(None).await? {
+///     println!("{entry}");
+/// }
+/// # Ok::<(), leasehold::LockError>(())
+/// # }).unwrap();
+/// ```
+impl fmt::Display for LockEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} {} {}, operation {:?}, owner {:?}, ticket {}, expires {}",
+            self.key,
+            self.mode,
+            self.state,
+            self.operation,
+            self.owner,
+            self.ticket,
+            Utc(self.expires_at)
+        )
+    }
+}
+
+/// A clock time (since the Unix epoch) written as RFC 3339 in UTC, to the millisecond:
+/// `2024-01-01T00:00:30.000Z`.
+struct Utc(Duration);
+
+impl fmt::Display for Utc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let seconds = self.0.as_secs();
+        let (days, of_day) = (seconds / 86_400, seconds % 86_400);
+        let (year, month, day) = civil_from_days(days);
+        write!(
+            f,
+            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+            of_day / 3_600,
+            of_day / 60 % 60,
+            of_day % 60,
+            self.0.subsec_millis()
+        )
+    }
+}
+
+/// The proleptic Gregorian date `days` after 1970-01-01 (Howard Hinnant's `civil_from_days`,
+/// for non-negative days).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let day_of_era = z % 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
+    let month = if month_from_march < 10 {
+        month_from_march + 3
+    } else {
+        month_from_march - 9
+    };
+    let year = year_of_era + era * 400 + u64::from(month <= 2);
+    (year, month, day)
 }
 
 /// Counters since open, for tests, benchmarks and monitoring.
@@ -749,6 +900,10 @@ impl LockManager {
     /// All or nothing; holds no queue position while it waits (never blocks others, but may
     /// starve behind a steady stream of other requests).
     ///
+    /// While it waits it holds no row at all, so [`inspect`](LockManager::inspect) does not show
+    /// it: the database records it only once it holds every key. Use
+    /// [`many_queued`](LockManager::many_queued) for a request that waits visibly, in line.
+    ///
     /// # Errors
     ///
     /// As [`acquire`](LockManager::acquire); also [`LockError::InvalidRequest`] for no keys or a
@@ -876,6 +1031,10 @@ impl LockManager {
     }
 
     /// The live holders and waiters of `key`, or of every key, ordered by key and ticket.
+    ///
+    /// A waiting [`many`](LockManager::many) holds no row, so it is not listed until it is
+    /// granted; every other waiting acquisition is. Each entry prints as one line (see
+    /// [`LockEntry`]'s `Display`).
     ///
     /// # Errors
     ///
