@@ -114,10 +114,7 @@ async fn contend(db: &Path, folder: &Path, id: &str) {
 
 async fn contend_rounds(locks: &LockManager, log: &Path, id: &str) {
     for round in 0..CONTEND_ROUNDS {
-        let guard = locks
-            .exclusive("k", format!("{id}-{round}"))
-            .await
-            .unwrap();
+        let guard = locks.exclusive("k", format!("{id}-{round}")).await.unwrap();
         append(log, &format!("+ {id} {}\n", guard.fencing_token()));
         smol::Timer::after(Duration::from_millis(1)).await;
         append(log, &format!("- {id}\n"));
