@@ -589,7 +589,13 @@ pub struct LockManagerBuilder {
     poll: Duration,
     clock: Arc<dyn Clock>,
     spawner: Arc<dyn Spawner>,
+    /// Permission bits for a database file this manager creates (unix).
+    file_mode: u32,
 }
+
+/// The permissions of a new database file unless the builder is told otherwise: its owner's
+/// alone, as whoever can read the file sees every key, operation and owner in it.
+const DEFAULT_FILE_MODE: u32 = 0o600;
 
 impl fmt::Debug for LockManagerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -597,6 +603,7 @@ impl fmt::Debug for LockManagerBuilder {
             .field("lease", &self.lease)
             .field("heartbeat", &self.heartbeat)
             .field("poll", &self.poll)
+            .field("file_mode", &format_args!("{:#o}", self.file_mode))
             .finish_non_exhaustive()
     }
 }
@@ -634,7 +641,52 @@ impl LockManagerBuilder {
         self
     }
 
+    /// The permissions a new database file is created with, and with it the `-wal` and `-shm`
+    /// files SQLite keeps beside it (SQLite gives them the main file's permissions). Default
+    /// `0o600`: the owner alone can read and write the file. For a group of users whose
+    /// processes share the file, use `0o660`, in a directory that belongs to that group; see
+    /// "Trust model" in the README. Unix only.
+    ///
+    /// The process umask still applies when the file is created: with the common umask `0o022`,
+    /// `0o660` gives `0o640`, which the group can read but not write. A service whose group
+    /// shares the file runs with umask `0o002` (systemd: `UMask=0002`), or the file is made
+    /// with the right mode beforehand. An existing file's permissions are left as they are
+    /// (change them with `chmod`).
+    ///
+    /// Anyone who can write the file can take, hold or forge any lock in it, and anyone who can
+    /// read it sees every key, operation and owner: give access to the processes that take part
+    /// in the locking and to nobody else.
+    ///
+    /// # Errors
+    ///
+    /// [`open`](LockManagerBuilder::open) and [`open_in_memory`](LockManagerBuilder::open_in_memory)
+    /// return [`LockError::InvalidConfig`] for bits outside `0o777`, or a mode that does not let
+    /// the owner read and write the file.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::os::unix::fs::PermissionsExt;
+    /// use leasehold::LockManager;
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let path = dir.path().join("locks.db");
+    /// let locks = LockManager::builder().file_mode(0o660).open(&path)?;
+    /// let mode = std::fs::metadata(&path)?.permissions().mode();
+    /// assert_eq!(mode & 0o777 & !0o660, 0); // 0o660 less the umask
+    /// # drop(locks);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(unix)]
+    pub fn file_mode(mut self, mode: u32) -> Self {
+        self.file_mode = mode;
+        self
+    }
+
     /// Opens (creating if needed) the database file at `path`.
+    ///
+    /// A new file is created with the permissions of
+    /// [`file_mode`](LockManagerBuilder::file_mode) (default `0o600`) on unix.
     ///
     /// # Errors
     ///
@@ -672,6 +724,18 @@ impl LockManagerBuilder {
         if micros(self.lease) >= i64::MAX / 4 {
             return invalid(format!("the lease ({:?}) is too long", self.lease));
         }
+        if self.file_mode & !0o777 != 0 {
+            return invalid(format!(
+                "the file mode {:#o} has bits outside 0o777",
+                self.file_mode
+            ));
+        }
+        if self.file_mode & 0o600 != 0o600 {
+            return invalid(format!(
+                "the file mode {:#o} must let the file's owner read and write it (0o600)",
+                self.file_mode
+            ));
+        }
         Ok(())
     }
 
@@ -696,19 +760,22 @@ impl LockManagerBuilder {
         let (opened_tx, opened_rx) = std::sync::mpsc::channel();
         let (tx, rx) = std::sync::mpsc::channel();
         let open_path = path.map(Path::to_path_buf);
+        let file_mode = self.file_mode;
         let worker_common = common.clone();
         let worker = std::thread::Builder::new()
             .name("leasehold-storage".into())
-            .spawn(move || match sqlite::connect(open_path.as_deref()) {
-                Ok(conn) => {
-                    let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
-                    let _ = opened_tx.send(Ok(()));
-                    Worker::new(Db::new(&conn), worker_common, rx, file).run();
-                }
-                Err(error) => {
-                    let _ = opened_tx.send(Err(error));
-                }
-            })
+            .spawn(
+                move || match sqlite::connect(open_path.as_deref(), file_mode) {
+                    Ok(conn) => {
+                        let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
+                        let _ = opened_tx.send(Ok(()));
+                        Worker::new(Db::new(&conn), worker_common, rx, file).run();
+                    }
+                    Err(error) => {
+                        let _ = opened_tx.send(Err(error));
+                    }
+                },
+            )
             .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
         opened_rx.recv().map_err(|_| {
             LockError::Storage("while opening the database: the storage thread stopped".into())
@@ -821,7 +888,8 @@ impl LockManager {
         LockManager::builder().open_in_memory()
     }
 
-    /// Settings: lease 30 s, heartbeat 5 s, poll 10 ms, [`SystemClock`], [`SmolSpawner`].
+    /// Settings: lease 30 s, heartbeat 5 s, poll 10 ms, [`SystemClock`], [`SmolSpawner`], and
+    /// on unix new database files readable and writable by their owner alone (`0o600`).
     pub fn builder() -> LockManagerBuilder {
         LockManagerBuilder {
             lease: Duration::from_secs(30),
@@ -829,6 +897,7 @@ impl LockManager {
             poll: Duration::from_millis(10),
             clock: Arc::new(SystemClock),
             spawner: Arc::new(SmolSpawner),
+            file_mode: DEFAULT_FILE_MODE,
         }
     }
 
