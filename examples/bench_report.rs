@@ -44,8 +44,8 @@ fn main() -> Result<(), Error> {
     report.put("raw_txn_us", raw);
     report.put("uncontended_cycle_us", cycle);
     let (p50, p99) = handoff_in_process_us(dir.path(), reps(1_000, 200))?;
-    report.put("handoff_in_process_p50_us", p50);
-    report.put("handoff_in_process_p99_us", p99);
+    report.put("handoff_in_process_from_release_call_p50_us", p50);
+    report.put("handoff_in_process_from_release_call_p99_us", p99);
     report.put(
         "handoff_cross_process_p50_us",
         handoff_cross_process_p50_us(dir.path(), "lock", reps(300, 60))?,
@@ -124,12 +124,18 @@ impl Report {
                 ),
             ),
             (
-                "handoff_in_process_p50_us",
-                ("<= 200".into(), v("handoff_in_process_p50_us") <= 200.0),
+                "handoff_in_process_from_release_call_p50_us",
+                (
+                    "<= 200".into(),
+                    v("handoff_in_process_from_release_call_p50_us") <= 200.0,
+                ),
             ),
             (
-                "handoff_in_process_p99_us",
-                ("<= 2000".into(), v("handoff_in_process_p99_us") <= 2000.0),
+                "handoff_in_process_from_release_call_p99_us",
+                (
+                    "<= 2000".into(),
+                    v("handoff_in_process_from_release_call_p99_us") <= 2000.0,
+                ),
             ),
             (
                 "handoff_cross_process_p50_us",
@@ -186,6 +192,12 @@ impl Report {
             };
             println!("{key:<44} {:>14}  {target:<32} {met}", pretty(*value));
         }
+        println!(
+            "\nhandoff_in_process_from_release_call_*: from the call to release() to the waiting \
+             task holding\n  its guard (one manager, poll 30 s: the in-process wake-up alone).\n\
+             handoff_cross_process_p50_us, flock_*: from release() returning in one process to \
+             the other\n  process holding the lock."
+        );
         println!(
             "\n{} of {} targets met; the run took {:.1} s on {} CPUs.",
             targets.values().filter(|(_, met)| *met).count(),
@@ -269,8 +281,10 @@ fn floor_and_uncontended_cycle_us(dir: &Path, reps: usize) -> Result<(f64, f64),
     Ok((median(&mut raw), median(&mut cycle)))
 }
 
-/// From `release()` returning to the waiting task holding its guard, in one manager whose `poll`
-/// is 30 s: only the in-process wake-up can do it.
+/// From the call to `release()` to the waiting task holding its guard, in one manager whose
+/// `poll` is 30 s: only the in-process wake-up can do it. Timed from the call, not from
+/// `release()` returning, since the waiter is often granted inside the release's own
+/// transaction, before `release()` returns (which made many samples 0).
 fn handoff_in_process_us(dir: &Path, reps: usize) -> Result<(f64, f64), Error> {
     let locks = LockManager::builder()
         .poll(Duration::from_secs(30))
@@ -289,8 +303,8 @@ fn handoff_in_process_us(dir: &Path, reps: usize) -> Result<(f64, f64), Error> {
             while locks.inspect(Some("key")).await?.len() < 2 {
                 SystemClock.sleep(Duration::from_micros(200)).await;
             }
-            holder.release().await?;
             let released = Instant::now();
+            holder.release().await?;
             let (granted, guard) = waiter.join().await.success().ok_or("the waiter failed")?;
             samples.push(micros(granted.saturating_duration_since(released)));
             guard?.release().await?;

@@ -702,6 +702,138 @@ fn inspect_reports_modes_owners_positions_and_times() {
 }
 
 #[test]
+fn modes_and_states_display_as_words() {
+    assert_eq!(Mode::Shared.to_string(), "shared");
+    assert_eq!(Mode::Exclusive.to_string(), "exclusive");
+    assert_eq!(EntryState::Held.to_string(), "held");
+    assert_eq!(
+        EntryState::Waiting { position: 0 }.to_string(),
+        "waiting at 0"
+    );
+    assert_eq!(
+        EntryState::Waiting { position: 12 }.to_string(),
+        "waiting at 12"
+    );
+    assert_eq!(format!("{:>9}|", Mode::Shared), "   shared|");
+    assert_eq!(
+        format!("{:<14}|", EntryState::Waiting { position: 3 }),
+        "waiting at 3  |"
+    );
+}
+
+fn entry(key: &str, operation: &str, state: EntryState, expires_at: Duration) -> LockEntry {
+    LockEntry {
+        key: key.into(),
+        mode: Mode::Shared,
+        operation: operation.into(),
+        owner: "4242-1a2b3c4d-0".into(),
+        ticket: 8,
+        state,
+        since: Duration::ZERO,
+        expires_at,
+    }
+}
+
+#[test]
+fn an_entry_displays_as_one_line_of_key_mode_state_operation_owner_ticket_and_expiry() {
+    let waiting = entry(
+        "repo/photos",
+        "backup",
+        EntryState::Waiting { position: 0 },
+        Duration::from_millis(1_704_067_230_250),
+    );
+    assert_eq!(
+        waiting.to_string(),
+        r#""repo/photos" shared waiting at 0, operation "backup", owner "4242-1a2b3c4d-0", ticket 8, expires 2024-01-01T00:00:30.250Z"#
+    );
+    // Names are escaped, so that no key or operation can split the line or forge a field.
+    let odd = entry(
+        "a, \"b\"\nc",
+        "x\", ticket 1",
+        EntryState::Held,
+        Duration::ZERO,
+    );
+    let line = odd.to_string();
+    assert_eq!(
+        line,
+        r#""a, \"b\"\nc" shared held, operation "x\", ticket 1", owner "4242-1a2b3c4d-0", ticket 8, expires 1970-01-01T00:00:00.000Z"#
+    );
+    assert!(!line.contains('\n'));
+}
+
+#[test]
+fn an_entry_shows_its_expiry_as_a_utc_time_to_the_millisecond() {
+    let expiry = |since_epoch: Duration| {
+        let line = entry("k", "o", EntryState::Held, since_epoch).to_string();
+        line.rsplit(' ').next().unwrap().to_owned()
+    };
+    let cases = [
+        (0, "1970-01-01T00:00:00.000Z"),
+        (951_782_400_000, "2000-02-29T00:00:00.000Z"),
+        (951_868_800_000, "2000-03-01T00:00:00.000Z"),
+        (1_709_251_199_999, "2024-02-29T23:59:59.999Z"),
+        (1_735_689_599_000, "2024-12-31T23:59:59.000Z"),
+        (4_107_542_400_000, "2100-03-01T00:00:00.000Z"),
+    ];
+    for (millis, written) in cases {
+        assert_eq!(
+            expiry(Duration::from_millis(millis)),
+            written,
+            "{millis} ms"
+        );
+    }
+    // Below a millisecond is cut off, not rounded up into the next second.
+    assert_eq!(
+        expiry(Duration::from_nanos(1_999_999_999)),
+        "1970-01-01T00:00:01.999Z"
+    );
+}
+
+#[test]
+fn inspect_prints_one_line_per_entry_with_the_lease_expiry() {
+    block_on(async {
+        let clock = leasehold::TestClock::new();
+        let locks = LockManager::builder()
+            .lease(Duration::from_secs(30))
+            .clock(Arc::new(clock.clone()))
+            .open_in_memory()
+            .unwrap();
+        let holder = locks.exclusive("repo", "prune").await.unwrap();
+        let waiter = contend(
+            &locks,
+            LockRequest::shared("repo", "backup"),
+            &Grants::default(),
+            None,
+        );
+        within(5_000, "the backup queued", || async {
+            queue(&locks, "repo").await.len() == 2
+        })
+        .await;
+        let lines: Vec<String> = locks
+            .inspect(None)
+            .await
+            .unwrap()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let owner = locks.owner_id();
+        assert_eq!(
+            lines,
+            [
+                format!(
+                    r#""repo" exclusive held, operation "prune", owner "{owner}", ticket 1, expires 2024-01-01T00:00:30.000Z"#
+                ),
+                format!(
+                    r#""repo" shared waiting at 0, operation "backup", owner "{owner}", ticket 2, expires 2024-01-01T00:00:30.000Z"#
+                ),
+            ]
+        );
+        drop(holder);
+        guard_of(waiter).await.release().await.unwrap();
+    });
+}
+
+#[test]
 fn an_acquisition_dropped_right_after_it_was_sent_leaves_no_row() {
     common::on_every_executor(|| async {
         let locks = LockManager::open_in_memory().unwrap();

@@ -131,6 +131,101 @@ fn a_second_open_of_an_existing_database_keeps_its_rows() {
     });
 }
 
+/// The permission bits of `path`.
+fn mode_of(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+fn octal(mode: u32) -> String {
+    format!("{mode:#o}")
+}
+
+/// The bits the process umask lets through, found by creating a file that asks for all of them.
+fn allowed_by_umask(dir: &std::path::Path) -> u32 {
+    use std::os::unix::fs::OpenOptionsExt;
+    let probe = dir.join("umask-probe");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o777)
+        .open(&probe)
+        .unwrap();
+    let allowed = mode_of(&probe);
+    std::fs::remove_file(probe).unwrap();
+    allowed
+}
+
+/// Opens a new database at `path` with `locks`, takes a lock so that the `-wal` and `-shm` files
+/// exist, and returns the modes of the database and those two files while it is open.
+fn modes_of_a_new_database(path: &std::path::Path, locks: LockManager) -> [u32; 3] {
+    futures::executor::block_on(async {
+        let guard = locks.exclusive("k", "w").await.unwrap();
+        let wal = path.with_extension("db-wal");
+        let shm = path.with_extension("db-shm");
+        let modes = [mode_of(path), mode_of(&wal), mode_of(&shm)];
+        guard.release().await.unwrap();
+        modes
+    })
+}
+
+#[test]
+fn a_new_database_and_its_wal_and_shm_files_are_for_their_owner_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    let expected = 0o600 & allowed_by_umask(dir.path());
+    let modes = modes_of_a_new_database(&path, LockManager::open(&path).unwrap());
+    assert_eq!(
+        modes.map(octal),
+        [expected; 3].map(octal),
+        "database, -wal, -shm"
+    );
+}
+
+#[test]
+fn a_file_mode_for_a_group_applies_to_the_database_and_its_wal_and_shm_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    let expected = 0o660 & allowed_by_umask(dir.path());
+    let locks = LockManager::builder().file_mode(0o660).open(&path).unwrap();
+    let modes = modes_of_a_new_database(&path, locks);
+    assert_eq!(
+        modes.map(octal),
+        [expected; 3].map(octal),
+        "database, -wal, -shm"
+    );
+}
+
+#[test]
+fn an_existing_database_keeps_its_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    drop(LockManager::open(&path).unwrap());
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+    drop(LockManager::builder().file_mode(0o600).open(&path).unwrap());
+    assert_eq!(mode_of(&path), 0o640);
+}
+
+#[test]
+fn a_file_mode_outside_0o777_or_without_owner_read_and_write_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    for mode in [0o1660, 0o4600, 0o10_0600, 0o400, 0o200, 0o060, 0] {
+        match LockManager::builder().file_mode(mode).open(&path) {
+            Err(LockError::InvalidConfig(why)) => assert!(why.contains("file mode"), "{why}"),
+            other => panic!("{mode:#o}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    assert!(!path.exists(), "a refused configuration created the file");
+    for mode in [0o600, 0o640, 0o660, 0o700, 0o777] {
+        assert!(LockManager::builder()
+            .file_mode(mode)
+            .open_in_memory()
+            .is_ok());
+    }
+}
+
 /// Marks an existing database read-only the way SQLite itself understands: a file-format write
 /// version above 2 in the header. (Permissions cannot simulate this when the tests run as root,
 /// which ignores them.)

@@ -55,6 +55,27 @@ pub enum Mode {
     Exclusive,
 }
 
+/// `shared` or `exclusive`, as [`LockEntry`]'s `Display` writes it. Width and alignment are
+/// honoured, for tables.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::Mode;
+///
+/// assert_eq!(Mode::Shared.to_string(), "shared");
+/// assert_eq!(format!("[{:<9}]", Mode::Exclusive), "[exclusive]");
+/// assert_eq!(format!("[{:<9}]", Mode::Shared), "[shared   ]");
+/// ```
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(match self {
+            Mode::Shared => "shared",
+            Mode::Exclusive => "exclusive",
+        })
+    }
+}
+
 /// One key to lock, how, and for what (the operation is shown by [`LockManager::inspect`]).
 ///
 /// # Examples
@@ -107,7 +128,31 @@ pub enum EntryState {
     },
 }
 
+/// `held`, or `waiting at N` where `N` is the queue position (`waiting at 0` is next in line).
+/// Width and alignment are honoured, for tables.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::EntryState;
+///
+/// assert_eq!(EntryState::Held.to_string(), "held");
+/// assert_eq!(EntryState::Waiting { position: 0 }.to_string(), "waiting at 0");
+/// assert_eq!(format!("[{:>12}]", EntryState::Held), "[        held]");
+/// ```
+impl fmt::Display for EntryState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EntryState::Held => f.pad("held"),
+            EntryState::Waiting { position } => f.pad(&format!("waiting at {position}")),
+        }
+    }
+}
+
 /// One live holder or waiter, as [`LockManager::inspect`] reports it.
+///
+/// Printed with `{}`, an entry is one line for operators; the format is documented on its
+/// `Display` implementation.
 #[derive(Clone, Debug)]
 pub struct LockEntry {
     /// The lock's key.
@@ -126,6 +171,112 @@ pub struct LockEntry {
     pub since: Duration,
     /// When its lease runs out unless renewed: clock time since the Unix epoch.
     pub expires_at: Duration,
+}
+
+/// One line, as an operator would print [`LockManager::inspect`]:
+///
+/// ```text
+/// "repo/photos" exclusive held, operation "prune", owner "4242-1a2b3c4d-0", ticket 7, expires 2024-01-01T00:00:30.000Z
+/// "repo/photos" shared waiting at 0, operation "backup", owner "4242-1a2b3c4d-0", ticket 8, expires 2024-01-01T00:00:30.000Z
+/// ```
+///
+/// The key, the mode and the state (as [`Mode`] and [`EntryState`] display them), then the
+/// operation, owner, ticket and the lease's expiry, in that order. Key, operation and
+/// owner are quoted and escaped as Rust string literals (`{:?}`), so that a name with spaces,
+/// commas or a line break cannot make the line ambiguous or split it. The expiry is
+/// [`expires_at`](LockEntry::expires_at) as a UTC time in RFC 3339 form, to the millisecond
+/// (truncated). `since` is not shown. This format is stable: a change to it is a breaking change.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold::{EntryState, LockEntry, Mode};
+///
+/// let entry = LockEntry {
+///     key: "repo/photos".into(),
+///     mode: Mode::Exclusive,
+///     operation: "prune".into(),
+///     owner: "4242-1a2b3c4d-0".into(),
+///     ticket: 7,
+///     state: EntryState::Held,
+///     since: Duration::from_secs(1_704_067_200),
+///     expires_at: Duration::from_millis(1_704_067_230_000),
+/// };
+/// assert_eq!(
+///     entry.to_string(),
+///     r#""repo/photos" exclusive held, operation "prune", owner "4242-1a2b3c4d-0", ticket 7, expires 2024-01-01T00:00:30.000Z"#,
+/// );
+/// ```
+///
+/// Printing what a manager sees:
+///
+/// ```
+/// use leasehold::LockManager;
+///
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::open_in_memory()?;
+/// let _guard = locks.exclusive("repo", "check").await?;
+/// for entry in locks.inspect(None).await? {
+///     println!("{entry}");
+/// }
+/// # Ok::<(), leasehold::LockError>(())
+/// # }).unwrap();
+/// ```
+impl fmt::Display for LockEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} {} {}, operation {:?}, owner {:?}, ticket {}, expires {}",
+            self.key,
+            self.mode,
+            self.state,
+            self.operation,
+            self.owner,
+            self.ticket,
+            Utc(self.expires_at)
+        )
+    }
+}
+
+/// A clock time (since the Unix epoch) written as RFC 3339 in UTC, to the millisecond:
+/// `2024-01-01T00:00:30.000Z`.
+struct Utc(Duration);
+
+impl fmt::Display for Utc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let seconds = self.0.as_secs();
+        let (days, of_day) = (seconds / 86_400, seconds % 86_400);
+        let (year, month, day) = civil_from_days(days);
+        write!(
+            f,
+            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+            of_day / 3_600,
+            of_day / 60 % 60,
+            of_day % 60,
+            self.0.subsec_millis()
+        )
+    }
+}
+
+/// The proleptic Gregorian date `days` after 1970-01-01 (Howard Hinnant's `civil_from_days`,
+/// for non-negative days).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let day_of_era = z % 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
+    let month = if month_from_march < 10 {
+        month_from_march + 3
+    } else {
+        month_from_march - 9
+    };
+    let year = year_of_era + era * 400 + u64::from(month <= 2);
+    (year, month, day)
 }
 
 /// Counters since open, for tests, benchmarks and monitoring.
@@ -439,7 +590,13 @@ pub struct LockManagerBuilder {
     poll: Duration,
     clock: Arc<dyn Clock>,
     spawner: Option<Arc<dyn Spawner>>,
+    /// Permission bits for a database file this manager creates (unix).
+    file_mode: u32,
 }
+
+/// The permissions of a new database file unless the builder is told otherwise: its owner's
+/// alone, as whoever can read the file sees every key, operation and owner in it.
+const DEFAULT_FILE_MODE: u32 = 0o600;
 
 impl fmt::Debug for LockManagerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -447,6 +604,7 @@ impl fmt::Debug for LockManagerBuilder {
             .field("lease", &self.lease)
             .field("heartbeat", &self.heartbeat)
             .field("poll", &self.poll)
+            .field("file_mode", &format_args!("{:#o}", self.file_mode))
             .finish_non_exhaustive()
     }
 }
@@ -498,7 +656,52 @@ impl LockManagerBuilder {
         self
     }
 
+    /// The permissions a new database file is created with, and with it the `-wal` and `-shm`
+    /// files SQLite keeps beside it (SQLite gives them the main file's permissions). Default
+    /// `0o600`: the owner alone can read and write the file. For a group of users whose
+    /// processes share the file, use `0o660`, in a directory that belongs to that group; see
+    /// "Trust model" in the README. Unix only.
+    ///
+    /// The process umask still applies when the file is created: with the common umask `0o022`,
+    /// `0o660` gives `0o640`, which the group can read but not write. A service whose group
+    /// shares the file runs with umask `0o002` (systemd: `UMask=0002`), or the file is made
+    /// with the right mode beforehand. An existing file's permissions are left as they are
+    /// (change them with `chmod`).
+    ///
+    /// Anyone who can write the file can take, hold or forge any lock in it, and anyone who can
+    /// read it sees every key, operation and owner: give access to the processes that take part
+    /// in the locking and to nobody else.
+    ///
+    /// # Errors
+    ///
+    /// [`open`](LockManagerBuilder::open) and [`open_in_memory`](LockManagerBuilder::open_in_memory)
+    /// return [`LockError::InvalidConfig`] for bits outside `0o777`, or a mode that does not let
+    /// the owner read and write the file.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::os::unix::fs::PermissionsExt;
+    /// use leasehold::LockManager;
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let path = dir.path().join("locks.db");
+    /// let locks = LockManager::builder().file_mode(0o660).open(&path)?;
+    /// let mode = std::fs::metadata(&path)?.permissions().mode();
+    /// assert_eq!(mode & 0o777 & !0o660, 0); // 0o660 less the umask
+    /// # drop(locks);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(unix)]
+    pub fn file_mode(mut self, mode: u32) -> Self {
+        self.file_mode = mode;
+        self
+    }
+
     /// Opens (creating if needed) the database file at `path`.
+    ///
+    /// A new file is created with the permissions of
+    /// [`file_mode`](LockManagerBuilder::file_mode) (default `0o600`) on unix.
     ///
     /// # Errors
     ///
@@ -536,6 +739,18 @@ impl LockManagerBuilder {
         if micros(self.lease) >= i64::MAX / 4 {
             return invalid(format!("the lease ({:?}) is too long", self.lease));
         }
+        if self.file_mode & !0o777 != 0 {
+            return invalid(format!(
+                "the file mode {:#o} has bits outside 0o777",
+                self.file_mode
+            ));
+        }
+        if self.file_mode & 0o600 != 0o600 {
+            return invalid(format!(
+                "the file mode {:#o} must let the file's owner read and write it (0o600)",
+                self.file_mode
+            ));
+        }
         Ok(())
     }
 
@@ -560,19 +775,22 @@ impl LockManagerBuilder {
         let (opened_tx, opened_rx) = std::sync::mpsc::channel();
         let (tx, rx) = std::sync::mpsc::channel();
         let open_path = path.map(Path::to_path_buf);
+        let file_mode = self.file_mode;
         let worker_common = common.clone();
         let worker = std::thread::Builder::new()
             .name("leasehold-storage".into())
-            .spawn(move || match sqlite::connect(open_path.as_deref()) {
-                Ok(conn) => {
-                    let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
-                    let _ = opened_tx.send(Ok(()));
-                    Worker::new(Db::new(&conn), worker_common, rx, file).run();
-                }
-                Err(error) => {
-                    let _ = opened_tx.send(Err(error));
-                }
-            })
+            .spawn(
+                move || match sqlite::connect(open_path.as_deref(), file_mode) {
+                    Ok(conn) => {
+                        let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
+                        let _ = opened_tx.send(Ok(()));
+                        Worker::new(Db::new(&conn), worker_common, rx, file).run();
+                    }
+                    Err(error) => {
+                        let _ = opened_tx.send(Err(error));
+                    }
+                },
+            )
             .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
         opened_rx.recv().map_err(|_| {
             LockError::Storage("while opening the database: the storage thread stopped".into())
@@ -685,8 +903,9 @@ impl LockManager {
         LockManager::builder().open_in_memory()
     }
 
-    /// Settings: lease 30 s, heartbeat 5 s, poll 10 ms, [`SystemClock`], and background work
-    /// that follows the caller (see [`LockManagerBuilder::spawner`]).
+    /// Settings: lease 30 s, heartbeat 5 s, poll 10 ms, [`SystemClock`], background work that
+    /// follows the caller (see [`LockManagerBuilder::spawner`]), and on unix new database files
+    /// readable and writable by their owner alone (`0o600`).
     pub fn builder() -> LockManagerBuilder {
         LockManagerBuilder {
             lease: Duration::from_secs(30),
@@ -694,6 +913,7 @@ impl LockManager {
             poll: Duration::from_millis(10),
             clock: Arc::new(SystemClock),
             spawner: None,
+            file_mode: DEFAULT_FILE_MODE,
         }
     }
 
@@ -764,6 +984,10 @@ impl LockManager {
 
     /// All or nothing; holds no queue position while it waits (never blocks others, but may
     /// starve behind a steady stream of other requests).
+    ///
+    /// While it waits it holds no row at all, so [`inspect`](LockManager::inspect) does not show
+    /// it: the database records it only once it holds every key. Use
+    /// [`many_queued`](LockManager::many_queued) for a request that waits visibly, in line.
     ///
     /// # Errors
     ///
@@ -892,6 +1116,10 @@ impl LockManager {
     }
 
     /// The live holders and waiters of `key`, or of every key, ordered by key and ticket.
+    ///
+    /// A waiting [`many`](LockManager::many) holds no row, so it is not listed until it is
+    /// granted; every other waiting acquisition is. Each entry prints as one line (see
+    /// [`LockEntry`]'s `Display`).
     ///
     /// # Errors
     ///

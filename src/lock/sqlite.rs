@@ -122,9 +122,12 @@ fn is_busy(error: &sqlite::Error) -> bool {
 
 type Result<T> = std::result::Result<T, LockError>;
 
-/// Opens (creating if needed) the database at `path`, or an in-memory one for `None`, sets it up
-/// and brings its schema up to date.
-pub(crate) fn connect(path: Option<&Path>) -> Result<Connection> {
+/// Opens (creating if needed, with the permission bits `file_mode` on unix) the database at
+/// `path`, or an in-memory one for `None`, sets it up and brings its schema up to date.
+pub(crate) fn connect(path: Option<&Path>, file_mode: u32) -> Result<Connection> {
+    if let Some(path) = path {
+        create_with_mode(path, file_mode);
+    }
     let flags = OpenFlags::new()
         .with_create()
         .with_read_write()
@@ -144,6 +147,28 @@ pub(crate) fn connect(path: Option<&Path>) -> Result<Connection> {
     drop(db);
     Ok(conn)
 }
+
+/// Creates the database file with the permission bits `mode` (less the umask) if there is none
+/// yet. SQLite then creates the `-wal` and `-shm` files with the main file's permissions, which
+/// it would otherwise create world-readable. An existing file is not touched.
+///
+/// Only a file this call creates is opened (`create_new`), and it is closed at once: closing a
+/// descriptor of a file drops every POSIX lock the process holds on it, so opening and closing a
+/// database that another connection of this process uses would break that connection's locking.
+/// Any failure (a missing directory, no permission) is left to the open that follows, which
+/// reports it with SQLite's code.
+#[cfg(unix)]
+fn create_with_mode(path: &Path, mode: u32) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path);
+}
+
+#[cfg(not(unix))]
+fn create_with_mode(_path: &Path, _mode: u32) {}
 
 /// Which file a path names (device and inode), to notice the file being deleted or replaced
 /// under an open connection, which would go on working on the old file unseen by everyone else.
