@@ -791,7 +791,7 @@ fn an_entry_shows_its_expiry_as_a_utc_time_to_the_millisecond() {
 
 #[test]
 fn inspect_prints_one_line_per_entry_with_the_lease_expiry() {
-    block_on(async {
+    common::on_every_executor(|| async {
         let clock = leasehold::TestClock::new();
         let locks = LockManager::builder()
             .lease(Duration::from_secs(30))
