@@ -455,6 +455,7 @@ counters! {
     interruptions,
     dropped_acquisitions,
     lost_signals,
+    lost_on_release,
     violations,
     lost_updates,
     stale_writes_accepted,
@@ -661,8 +662,12 @@ async fn one_operation(context: &ChildContext, rng: &mut Rng) {
         bump(&context.counters.lost_signals);
     }
     if rng.chance(50) {
-        if let Err(error) = guard.release().await {
-            context.storage_error("releasing", &error);
+        match guard.release().await {
+            Ok(()) => {}
+            // The lease ran out while it was held (this child was paused, or starved): the
+            // release says so. Whether a write overlapped is the register's to judge.
+            Err(LockError::LeaseLost(_)) => bump(&context.counters.lost_on_release),
+            Err(error) => context.storage_error("releasing", &error),
         }
     } else {
         drop(guard);
@@ -914,6 +919,7 @@ impl Summary {
             ("kills", self.kills),
             ("stops", self.stops),
             ("lost_signals", t.lost_signals),
+            ("lost_on_release", t.lost_on_release),
             ("violations", t.violations),
             ("lost_updates", t.lost_updates),
             ("stale_writes_accepted", t.stale_writes_accepted),
