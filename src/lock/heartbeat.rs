@@ -12,8 +12,8 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::sqlite::micros;
-use super::{Common, LeaseLost, Shared};
-use crate::abort::AbortReason;
+use super::{Common, Shared};
+
 use crate::clock::{Clock, SystemClock};
 use crate::fiber::fork_daemon_on;
 use crate::scope::current_spawner;
@@ -89,7 +89,7 @@ async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
         let shared = {
             let mut guards = lock(&common.guards);
             match shared.upgrade() {
-                Some(shared) if !guards.entries.is_empty() => shared,
+                Some(shared) if !guards.is_empty() => shared,
                 _ => {
                     // Under the lock that a new guard takes to see whether a daemon runs.
                     guards.daemon_running = false;
@@ -124,17 +124,8 @@ fn lose_expired(common: &Common) {
     let now = micros(common.clock.now());
     let renewed = i64::try_from(common.last_renewal.load(Ordering::SeqCst)).unwrap_or(0);
     let lease = micros(common.lease);
-    let mut guards = lock(&common.guards);
-    let expired: Vec<u64> = guards
-        .entries
-        .iter()
-        .filter(|(_, entry)| entry.expires_at.max(renewed + lease) <= now)
-        .map(|(ticket, _)| *ticket)
-        .collect();
-    for ticket in expired {
-        if let Some(entry) = guards.entries.remove(&ticket) {
-            tracing::warn!(ticket, keys = ?entry.keys, "lease lost: renewals failed until it ran out");
-            entry.lost.abort(AbortReason::new(LeaseLost::expired()));
-        }
-    }
+    lock(&common.guards).lose(
+        |_, _, expires_at| expires_at.max(renewed + lease) <= now,
+        "renewals failed until it ran out",
+    );
 }

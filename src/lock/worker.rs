@@ -32,8 +32,7 @@ use futures::channel::oneshot;
 
 use super::grant::{grantable_now, promotable};
 use super::sqlite::{micros, Counters, Db, Deleted, FileIdentity, OwnedRequest, Row};
-use super::{Common, LeaseLost, LockError, LockRequest};
-use crate::abort::AbortReason;
+use super::{Common, LockError, LockRequest};
 use crate::sync::{lock, wait_for};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, LockError>>;
@@ -589,13 +588,7 @@ impl<'c> Worker<'c> {
                 for (_, slot) in self.waits.drain() {
                     slot.set(SlotState::Shutdown);
                 }
-                let reason = AbortReason::new(LeaseLost::shutdown());
-                let mut guards = lock(&self.common.guards);
-                guards.shut_down = true;
-                for (_, entry) in guards.entries.drain() {
-                    entry.lost.abort(reason.clone());
-                }
-                drop(guards);
+                lock(&self.common.guards).shut_down();
                 // Waiters without a queue position wake, try again, and find the manager shut.
                 self.common.changed.notify(usize::MAX);
                 let _ = reply.send(Ok(()));
@@ -629,25 +622,10 @@ impl<'c> Worker<'c> {
                 .find(|r: &&OwnedRequest| r.ticket == ticket && r.held == held)
         };
         let find = |ticket: u64, held: bool| find_request(ticket, held).map_or(0, |r| r.rows);
-        {
-            let mut guards = lock(&self.common.guards);
-            let lost: Vec<u64> = guards
-                .entries
-                .iter()
-                .filter(|(ticket, entry)| find(**ticket, true) < entry.rows)
-                .map(|(ticket, _)| *ticket)
-                .collect();
-            for ticket in lost {
-                if let Some(entry) = guards.entries.remove(&ticket) {
-                    tracing::warn!(
-                        ticket,
-                        keys = ?entry.keys,
-                        "lease lost: the lock's rows are gone or expired"
-                    );
-                    entry.lost.abort(AbortReason::new(LeaseLost::expired()));
-                }
-            }
-        }
+        lock(&self.common.guards).lose(
+            |ticket, rows, _| find(ticket, true) < rows,
+            "the lock's rows are gone or expired",
+        );
         let mut settled = Vec::new();
         for (&ticket, slot) in &self.waits {
             if let Some(held) = find_request(ticket, true) {

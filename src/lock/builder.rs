@@ -1,0 +1,290 @@
+//! `LockManagerBuilder`: settings, validation, and starting the storage worker.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use event_listener::Event;
+
+use crate::clock::{Clock, SystemClock};
+use crate::spawn::Spawner;
+
+use super::guard::Guards;
+use super::handle::{Common, Shared};
+use super::reply::Replies;
+use super::sqlite::{micros, Counters, Db};
+use super::worker::Worker;
+use super::{siblings, sqlite};
+use super::{LockError, LockManager};
+
+/// Settings for a [`LockManager`]; from [`LockManager::builder`].
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold::LockManager;
+///
+/// let locks = LockManager::builder()
+///     .lease(Duration::from_secs(10))
+///     .heartbeat(Duration::from_secs(2))
+///     .poll(Duration::from_millis(20))
+///     .open_in_memory()
+///     .unwrap();
+/// # drop(locks);
+/// ```
+pub struct LockManagerBuilder {
+    lease: Duration,
+    heartbeat: Duration,
+    poll: Duration,
+    clock: Arc<dyn Clock>,
+    spawner: Option<Arc<dyn Spawner>>,
+    /// Permission bits for a database file this manager creates (unix).
+    file_mode: u32,
+}
+
+/// The permissions of a new database file unless the builder is told otherwise: its owner's
+/// alone, as whoever can read the file sees every key, operation and owner in it.
+const DEFAULT_FILE_MODE: u32 = 0o600;
+
+impl fmt::Debug for LockManagerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockManagerBuilder")
+            .field("lease", &self.lease)
+            .field("heartbeat", &self.heartbeat)
+            .field("poll", &self.poll)
+            .field("file_mode", &format_args!("{:#o}", self.file_mode))
+            .finish_non_exhaustive()
+    }
+}
+
+impl LockManagerBuilder {
+    /// The defaults, as [`LockManager::builder`] documents them.
+    pub(super) fn new() -> Self {
+        LockManagerBuilder {
+            lease: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(5),
+            poll: Duration::from_millis(10),
+            clock: Arc::new(SystemClock),
+            spawner: None,
+            file_mode: DEFAULT_FILE_MODE,
+        }
+    }
+
+    /// How long a row stays live without a heartbeat. Default 30 s.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How often leases are renewed. Default 5 s; the lease must be at least twice this.
+    pub fn heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = every;
+        self
+    }
+
+    /// How often waiters look for other processes' changes (a read-only check). Default 10 ms.
+    /// Waiters in this process are woken at once whatever this is.
+    pub fn poll(mut self, every: Duration) -> Self {
+        self.poll = every;
+        self
+    }
+
+    /// Where time comes from (leases, heartbeats). Default [`SystemClock`].
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Where background work (heartbeats, clean-ups of dropped acquisitions) runs.
+    ///
+    /// By default it follows the caller, as a [`Scoped`](crate::Scoped)'s does: an acquisition's waiter
+    /// heartbeat and its clean-up run on the spawner of the scope it is awaited in, or (with
+    /// the `tokio` feature) on the tokio runtime it is first polled on, otherwise on smol's
+    /// global executor; the lock heartbeat runs where the first guard of a quiet spell was
+    /// taken. Give a spawner here to pin all of it down, for instance when guards outlive the
+    /// runtime (or executor) that took them: work on a runtime runs only while that runtime
+    /// does.
+    ///
+    /// Heartbeats renew leases only while their executor runs them. An executor blocked for
+    /// longer than the lease (a blocking call on a single-threaded runtime, a CPU-bound task)
+    /// loses the locks of this manager: another owner may take them, and the guards'
+    /// [`lost`](crate::Guard::lost) signals abort once the heartbeat runs again. That is deliberate (a
+    /// stuck holder must not keep a lock forever); to avoid it, keep blocking work off the
+    /// executor (`spawn_blocking`), or use a multi-threaded runtime or a spawner of its own.
+    pub fn spawner(mut self, spawner: Arc<dyn Spawner>) -> Self {
+        self.spawner = Some(spawner);
+        self
+    }
+
+    /// The permissions a new database file is created with, and with it the `-wal` and `-shm`
+    /// files SQLite keeps beside it (SQLite gives them the main file's permissions). Default
+    /// `0o600`: the owner alone can read and write the file. For a group of users whose
+    /// processes share the file, use `0o660`, in a directory that belongs to that group; see
+    /// "Trust model" in the README. Unix only.
+    ///
+    /// The process umask still applies when the file is created: with the common umask `0o022`,
+    /// `0o660` gives `0o640`, which the group can read but not write. A service whose group
+    /// shares the file runs with umask `0o002` (systemd: `UMask=0002`), or the file is made
+    /// with the right mode beforehand. An existing file's permissions are left as they are
+    /// (change them with `chmod`).
+    ///
+    /// Anyone who can write the file can take, hold or forge any lock in it, and anyone who can
+    /// read it sees every key, operation and owner: give access to the processes that take part
+    /// in the locking and to nobody else.
+    ///
+    /// # Errors
+    ///
+    /// [`open`](LockManagerBuilder::open) and [`open_in_memory`](LockManagerBuilder::open_in_memory)
+    /// return [`LockError::InvalidConfig`] for bits outside `0o777`, or a mode that does not let
+    /// the owner read and write the file.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::os::unix::fs::PermissionsExt;
+    /// use leasehold::LockManager;
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let path = dir.path().join("locks.db");
+    /// let locks = LockManager::builder().file_mode(0o660).open(&path)?;
+    /// let mode = std::fs::metadata(&path)?.permissions().mode();
+    /// assert_eq!(mode & 0o777 & !0o660, 0); // 0o660 less the umask
+    /// # drop(locks);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(unix)]
+    pub fn file_mode(mut self, mode: u32) -> Self {
+        self.file_mode = mode;
+        self
+    }
+
+    /// Opens (creating if needed) the database file at `path`.
+    ///
+    /// A new file is created with the permissions of
+    /// [`file_mode`](LockManagerBuilder::file_mode) (default `0o600`) on unix.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::InvalidConfig`] for impossible settings, [`LockError::Storage`] if the file
+    /// cannot be opened or is not a database, [`LockError::SchemaTooNew`] if a newer version of
+    /// this library wrote it.
+    pub fn open(self, path: impl AsRef<Path>) -> Result<LockManager, LockError> {
+        self.start(Some(path.as_ref()))
+    }
+
+    /// Opens a private in-memory database: one owner, for tests and single-process use.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::InvalidConfig`] for impossible settings.
+    pub fn open_in_memory(self) -> Result<LockManager, LockError> {
+        self.start(None)
+    }
+
+    fn validate(&self) -> Result<(), LockError> {
+        let invalid = |why: String| Err(LockError::InvalidConfig(why));
+        if self.heartbeat.is_zero() {
+            return invalid("the heartbeat interval must be more than zero".into());
+        }
+        if self.poll.is_zero() {
+            return invalid("the poll interval must be more than zero".into());
+        }
+        if self.lease < self.heartbeat.saturating_mul(2) {
+            return invalid(format!(
+                "the lease ({:?}) must be at least twice the heartbeat interval ({:?}), so that \
+                 one late heartbeat does not lose the lock",
+                self.lease, self.heartbeat
+            ));
+        }
+        if micros(self.lease) >= i64::MAX / 4 {
+            return invalid(format!("the lease ({:?}) is too long", self.lease));
+        }
+        if self.file_mode & !0o777 != 0 {
+            return invalid(format!(
+                "the file mode {:#o} has bits outside 0o777",
+                self.file_mode
+            ));
+        }
+        if self.file_mode & 0o600 != 0o600 {
+            return invalid(format!(
+                "the file mode {:#o} must let the file's owner read and write it (0o600)",
+                self.file_mode
+            ));
+        }
+        Ok(())
+    }
+
+    fn start(self, path: Option<&Path>) -> Result<LockManager, LockError> {
+        self.validate()?;
+        let common = Arc::new(Common {
+            owner: new_owner_id(),
+            lease: self.lease,
+            heartbeat: self.heartbeat,
+            poll: self.poll,
+            clock: self.clock,
+            spawner: self.spawner,
+            counters: Counters::default(),
+            guards: Mutex::new(Guards::default()),
+            changed: Event::new(),
+            unqueued: AtomicUsize::new(0),
+            last_renewal: AtomicU64::new(0),
+            path: path.map(canonical),
+            replies: Replies::default(),
+        });
+        // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
+        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let open_path = path.map(Path::to_path_buf);
+        let file_mode = self.file_mode;
+        let worker_common = common.clone();
+        let worker = std::thread::Builder::new()
+            .name("leasehold-storage".into())
+            .spawn(
+                move || match sqlite::connect(open_path.as_deref(), file_mode) {
+                    Ok(conn) => {
+                        let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
+                        let _ = opened_tx.send(Ok(()));
+                        Worker::new(Db::new(&conn), worker_common, rx, file).run();
+                    }
+                    Err(error) => {
+                        let _ = opened_tx.send(Err(error));
+                    }
+                },
+            )
+            .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
+        opened_rx.recv().map_err(|_| {
+            LockError::Storage("while opening the database: the storage thread stopped".into())
+        })??;
+        let shared = Arc::new(Shared {
+            tx: Arc::new(tx),
+            common,
+            next_request: AtomicU64::new(1),
+            worker: Mutex::new(Some(worker)),
+        });
+        siblings::register(&shared);
+        Ok(LockManager { shared })
+    }
+}
+
+/// The absolute form of a database path (its folder resolved, as the file may not exist yet),
+/// so that managers of one process can tell they share a file.
+fn canonical(path: &Path) -> PathBuf {
+    let folder = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    match (std::fs::canonicalize(folder), path.file_name()) {
+        (Ok(folder), Some(name)) => folder.join(name),
+        _ => path.to_path_buf(),
+    }
+}
+
+fn new_owner_id() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemClock.now().as_nanos() as u64;
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{}-{:x}-{n}", std::process::id(), nanos & 0xffff_ffff_ffff)
+}

@@ -1,0 +1,145 @@
+//! What a `LockManager` handle is made of: the command sender to its storage worker, and
+//! what the worker, the heartbeats and the guards share.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use event_listener::Event;
+use futures::channel::oneshot;
+
+use crate::clock::Clock;
+use crate::spawn::Spawner;
+use crate::sync::lock;
+
+use super::guard::Guards;
+use super::reply::Replies;
+use super::sqlite::{from_micros, micros, Counters};
+use super::worker;
+use super::worker::{Acquired, Command, Grant, Write};
+use super::{LockError, LockRequest};
+
+/// What the storage worker and the heartbeats share with the handles (no command sender: the
+/// worker stops when every handle is gone).
+pub(crate) struct Common {
+    pub(super) owner: String,
+    pub(super) lease: Duration,
+    pub(super) heartbeat: Duration,
+    pub(super) poll: Duration,
+    pub(super) clock: Arc<dyn Clock>,
+    /// Given to the builder; `None`: background work follows the caller.
+    pub(super) spawner: Option<Arc<dyn Spawner>>,
+    pub(super) counters: Counters,
+    pub(super) guards: Mutex<Guards>,
+    /// Notified after every commit that freed or promoted something, and when other processes
+    /// changed the file: waiters without a queue position try again.
+    pub(super) changed: Event,
+    /// Waiters without a queue position (`many`), so the worker keeps looking for changes.
+    pub(super) unqueued: AtomicUsize,
+    /// When this owner's rows were last renewed (micros), for deciding a lease ran out when
+    /// renewals fail.
+    pub(super) last_renewal: AtomicU64,
+    /// The database file, for waking other managers of this process that share it.
+    pub(super) path: Option<PathBuf>,
+    /// The worker's replies, as awaited by callers.
+    pub(super) replies: Replies,
+}
+
+/// A handle: the command sender plus what is common.
+pub(crate) struct Shared {
+    // In an `Arc` so that other managers can poke this one through a `Weak` without ever
+    // holding (and so possibly dropping, and joining) the whole handle.
+    pub(super) tx: Arc<Sender<Command>>,
+    pub(super) common: Arc<Common>,
+    pub(super) next_request: AtomicU64,
+    pub(super) worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Shared {
+    /// The last handle is gone: disconnect the worker, and wait for it to delete this owner's
+    /// rows and close the database, so that the file is settled when the drop returns.
+    fn drop(&mut self) {
+        let (disconnected, _) = std::sync::mpsc::channel();
+        drop(std::mem::replace(&mut self.tx, Arc::new(disconnected)));
+        let worker = lock(&self.worker).take();
+        if let Some(worker) = worker {
+            if worker.thread().id() != std::thread::current().id() {
+                let _ = worker.join();
+            }
+        }
+    }
+}
+
+impl Shared {
+    pub(super) fn send(&self, command: Command) -> Result<(), LockError> {
+        self.tx.send(command).map_err(|_| LockError::Shutdown)
+    }
+
+    pub(super) async fn call<T>(
+        &self,
+        command: impl FnOnce(worker::Reply<T>) -> Command,
+    ) -> Result<T, LockError> {
+        let (reply, response) = oneshot::channel();
+        self.send(command(reply))?;
+        self.common.replies.wait(response).await
+    }
+
+    pub(super) async fn acquire(
+        &self,
+        request: u64,
+        requests: &[LockRequest],
+        queue: bool,
+    ) -> Result<Acquired, LockError> {
+        self.call(|reply| {
+            Command::Write(Write::Acquire {
+                request,
+                requests: requests.to_vec(),
+                queue,
+                reply,
+            })
+        })
+        .await
+    }
+
+    /// Deletes a request's rows; returns whether every row it had was still live.
+    pub(super) async fn remove(&self, request: u64) -> Result<bool, LockError> {
+        self.call(|reply| {
+            Command::Write(Write::Remove {
+                request,
+                reply: Some(reply),
+            })
+        })
+        .await
+    }
+
+    /// `grant` if its lease has not run out by now. Otherwise its rows are removed and `None`
+    /// returned, for the caller to ask again: a grant is read late when the caller's executor
+    /// (or its whole process) was stalled after the worker decided it, and a guard whose lease
+    /// has already run out must never be handed out, since another owner may hold the lock.
+    pub(super) async fn deliverable(
+        &self,
+        request: u64,
+        grant: Grant,
+    ) -> Result<Option<Grant>, LockError> {
+        if micros(self.common.clock.now()) < grant.expires_at {
+            return Ok(Some(grant));
+        }
+        tracing::warn!(
+            ticket = grant.ticket,
+            "a grant's lease ran out before it could be handed over (was this process paused or \
+             starved for longer than the lease?); asking again"
+        );
+        self.remove(request).await?;
+        Ok(None)
+    }
+
+    /// Renews this owner's rows (or finds them renewed recently); returns when, in clock time.
+    pub(super) async fn renew(&self) -> Result<Duration, LockError> {
+        let at = self
+            .call(|reply| Command::Write(Write::Renew { reply }))
+            .await?;
+        Ok(from_micros(at))
+    }
+}

@@ -1,0 +1,305 @@
+//! The public values of the lock manager: requests, modes, what `inspect` shows, counters.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::time::Duration;
+
+use super::LockError;
+
+/// The longest key or operation name accepted, in bytes.
+pub const MAX_NAME_BYTES: usize = 1024;
+
+/// How a lock is held: many shared holders at once, or one exclusive holder.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{LockRequest, Mode};
+///
+/// assert_eq!(LockRequest::shared("repo", "backup").mode, Mode::Shared);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Held together with other shared holders (readers).
+    Shared,
+    /// Held alone (a writer).
+    Exclusive,
+}
+
+/// `shared` or `exclusive`, as [`LockEntry`]'s `Display` writes it. Width and alignment are
+/// honoured, for tables.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::Mode;
+///
+/// assert_eq!(Mode::Shared.to_string(), "shared");
+/// assert_eq!(format!("[{:<9}]", Mode::Exclusive), "[exclusive]");
+/// assert_eq!(format!("[{:<9}]", Mode::Shared), "[shared   ]");
+/// ```
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(match self {
+            Mode::Shared => "shared",
+            Mode::Exclusive => "exclusive",
+        })
+    }
+}
+
+/// One key to lock, how, and for what (the operation is shown by [`LockManager::inspect`](crate::LockManager::inspect)).
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{LockRequest, Mode};
+///
+/// let request = LockRequest::exclusive("repo/photos", "prune");
+/// assert_eq!((request.key.as_str(), request.mode), ("repo/photos", Mode::Exclusive));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockRequest {
+    /// The lock's name: non-empty, at most 1 KiB, no NUL.
+    pub key: String,
+    /// Shared or exclusive.
+    pub mode: Mode,
+    /// What the holder is doing, for people reading `inspect`: at most 1 KiB, no NUL.
+    pub operation: String,
+}
+
+impl LockRequest {
+    /// A shared request.
+    pub fn shared(key: impl Into<String>, operation: impl Into<String>) -> Self {
+        LockRequest {
+            key: key.into(),
+            mode: Mode::Shared,
+            operation: operation.into(),
+        }
+    }
+
+    /// An exclusive request.
+    pub fn exclusive(key: impl Into<String>, operation: impl Into<String>) -> Self {
+        LockRequest {
+            key: key.into(),
+            mode: Mode::Exclusive,
+            operation: operation.into(),
+        }
+    }
+}
+
+/// Whether an entry of [`LockManager::inspect`](crate::LockManager::inspect) holds its lock or waits for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EntryState {
+    /// Holds the lock.
+    Held,
+    /// Queued; `position` 0 is next in line.
+    Waiting {
+        /// Place in the key's queue of waiting requests.
+        position: usize,
+    },
+}
+
+/// `held`, or `waiting at N` where `N` is the queue position (`waiting at 0` is next in line).
+/// Width and alignment are honoured, for tables.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::EntryState;
+///
+/// assert_eq!(EntryState::Held.to_string(), "held");
+/// assert_eq!(EntryState::Waiting { position: 0 }.to_string(), "waiting at 0");
+/// assert_eq!(format!("[{:>12}]", EntryState::Held), "[        held]");
+/// ```
+impl fmt::Display for EntryState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EntryState::Held => f.pad("held"),
+            EntryState::Waiting { position } => f.pad(&format!("waiting at {position}")),
+        }
+    }
+}
+
+/// One live holder or waiter, as [`LockManager::inspect`](crate::LockManager::inspect) reports it.
+///
+/// Printed with `{}`, an entry is one line for operators; the format is documented on its
+/// `Display` implementation.
+#[derive(Clone, Debug)]
+pub struct LockEntry {
+    /// The lock's key.
+    pub key: String,
+    /// Shared or exclusive.
+    pub mode: Mode,
+    /// What the holder or waiter said it is doing.
+    pub operation: String,
+    /// The owner id of the manager that made the request.
+    pub owner: String,
+    /// The request's ticket (its fencing token once granted).
+    pub ticket: u64,
+    /// Held, or waiting at a position.
+    pub state: EntryState,
+    /// When it was granted (held) or requested (waiting): clock time since the Unix epoch.
+    pub since: Duration,
+    /// When its lease runs out unless renewed: clock time since the Unix epoch.
+    pub expires_at: Duration,
+}
+
+/// One line, as an operator would print [`LockManager::inspect`](crate::LockManager::inspect):
+///
+/// ```text
+/// "repo/photos" exclusive held, operation "prune", owner "4242-1a2b3c4d-0", ticket 7, expires 2024-01-01T00:00:30.000Z
+/// "repo/photos" shared waiting at 0, operation "backup", owner "4242-1a2b3c4d-0", ticket 8, expires 2024-01-01T00:00:30.000Z
+/// ```
+///
+/// The key, the mode and the state (as [`Mode`] and [`EntryState`] display them), then the
+/// operation, owner, ticket and the lease's expiry, in that order. Key, operation and
+/// owner are quoted and escaped as Rust string literals (`{:?}`), so that a name with spaces,
+/// commas or a line break cannot make the line ambiguous or split it. The expiry is
+/// [`expires_at`](LockEntry::expires_at) as a UTC time in RFC 3339 form, to the millisecond
+/// (truncated). `since` is not shown. This format is stable: a change to it is a breaking change.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold::{EntryState, LockEntry, Mode};
+///
+/// let entry = LockEntry {
+///     key: "repo/photos".into(),
+///     mode: Mode::Exclusive,
+///     operation: "prune".into(),
+///     owner: "4242-1a2b3c4d-0".into(),
+///     ticket: 7,
+///     state: EntryState::Held,
+///     since: Duration::from_secs(1_704_067_200),
+///     expires_at: Duration::from_millis(1_704_067_230_000),
+/// };
+/// assert_eq!(
+///     entry.to_string(),
+///     r#""repo/photos" exclusive held, operation "prune", owner "4242-1a2b3c4d-0", ticket 7, expires 2024-01-01T00:00:30.000Z"#,
+/// );
+/// ```
+///
+/// Printing what a manager sees:
+///
+/// ```
+/// use leasehold::LockManager;
+///
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::open_in_memory()?;
+/// let _guard = locks.exclusive("repo", "check").await?;
+/// for entry in locks.inspect(None).await? {
+///     println!("{entry}");
+/// }
+/// # Ok::<(), leasehold::LockError>(())
+/// # }).unwrap();
+/// ```
+impl fmt::Display for LockEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} {} {}, operation {:?}, owner {:?}, ticket {}, expires {}",
+            self.key,
+            self.mode,
+            self.state,
+            self.operation,
+            self.owner,
+            self.ticket,
+            Utc(self.expires_at)
+        )
+    }
+}
+
+/// A clock time (since the Unix epoch) written as RFC 3339 in UTC, to the millisecond:
+/// `2024-01-01T00:00:30.000Z`.
+struct Utc(Duration);
+
+impl fmt::Display for Utc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let seconds = self.0.as_secs();
+        let (days, of_day) = (seconds / 86_400, seconds % 86_400);
+        let (year, month, day) = civil_from_days(days);
+        write!(
+            f,
+            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+            of_day / 3_600,
+            of_day / 60 % 60,
+            of_day % 60,
+            self.0.subsec_millis()
+        )
+    }
+}
+
+/// The proleptic Gregorian date `days` after 1970-01-01 (Howard Hinnant's `civil_from_days`,
+/// for non-negative days).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let day_of_era = z % 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
+    let month = if month_from_march < 10 {
+        month_from_march + 3
+    } else {
+        month_from_march - 9
+    };
+    let year = year_of_era + era * 400 + u64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Counters since open, for tests, benchmarks and monitoring.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::LockManager;
+///
+/// # futures::executor::block_on(async {
+/// let locks = LockManager::open_in_memory()?;
+/// locks.exclusive("k", "demo").await?.release().await?;
+/// assert!(locks.stats().write_transactions >= 2);
+/// # Ok::<(), leasehold::LockError>(())
+/// # }).unwrap();
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
+pub struct StorageStats {
+    /// Transactions that began with `BEGIN IMMEDIATE`.
+    pub write_transactions: u64,
+    /// Read-only looks for other processes' changes (`PRAGMA data_version`).
+    pub change_checks: u64,
+    /// Lease renewal rounds.
+    pub heartbeats: u64,
+}
+
+pub(super) fn validate(requests: &[LockRequest]) -> Result<(), LockError> {
+    let invalid = |why: String| Err(LockError::InvalidRequest(why));
+    if requests.is_empty() {
+        return invalid("no keys to lock".into());
+    }
+    let mut seen = HashSet::new();
+    for request in requests {
+        let key = &request.key;
+        if key.is_empty() {
+            return invalid("the key is empty".into());
+        }
+        for (what, text) in [("key", key), ("operation", &request.operation)] {
+            if text.len() > MAX_NAME_BYTES {
+                return invalid(format!(
+                    "the {what} is {} bytes long; at most {MAX_NAME_BYTES} are allowed",
+                    text.len()
+                ));
+            }
+            if text.contains('\0') {
+                return invalid(format!("the {what} {text:?} contains a NUL character"));
+            }
+        }
+        if !seen.insert(key.as_str()) {
+            return invalid(format!("the key {key:?} is named twice"));
+        }
+    }
+    Ok(())
+}
