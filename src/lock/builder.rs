@@ -12,9 +12,11 @@ use crate::clock::{Clock, SystemClock};
 use crate::spawn::Spawner;
 
 use super::guard::Guards;
+use super::handle::Counters;
 use super::handle::{Common, Shared};
 use super::reply::Replies;
-use super::sqlite::{micros, Counters, Db};
+use super::sqlite::Db;
+use super::storage::micros;
 use super::worker::Worker;
 use super::{siblings, sqlite};
 use super::{LockError, LockManager};
@@ -247,7 +249,8 @@ impl LockManagerBuilder {
                     Ok(conn) => {
                         let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
                         let _ = opened_tx.send(Ok(()));
-                        Worker::new(Db::new(&conn), worker_common, rx, file).run();
+                        let db = Db::new(&conn, worker_common.clock.clone(), file);
+                        Worker::new(db, worker_common, rx).run();
                     }
                     Err(error) => {
                         let _ = opened_tx.send(Err(error));

@@ -14,7 +14,7 @@ use crate::sync::lock;
 
 use super::handle::Shared;
 use super::heartbeat;
-use super::worker::{Command, Grant, Write};
+use super::protocol::{Command, Grant, Write};
 use super::{LeaseLost, LockError, LockRequest};
 
 /// A granted lock. Released by [`release`](Guard::release), by dropping it, or by a [`Scope`](crate::Scope)

@@ -2,7 +2,7 @@
 //! what the worker, the heartbeats and the guards share.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,10 +15,10 @@ use crate::spawn::Spawner;
 use crate::sync::lock;
 
 use super::guard::Guards;
+use super::protocol;
+use super::protocol::{Acquired, Command, Grant, Write};
 use super::reply::Replies;
-use super::sqlite::{from_micros, micros, Counters};
-use super::worker;
-use super::worker::{Acquired, Command, Grant, Write};
+use super::storage::{from_micros, micros};
 use super::{LockError, LockRequest};
 
 /// What the storage worker and the heartbeats share with the handles (no command sender: the
@@ -79,7 +79,7 @@ impl Shared {
 
     pub(super) async fn call<T>(
         &self,
-        command: impl FnOnce(worker::Reply<T>) -> Command,
+        command: impl FnOnce(protocol::Reply<T>) -> Command,
     ) -> Result<T, LockError> {
         let (reply, response) = oneshot::channel();
         self.send(command(reply))?;
@@ -141,5 +141,19 @@ impl Shared {
             .call(|reply| Command::Write(Write::Renew { reply }))
             .await?;
         Ok(from_micros(at))
+    }
+}
+
+/// Counters since open; see `StorageStats`.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) write_transactions: AtomicU64,
+    pub(crate) change_checks: AtomicU64,
+    pub(crate) heartbeats: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 }

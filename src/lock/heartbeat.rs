@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::sqlite::micros;
+use super::storage::micros;
 use super::{Common, Shared};
 
 use crate::clock::{Clock, SystemClock};

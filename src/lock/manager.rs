@@ -12,9 +12,9 @@ use crate::scope::{ExitStatus, Scope, Scoped};
 
 use super::guard::Guard;
 use super::handle::{Common, Shared};
-use super::sqlite::from_micros;
+use super::protocol::{Acquired, Command, Grant, Write};
+use super::storage::from_micros;
 use super::types::validate;
-use super::worker::{Acquired, Command, Grant, Write};
 use super::{grant, heartbeat};
 use super::{EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, StorageStats};
 

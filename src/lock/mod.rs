@@ -7,10 +7,11 @@
 //!   (requests, modes, what `inspect` shows), `error.rs`;
 //! - `handle.rs`: what a handle is made of (the command sender, and what the worker, the
 //!   heartbeats and the guards share); `reply.rs`: awaiting the worker's replies;
-//! - the worker and its policy: `worker.rs` (the storage thread that orders and batches
-//!   commands), `grant.rs` (the grant rule, pure), `heartbeat.rs` (lease renewal),
+//! - the worker and its policy: `protocol.rs` (the commands handles send it, and its replies),
+//!   `worker.rs` (the storage thread that orders and batches commands), `grant.rs` (the grant rule, pure), `heartbeat.rs` (lease renewal),
 //!   `siblings.rs` (wake-ups between managers of one process);
-//! - storage: `sqlite.rs` (schema, migrations, one method per statement).
+//! - storage: `storage.rs` (the trait the worker needs of a backend, and the rows it gets
+//!   back), `sqlite.rs` (schema, migrations, one method per statement).
 
 mod builder;
 mod error;
@@ -19,9 +20,11 @@ mod guard;
 mod handle;
 mod heartbeat;
 mod manager;
+mod protocol;
 mod reply;
 mod siblings;
 mod sqlite;
+mod storage;
 mod types;
 mod worker;
 

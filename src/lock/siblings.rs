@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 
-use super::worker::Command;
+use super::protocol::Command;
 use super::{Common, Shared};
 use crate::sync::lock;
 

@@ -9,13 +9,15 @@ use std::cell::{RefCell, RefMut};
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlite::{Connection, OpenFlags, State, Statement};
 
 use super::grant::RowView;
+use super::storage::{micros, Deleted, OwnedRequest, Result, Row, Storage};
 use super::{LockError, LockRequest, Mode};
+use crate::clock::{Clock, SystemClock};
 
 /// The schema version this build writes and understands.
 pub(crate) const SCHEMA_VERSION: i64 = 2;
@@ -27,62 +29,6 @@ const SQLITE_LOCKED: isize = 6;
 /// own busy handler waits up to `BUSY_TIMEOUT_MS` per try.
 const BUSY_GIVE_UP: Duration = Duration::from_secs(60);
 const BUSY_TIMEOUT_MS: usize = 5_000;
-
-/// Counters since open; see `StorageStats`.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) write_transactions: AtomicU64,
-    pub(crate) change_checks: AtomicU64,
-    pub(crate) heartbeats: AtomicU64,
-}
-
-impl Counters {
-    pub(crate) fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// One live row, as `inspect` shows it.
-#[derive(Clone, Debug)]
-pub(crate) struct Row {
-    pub(crate) key: String,
-    pub(crate) mode: Mode,
-    pub(crate) operation: String,
-    pub(crate) owner: String,
-    pub(crate) ticket: u64,
-    pub(crate) held: bool,
-    pub(crate) since: i64,
-    pub(crate) expires_at: i64,
-}
-
-/// The live rows of one owner's request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct OwnedRequest {
-    pub(crate) ticket: u64,
-    pub(crate) held: bool,
-    pub(crate) rows: usize,
-    /// The earliest lease expiry among them.
-    pub(crate) expires_at: i64,
-}
-
-/// What deleting one row found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Deleted {
-    /// A row whose lease had not run out.
-    Live,
-    /// A row whose lease had run out (invisible to every decision already).
-    Expired,
-    /// No row.
-    Missing,
-}
-
-pub(crate) fn micros(time: Duration) -> i64 {
-    i64::try_from(time.as_micros()).unwrap_or(i64::MAX)
-}
-
-pub(crate) fn from_micros(micros: i64) -> Duration {
-    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
-}
 
 fn mode_code(mode: Mode) -> i64 {
     match mode {
@@ -120,8 +66,6 @@ fn is_busy(error: &sqlite::Error) -> bool {
     matches!(error.code, Some(code) if code & 0xff == SQLITE_BUSY || code & 0xff == SQLITE_LOCKED)
 }
 
-type Result<T> = std::result::Result<T, LockError>;
-
 /// Opens (creating if needed, with the permission bits `file_mode` on unix) the database at
 /// `path`, or an in-memory one for `None`, sets it up and brings its schema up to date.
 pub(crate) fn connect(path: Option<&Path>, file_mode: u32) -> Result<Connection> {
@@ -137,7 +81,7 @@ pub(crate) fn connect(path: Option<&Path>, file_mode: u32) -> Result<Connection>
         .map_err(|e| storage_error(&format!("opening the database {}", target.display()), &e))?;
     conn.set_busy_timeout(BUSY_TIMEOUT_MS)
         .map_err(|e| storage_error("setting the busy timeout", &e))?;
-    let db = Db::new(&conn);
+    let mut db = Db::new(&conn, Arc::new(SystemClock), None);
     // Switching a new file to WAL takes an exclusive lock, and SQLite reports a clash with
     // another process opening it at the same moment as busy without waiting: retry.
     retry_busy("configuring the database", || {
@@ -243,6 +187,9 @@ impl FileIdentity {
 pub(crate) struct Db<'c> {
     conn: &'c Connection,
     statements: RefCell<HashMap<&'static str, Statement<'c>>>,
+    clock: Arc<dyn Clock>,
+    /// The database file as opened; checked before every write and every look.
+    file: Option<FileIdentity>,
 }
 
 /// A cached statement, reset when dropped so that it never holds a read transaction open.
@@ -270,10 +217,18 @@ impl Drop for Cached<'_, '_> {
 }
 
 impl<'c> Db<'c> {
-    pub(crate) fn new(conn: &'c Connection) -> Self {
+    /// The database on `conn`, whose leases are judged by `clock`, and whose path must go on
+    /// naming `file` (where it is known).
+    pub(crate) fn new(
+        conn: &'c Connection,
+        clock: Arc<dyn Clock>,
+        file: Option<FileIdentity>,
+    ) -> Self {
         Db {
             conn,
             statements: RefCell::new(HashMap::new()),
+            clock,
+            file,
         }
     }
 
@@ -304,11 +259,11 @@ impl<'c> Db<'c> {
             .map_err(|e| storage_error(doing, &e))
     }
 
-    fn migrate(&self) -> Result<()> {
+    fn migrate(&mut self) -> Result<()> {
         self.begin_immediate("migrating the schema")?;
         let outcome = self.migrate_in_transaction();
         match outcome {
-            Ok(()) => self.commit("migrating the schema"),
+            Ok(()) => self.run_retrying_busy("migrating the schema", "COMMIT"),
             Err(error) => {
                 self.rollback();
                 Err(error)
@@ -375,12 +330,8 @@ impl<'c> Db<'c> {
     }
 
     /// `BEGIN IMMEDIATE`, retried while another connection holds the write lock.
-    pub(crate) fn begin_immediate(&self, doing: &str) -> Result<()> {
+    fn begin_immediate(&self, doing: &str) -> Result<()> {
         self.run_retrying_busy(doing, "BEGIN IMMEDIATE")
-    }
-
-    pub(crate) fn commit(&self, doing: &str) -> Result<()> {
-        self.run_retrying_busy(doing, "COMMIT")
     }
 
     /// Runs a cached statement that returns no rows, retrying while the database is busy.
@@ -391,14 +342,34 @@ impl<'c> Db<'c> {
             statement.next().map(drop)
         })
     }
+}
 
-    /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
-    pub(crate) fn rollback(&self) {
+impl Storage for Db<'_> {
+    fn now(&self) -> i64 {
+        micros(self.clock.now())
+    }
+
+    fn begin(&mut self) -> Result<i64> {
+        if let Some(file) = &self.file {
+            file.check()?;
+        }
+        self.begin_immediate("starting a write transaction")?;
+        Ok(self.now())
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        self.run_retrying_busy("committing", "COMMIT")
+    }
+
+    fn rollback(&mut self) {
         let _ = self.conn.execute("ROLLBACK");
     }
 
     /// `PRAGMA data_version`: changes when another connection commits. A read; writes nothing.
-    pub(crate) fn data_version(&self) -> Result<i64> {
+    fn change_version(&mut self) -> Result<i64> {
+        if let Some(file) = &self.file {
+            file.check()?;
+        }
         let doing = "checking for changes (data_version)";
         let mut statement = self.prepare(doing, "PRAGMA data_version")?;
         step(doing, &mut statement)?;
@@ -407,7 +378,7 @@ impl<'c> Db<'c> {
             .map_err(|e| storage_error(doing, &e))
     }
 
-    pub(crate) fn next_ticket(&self) -> Result<u64> {
+    fn next_ticket(&mut self) -> Result<u64> {
         let doing = "taking a ticket";
         // Two statements, not `UPDATE ... RETURNING`: SQLite runs `RETURNING` like a trigger,
         // which gives the statement its own journal, and allocating and freeing that journal in
@@ -436,7 +407,7 @@ impl<'c> Db<'c> {
     }
 
     /// The live rows on `key`, in ticket order.
-    pub(crate) fn rows_on_key(&self, key: &str, now: i64, into: &mut Vec<RowView>) -> Result<()> {
+    fn rows_on_key(&mut self, key: &str, now: i64, into: &mut Vec<RowView>) -> Result<()> {
         let doing = "reading the rows of a key";
         let mut statement = self.prepare(
             doing,
@@ -456,7 +427,7 @@ impl<'c> Db<'c> {
     }
 
     /// Every live row on every key that has a live waiting row: what promotion needs.
-    pub(crate) fn rows_on_waited_keys(&self, now: i64) -> Result<Vec<RowView>> {
+    fn rows_on_waited_keys(&mut self, now: i64) -> Result<Vec<RowView>> {
         let doing = "reading the queues";
         let mut statement = self.prepare(
             doing,
@@ -479,8 +450,8 @@ impl<'c> Db<'c> {
     }
 
     /// Inserts one row per request, all under `ticket`.
-    pub(crate) fn insert_request(
-        &self,
+    fn insert_request(
+        &mut self,
         owner: &str,
         ticket: u64,
         requests: &[LockRequest],
@@ -516,13 +487,15 @@ impl<'c> Db<'c> {
     /// Turns the waiting row of `ticket` on `key` into a held row, keeping the ticket, with a
     /// whole lease from `now`: a grant from the queue starts as one made at once does, not with
     /// what is left of the waiter's last renewal. The lease is the row's own (its owner's
-    /// setting, which may differ from the promoter's): the length its last renewal gave it.
-    pub(crate) fn promote(&self, key: &str, ticket: u64, now: i64) -> Result<()> {
+    /// setting, which may differ from the promoter's): the length its last renewal gave it. A
+    /// promoter whose clock is behind the row's last renewal never shortens it.
+    fn promote(&mut self, key: &str, ticket: u64, now: i64) -> Result<()> {
         let doing = "promoting a waiting request";
         let mut statement = self.prepare(
             doing,
             "UPDATE locks SET held = 1, acquired_at = ?1,
-                              expires_at = ?1 + (expires_at - heartbeat_at), heartbeat_at = ?1
+                              expires_at = MAX(expires_at, ?1 + (expires_at - heartbeat_at)),
+                              heartbeat_at = MAX(heartbeat_at, ?1)
              WHERE key = ?2 AND ticket = ?3 AND held = 0",
         )?;
         bind(doing, &mut statement, 1, now)?;
@@ -534,13 +507,7 @@ impl<'c> Db<'c> {
 
     /// Deletes this owner's row of `ticket` on `key` (held or waiting); says whether there was
     /// one and whether its lease had run out.
-    pub(crate) fn delete_row(
-        &self,
-        owner: &str,
-        key: &str,
-        ticket: u64,
-        now: i64,
-    ) -> Result<Deleted> {
+    fn delete_row(&mut self, owner: &str, key: &str, ticket: u64, now: i64) -> Result<Deleted> {
         let doing = "deleting a request's rows";
         let delete = |sql: &'static str| -> Result<bool> {
             let mut statement = self.prepare(doing, sql)?;
@@ -566,7 +533,7 @@ impl<'c> Db<'c> {
     }
 
     /// Deletes every row of this owner; returns how many there were.
-    pub(crate) fn delete_owner(&self, owner: &str) -> Result<usize> {
+    fn delete_owner(&mut self, owner: &str) -> Result<usize> {
         let doing = "deleting an owner's rows";
         let mut statement = self.prepare(doing, "DELETE FROM locks WHERE owner = ?")?;
         bind(doing, &mut statement, 1, owner)?;
@@ -575,7 +542,7 @@ impl<'c> Db<'c> {
     }
 
     /// Deletes rows whose lease has run out; returns how many.
-    pub(crate) fn delete_expired(&self, now: i64) -> Result<usize> {
+    fn delete_expired(&mut self, now: i64) -> Result<usize> {
         let doing = "deleting expired rows";
         let mut statement = self.prepare(doing, "DELETE FROM locks WHERE expires_at <= ?")?;
         bind(doing, &mut statement, 1, now)?;
@@ -584,7 +551,7 @@ impl<'c> Db<'c> {
     }
 
     /// Renews every live row of `owner` in one statement; never touches an expired row.
-    pub(crate) fn renew(&self, owner: &str, now: i64, expires_at: i64) -> Result<usize> {
+    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize> {
         let doing = "renewing leases";
         let mut statement = self.prepare(
             doing,
@@ -599,7 +566,7 @@ impl<'c> Db<'c> {
     }
 
     /// This owner's live requests: ticket, whether held, and how many rows.
-    pub(crate) fn owned_requests(&self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>> {
+    fn owned_requests(&mut self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>> {
         let doing = "reading this owner's rows";
         let mut statement = self.prepare(
             doing,
@@ -622,7 +589,7 @@ impl<'c> Db<'c> {
 
     /// The earliest lease expiry among other owners' live rows: when a waiter may next be
     /// unblocked without anyone writing.
-    pub(crate) fn next_foreign_expiry(&self, owner: &str, now: i64) -> Result<Option<i64>> {
+    fn next_foreign_expiry(&mut self, owner: &str, now: i64) -> Result<Option<i64>> {
         let doing = "reading the next lease expiry";
         let mut statement = self.prepare(
             doing,
@@ -635,7 +602,7 @@ impl<'c> Db<'c> {
     }
 
     /// Live rows, of one key or all, ordered by key and ticket.
-    pub(crate) fn live_rows(&self, key: Option<&str>, now: i64) -> Result<Vec<Row>> {
+    fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>> {
         let doing = "inspecting locks";
         let sql = match key {
             Some(_) => {
@@ -678,7 +645,7 @@ impl<'c> Db<'c> {
     }
 
     /// Whether `key` has a live held row.
-    pub(crate) fn is_held(&self, key: &str, now: i64) -> Result<bool> {
+    fn is_held(&mut self, key: &str, now: i64) -> Result<bool> {
         let doing = "checking whether a key is locked";
         let mut statement = self.prepare(
             doing,

@@ -1,6 +1,6 @@
-//! The storage worker: one OS thread per manager that owns the SQLite connection.
+//! The storage worker: one OS thread per manager that owns its storage (see `storage.rs`).
 //!
-//! Callers send [`Command`]s and await a reply (see `reply.rs`); no SQLite call ever happens on
+//! Callers send `Command`s (see `protocol.rs`) and await a reply (see `reply.rs`); no storage call happens on
 //! a caller's executor thread.
 //!
 //! Invariants:
@@ -24,126 +24,21 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
-use event_listener::Event;
-use futures::channel::oneshot;
-
 use super::grant::{grantable_now, promotable};
-use super::sqlite::{micros, Counters, Db, Deleted, FileIdentity, OwnedRequest, Row};
+use super::handle::Counters;
+use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
+use super::storage::{micros, Deleted, OwnedRequest, Storage};
 use super::{Common, LockError, LockRequest};
-use crate::sync::{lock, wait_for};
-
-pub(crate) type Reply<T> = oneshot::Sender<Result<T, LockError>>;
+use crate::sync::lock;
 
 /// At most this many commands go into one transaction.
 const MAX_BATCH: usize = 256;
 
 /// How long the worker keeps looking for the next command before it blocks.
 const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
-
-pub(crate) enum Command {
-    /// A change, run in the batch's write transaction.
-    Write(Write),
-    Inspect {
-        key: Option<String>,
-        reply: Reply<Vec<Row>>,
-    },
-    IsLocked {
-        key: String,
-        reply: Reply<bool>,
-    },
-    /// Another manager in this process committed to the same file: look now.
-    Poke,
-}
-
-pub(crate) enum Write {
-    /// Grant now, or queue (`queue`), or report `NotNow`.
-    Acquire {
-        request: u64,
-        requests: Vec<LockRequest>,
-        queue: bool,
-        reply: Reply<Acquired>,
-    },
-    /// Delete this owner's rows of a request, whatever their state (release or cancel).
-    /// Replies whether every row it had was still live (a release whose lease held).
-    Remove {
-        request: u64,
-        reply: Option<Reply<bool>>,
-    },
-    /// Renew this owner's live rows, unless that was done less than half a heartbeat ago.
-    /// Replies with when the rows were last renewed (clock micros).
-    Renew { reply: Reply<i64> },
-    /// Delete every row of this owner and stop.
-    Shutdown { reply: Reply<()> },
-}
-
-impl Write {
-    /// Whether this write may delete rows, and so change what a request after it is granted.
-    fn may_free(&self) -> bool {
-        matches!(self, Write::Remove { .. } | Write::Shutdown { .. })
-    }
-}
-
-pub(crate) enum Acquired {
-    Granted(Grant),
-    Queued(u64, Arc<WaitSlot>),
-    NotNow,
-}
-
-/// A granted request: its ticket, and when its rows' lease runs out unless renewed (clock
-/// micros), so that a caller who reads the grant late can tell it is no longer good.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Grant {
-    pub(crate) ticket: u64,
-    pub(crate) expires_at: i64,
-}
-
-/// Where a queued request learns that it was granted (or can never be).
-#[derive(Debug, Default)]
-pub(crate) struct WaitSlot {
-    state: Mutex<SlotState>,
-    event: Event,
-}
-
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum SlotState {
-    #[default]
-    Waiting,
-    /// Granted; the rows' lease runs out at this clock time (micros) unless renewed.
-    Granted(i64),
-    Expired,
-    Shutdown,
-}
-
-impl WaitSlot {
-    fn set(&self, state: SlotState) {
-        *lock(&self.state) = state;
-        self.event.notify(usize::MAX);
-    }
-
-    fn get(&self) -> SlotState {
-        *lock(&self.state)
-    }
-
-    /// Resolves with when the granted rows' lease runs out, `None` if it ran out while the
-    /// request waited (its rows are gone: it may queue again), or `Shutdown`.
-    pub(crate) async fn granted(&self) -> Result<Option<i64>, LockError> {
-        loop {
-            match wait_for(&self.event, || {
-                Some(self.get()).filter(|s| *s != SlotState::Waiting)
-            })
-            .await
-            {
-                SlotState::Shutdown => return Err(LockError::Shutdown),
-                SlotState::Expired => return Ok(None),
-                SlotState::Granted(expires_at) => return Ok(Some(expires_at)),
-                SlotState::Waiting => {}
-            }
-        }
-    }
-}
 
 /// What the worker remembers of a request whose rows it wrote.
 struct Written {
@@ -171,8 +66,8 @@ enum Decided {
     Done,
 }
 
-pub(crate) struct Worker<'c> {
-    db: Db<'c>,
+pub(crate) struct Worker<S> {
+    storage: S,
     common: Arc<Common>,
     rx: Receiver<Command>,
     /// Request id -> its ticket and keys, for every request of this owner that has rows.
@@ -191,19 +86,12 @@ pub(crate) struct Worker<'c> {
     /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
     /// live on, renewed with this owner's others.
     failed_removals: Vec<u64>,
-    /// The database file as opened; checked before every write and every look.
-    file: Option<FileIdentity>,
 }
 
-impl<'c> Worker<'c> {
-    pub(crate) fn new(
-        db: Db<'c>,
-        common: Arc<Common>,
-        rx: Receiver<Command>,
-        file: Option<FileIdentity>,
-    ) -> Self {
+impl<S: Storage> Worker<S> {
+    pub(crate) fn new(storage: S, common: Arc<Common>, rx: Receiver<Command>) -> Self {
         Worker {
-            db,
+            storage,
             common,
             rx,
             requests: HashMap::new(),
@@ -216,12 +104,11 @@ impl<'c> Worker<'c> {
             deleted: false,
             look_soon: false,
             failed_removals: Vec::new(),
-            file,
         }
     }
 
     fn now(&self) -> i64 {
-        micros(self.common.clock.now())
+        self.storage.now()
     }
 
     fn counters(&self) -> &Counters {
@@ -379,11 +266,15 @@ impl<'c> Worker<'c> {
 
     /// Whether a read shows `requests` cannot be granted now. (An error answers "not known":
     /// the write transaction then decides.)
-    fn refused_by_a_read(&self, requests: &[LockRequest]) -> bool {
+    fn refused_by_a_read(&mut self, requests: &[LockRequest]) -> bool {
         let now = self.now();
         let mut rows = Vec::new();
         for request in requests {
-            if self.db.rows_on_key(&request.key, now, &mut rows).is_err() {
+            if self
+                .storage
+                .rows_on_key(&request.key, now, &mut rows)
+                .is_err()
+            {
                 return false;
             }
         }
@@ -394,10 +285,10 @@ impl<'c> Worker<'c> {
         let now = self.now();
         match command {
             Command::Inspect { key, reply } => {
-                let _ = reply.send(self.db.live_rows(key.as_deref(), now));
+                let _ = reply.send(self.storage.live_rows(key.as_deref(), now));
             }
             Command::IsLocked { key, reply } => {
-                let _ = reply.send(self.db.is_held(&key, now));
+                let _ = reply.send(self.storage.is_held(&key, now));
             }
             _ => {}
         }
@@ -461,11 +352,7 @@ impl<'c> Worker<'c> {
         may_free: bool,
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
     ) -> Result<(T, Freed), LockError> {
-        if let Some(file) = &self.file {
-            file.check()?;
-        }
-        self.db.begin_immediate("starting a write transaction")?;
-        let now = self.now();
+        let now = self.storage.begin()?;
         Counters::bump(&self.counters().write_transactions);
         self.deleted = false;
         let result = (|| {
@@ -476,21 +363,21 @@ impl<'c> Worker<'c> {
                 at: now,
             };
             if may_free {
-                let expired = self.db.delete_expired(now)?;
-                let rows = self.db.rows_on_waited_keys(now)?;
+                let expired = self.storage.delete_expired(now)?;
+                let rows = self.storage.rows_on_waited_keys(now)?;
                 freed.promoted = promotable(&rows);
                 for row in rows.iter().filter(|row| !row.held) {
                     if freed.promoted.binary_search(&row.ticket).is_ok() {
-                        self.db.promote(&row.key, row.ticket, now)?;
+                        self.storage.promote(&row.key, row.ticket, now)?;
                     }
                 }
                 freed.any |= expired > 0 || !freed.promoted.is_empty();
             }
-            self.db.commit("committing")?;
+            self.storage.commit()?;
             Ok((value, freed))
         })();
         if result.is_err() {
-            self.db.rollback();
+            self.storage.rollback();
         }
         result
     }
@@ -506,16 +393,16 @@ impl<'c> Worker<'c> {
             } => {
                 let mut rows = Vec::new();
                 for request in requests {
-                    self.db.rows_on_key(&request.key, now, &mut rows)?;
+                    self.storage.rows_on_key(&request.key, now, &mut rows)?;
                 }
                 let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
                 let granted = grantable_now(wanted, &rows);
                 if !granted && !queue {
                     return Ok(Decided::NotNow);
                 }
-                let ticket = self.db.next_ticket()?;
+                let ticket = self.storage.next_ticket()?;
                 let expires_at = now + micros(self.common.lease);
-                self.db
+                self.storage
                     .insert_request(owner, ticket, requests, granted, now, expires_at)?;
                 // Recorded now, not after the commit, so that a `Remove` later in this batch
                 // finds it; `write` forgets it again if the transaction rolls back.
@@ -531,7 +418,7 @@ impl<'c> Worker<'c> {
                 let mut live = true;
                 if let Some(written) = self.requests.get(request) {
                     for key in &written.keys {
-                        let deleted = self.db.delete_row(owner, key, written.ticket, now)?;
+                        let deleted = self.storage.delete_row(owner, key, written.ticket, now)?;
                         self.deleted |= deleted != Deleted::Missing;
                         live &= deleted == Deleted::Live;
                     }
@@ -540,11 +427,11 @@ impl<'c> Worker<'c> {
             }
             Write::Renew { .. } => {
                 let expires_at = now + micros(self.common.lease);
-                self.db.renew(owner, now, expires_at)?;
+                self.storage.renew(owner, now, expires_at)?;
                 Ok(Decided::Done)
             }
             Write::Shutdown { .. } => {
-                self.deleted |= self.db.delete_owner(owner)? > 0;
+                self.deleted |= self.storage.delete_owner(owner)? > 0;
                 Ok(Decided::Done)
             }
         }
@@ -615,7 +502,7 @@ impl<'c> Worker<'c> {
     /// Compares this owner's live rows with its guards and waits: a guard whose rows are gone
     /// or expired has lost its lease; a wait whose rows are gone can never be granted.
     fn check_own_rows(&mut self, now: i64) -> Result<(), LockError> {
-        let owned = self.db.owned_requests(&self.common.owner, now)?;
+        let owned = self.storage.owned_requests(&self.common.owner, now)?;
         let find_request = |ticket: u64, held: bool| {
             owned
                 .iter()
@@ -665,10 +552,7 @@ impl<'c> Worker<'c> {
     }
 
     fn try_look(&mut self, poked: bool) -> Result<(), LockError> {
-        if let Some(file) = &self.file {
-            file.check()?;
-        }
-        let version = self.db.data_version()?;
+        let version = self.storage.change_version()?;
         Counters::bump(&self.counters().change_checks);
         let now = self.now();
         let due = self.next_deadline.is_some_and(|deadline| now >= deadline);
@@ -679,7 +563,7 @@ impl<'c> Worker<'c> {
         self.look_soon = false;
         self.last_data_version = Some(version);
 
-        if !promotable(&self.db.rows_on_waited_keys(now)?).is_empty() {
+        if !promotable(&self.storage.rows_on_waited_keys(now)?).is_empty() {
             let ((), freed) = self.transaction(true, |_, _| Ok(()))?;
             self.after_commit(&freed);
         } else if changed {
@@ -691,7 +575,7 @@ impl<'c> Worker<'c> {
         // Judged by the time now: a promotion above may have waited for the write lock.
         let now = self.now();
         self.check_own_rows(now)?;
-        self.next_deadline = self.db.next_foreign_expiry(&self.common.owner, now)?;
+        self.next_deadline = self.storage.next_foreign_expiry(&self.common.owner, now)?;
         Ok(())
     }
 
@@ -699,7 +583,7 @@ impl<'c> Worker<'c> {
     fn close(&mut self) {
         let owner = self.common.owner.clone();
         let deleted = self.transaction(true, |worker, _| {
-            worker.deleted |= worker.db.delete_owner(&owner)? > 0;
+            worker.deleted |= worker.storage.delete_owner(&owner)? > 0;
             Ok(())
         });
         match deleted {
@@ -712,7 +596,7 @@ impl<'c> Worker<'c> {
     }
 }
 
-impl Drop for Worker<'_> {
+impl<S> Drop for Worker<S> {
     /// However the worker stops (shutdown, every handle gone, or a panic), no waiter is left
     /// waiting for it.
     fn drop(&mut self) {
