@@ -16,7 +16,7 @@ use pg_support::{Shutdown, Tls};
 
 /// How long a condition in these tests may take before it counts as false; only a failing test
 /// waits this long.
-const LIMIT: Duration = Duration::from_secs(10);
+const LIMIT: Duration = Duration::from_secs(30);
 
 #[test]
 fn the_server_answers_over_the_socket_and_over_tcp() {
