@@ -59,9 +59,9 @@
 //! directory. Dropping a [`start()`] server closes the pipe the same way. The watchdog is in a
 //! process group of its own and ignores `SIGINT` and `SIGHUP`, so a Ctrl-C that kills the test
 //! run does not kill its clean-up; the postmaster is in a session of its own (`pg_ctl` does
-//! that). Were the watchdog itself killed, the server would still stop within about a minute once
-//! its data directory is removed, as a postmaster checks its lock file periodically; nothing
-//! else stops a server whose watchdog is killed before it could act.
+//! that). Only killing the watchdog itself (say, `kill -9` of every process of the user) leaves
+//! a server behind: stop it with `pg_ctl stop -D /tmp/leasehold-pg-*/data`, or remove its
+//! directory (a postmaster checks its lock file every minute and shuts down when it is gone).
 //!
 //! # Running SQL
 //!
