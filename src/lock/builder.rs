@@ -3,10 +3,12 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use event_listener::Event;
+use futures::channel::oneshot;
 
 use crate::clock::{Clock, SystemClock};
 use crate::spawn::Spawner;
@@ -14,6 +16,7 @@ use crate::spawn::Spawner;
 use super::guard::Guards;
 use super::handle::Counters;
 use super::handle::{Common, Shared};
+use super::protocol::Command;
 use super::reply::Replies;
 use super::sqlite::Db;
 use super::storage::micros;
@@ -45,6 +48,9 @@ pub struct LockManagerBuilder {
     spawner: Option<Arc<dyn Spawner>>,
     /// Permission bits for a database file this manager creates (unix).
     file_mode: u32,
+    /// The PostgreSQL schema that holds the tables.
+    #[cfg(feature = "postgres")]
+    schema: String,
 }
 
 /// The permissions of a new database file unless the builder is told otherwise: its owner's
@@ -72,6 +78,8 @@ impl LockManagerBuilder {
             clock: Arc::new(SystemClock),
             spawner: None,
             file_mode: DEFAULT_FILE_MODE,
+            #[cfg(feature = "postgres")]
+            schema: super::postgres::DEFAULT_SCHEMA.to_owned(),
         }
     }
 
@@ -219,7 +227,83 @@ impl LockManagerBuilder {
         Ok(())
     }
 
+    /// Connects to a PostgreSQL database, for owners on several machines (feature `postgres`).
+    /// `url` is a libpq connection string or URL (`postgres://user:password@host/db`,
+    /// `host=/run/postgresql dbname=app`). The tables live in their own schema (see
+    /// [`schema`](LockManagerBuilder::schema)), created on first use.
+    ///
+    /// Every other method behaves as with SQLite, with these differences: leases are judged by
+    /// the server's clock (`clock_timestamp()`), never by this process's [`Clock`], which only
+    /// schedules heartbeats; fencing tokens come from a sequence and increase in grant order on
+    /// each key.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::InvalidConfig`] for impossible settings or a malformed `url`,
+    /// [`LockError::Storage`] if the server cannot be reached or the schema cannot be created
+    /// (the message names the host and database, never the password),
+    /// [`LockError::SchemaTooNew`] if a newer version of this library created the schema.
+    #[cfg(feature = "postgres")]
+    pub async fn connect(self, url: &str) -> Result<LockManager, LockError> {
+        let config = super::postgres::parse(url)?;
+        if !super::postgres::valid_schema(&self.schema) {
+            return Err(LockError::InvalidConfig(format!(
+                "the schema name {:?} must be lower-case letters, digits and _, not start with a \
+                 digit, and be at most 63 bytes",
+                self.schema
+            )));
+        }
+        let schema = self.schema.clone();
+        let starting = self.launch(None, move |common, commands, opened| {
+            match super::postgres::Postgres::connect(config, schema) {
+                Ok(storage) => {
+                    let _ = opened.send(Ok(()));
+                    Worker::new(storage, common, commands).run();
+                }
+                Err(error) => {
+                    let _ = opened.send(Err(error));
+                }
+            }
+        })?;
+        starting.opened().await
+    }
+
+    /// The PostgreSQL schema that holds the tables (default `leasehold`); created if missing.
+    /// Lower-case letters, digits and `_` only: anything else is refused by
+    /// [`connect`](LockManagerBuilder::connect).
+    #[cfg(feature = "postgres")]
+    pub fn schema(mut self, name: &str) -> Self {
+        self.schema = name.to_owned();
+        self
+    }
+
     fn start(self, path: Option<&Path>) -> Result<LockManager, LockError> {
+        let file_mode = self.file_mode;
+        let open_path = path.map(Path::to_path_buf);
+        let starting = self.launch(path.map(canonical), move |common, commands, opened| {
+            // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
+            match sqlite::connect(open_path.as_deref(), file_mode) {
+                Ok(conn) => {
+                    let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
+                    let _ = opened.send(Ok(()));
+                    let db = Db::new(&conn, common.clock.clone(), file);
+                    Worker::new(db, common, commands).run();
+                }
+                Err(error) => {
+                    let _ = opened.send(Err(error));
+                }
+            }
+        })?;
+        // Opening a file takes a moment on the storage thread; this waits for it.
+        futures::executor::block_on(starting.opened())
+    }
+
+    /// Validates the settings and starts the storage thread, which runs `run`: it opens the
+    /// storage, says so on `opened`, and then runs the worker over `commands`.
+    fn launch<F>(self, path: Option<PathBuf>, run: F) -> Result<Starting, LockError>
+    where
+        F: FnOnce(Arc<Common>, Receiver<Command>, Opened) + Send + 'static,
+    {
         self.validate()?;
         let common = Arc::new(Common {
             owner: new_owner_id(),
@@ -233,39 +317,47 @@ impl LockManagerBuilder {
             changed: Event::new(),
             unqueued: AtomicUsize::new(0),
             last_renewal: AtomicU64::new(0),
-            path: path.map(canonical),
+            path,
             replies: Replies::default(),
         });
-        // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
-        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let open_path = path.map(Path::to_path_buf);
-        let file_mode = self.file_mode;
+        let (opened, opened_rx) = oneshot::channel();
+        let (tx, commands) = std::sync::mpsc::channel();
         let worker_common = common.clone();
         let worker = std::thread::Builder::new()
             .name("leasehold-storage".into())
-            .spawn(
-                move || match sqlite::connect(open_path.as_deref(), file_mode) {
-                    Ok(conn) => {
-                        let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
-                        let _ = opened_tx.send(Ok(()));
-                        let db = Db::new(&conn, worker_common.clock.clone(), file);
-                        Worker::new(db, worker_common, rx).run();
-                    }
-                    Err(error) => {
-                        let _ = opened_tx.send(Err(error));
-                    }
-                },
-            )
+            .spawn(move || run(worker_common, commands, opened))
             .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
-        opened_rx.recv().map_err(|_| {
+        Ok(Starting {
+            common,
+            tx,
+            worker,
+            opened: opened_rx,
+        })
+    }
+}
+
+/// Where the storage thread says whether it opened its storage.
+type Opened = oneshot::Sender<Result<(), LockError>>;
+
+/// A manager whose storage thread is opening its storage.
+struct Starting {
+    common: Arc<Common>,
+    tx: Sender<Command>,
+    worker: std::thread::JoinHandle<()>,
+    opened: oneshot::Receiver<Result<(), LockError>>,
+}
+
+impl Starting {
+    /// The manager, once its storage is open.
+    async fn opened(self) -> Result<LockManager, LockError> {
+        self.opened.await.map_err(|_| {
             LockError::Storage("while opening the database: the storage thread stopped".into())
         })??;
         let shared = Arc::new(Shared {
-            tx: Arc::new(tx),
-            common,
+            tx: Arc::new(self.tx),
+            common: self.common,
             next_request: AtomicU64::new(1),
-            worker: Mutex::new(Some(worker)),
+            worker: Mutex::new(Some(self.worker)),
         });
         siblings::register(&shared);
         Ok(LockManager { shared })

@@ -86,6 +86,17 @@ impl LockManager {
         LockManager::builder().open(path)
     }
 
+    /// Connects to a PostgreSQL database with default settings (feature `postgres`). See
+    /// [`LockManagerBuilder::connect`].
+    ///
+    /// # Errors
+    ///
+    /// See [`LockManagerBuilder::connect`].
+    #[cfg(feature = "postgres")]
+    pub async fn connect(url: &str) -> Result<Self, LockError> {
+        LockManager::builder().connect(url).await
+    }
+
     /// Opens a private in-memory database with default settings.
     ///
     /// # Errors

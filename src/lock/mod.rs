@@ -11,7 +11,8 @@
 //!   `worker.rs` (the storage thread that orders and batches commands), `grant.rs` (the grant rule, pure), `heartbeat.rs` (lease renewal),
 //!   `siblings.rs` (wake-ups between managers of one process);
 //! - storage: `storage.rs` (the trait the worker needs of a backend, and the rows it gets
-//!   back), `sqlite.rs` (schema, migrations, one method per statement).
+//!   back), `sqlite.rs` (schema, migrations, one method per statement), `postgres.rs` (the same
+//!   for PostgreSQL, behind the `postgres` feature).
 
 mod builder;
 mod error;
@@ -20,6 +21,8 @@ mod guard;
 mod handle;
 mod heartbeat;
 mod manager;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod protocol;
 mod reply;
 mod siblings;

@@ -1,0 +1,588 @@
+//! PostgreSQL storage, for owners on several machines that share one database.
+//!
+//! The same rows as SQLite's (`sqlite.rs`), in tables of a schema of their own, with three
+//! differences that come from the machines being several:
+//!
+//! 1. **Time is the server's.** Every transaction reads `clock_timestamp()` once it holds its
+//!    lock, and every expiry is written and compared in that time; clients' clocks, which drift
+//!    between machines, never judge a lease. Between transactions the worker estimates the
+//!    server's time from its own monotonic clock and the offset seen last.
+//! 2. **Decisions are serialised by an advisory lock**, taken by every write transaction
+//!    (`pg_advisory_xact_lock`, in a class of this library's own and keyed by the schema), so
+//!    they never race and never need SERIALIZABLE retries; tickets come from a sequence, and on
+//!    each key they follow grant order.
+//! 3. **Changes are counted**: every write transaction bumps a counter that a waiting owner reads
+//!    (a cheap query) to know whether to look at the queues again.
+//!
+//! A connection that fails is opened again on the next call (at most every
+//! [`RECONNECT_AFTER`]); rows live on the server, so guards survive a disconnect shorter than
+//! their lease.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use postgres::types::ToSql;
+use postgres::{Client, Config, NoTls, Statement};
+
+use super::grant::RowView;
+use super::storage::{Deleted, OwnedRequest, Result, Row, Storage};
+use super::{LockError, LockRequest, Mode};
+
+/// The schema version this build writes and understands.
+pub(crate) const SCHEMA_VERSION: i32 = 1;
+
+/// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
+/// locks do not collide with an application's own advisory locks on other classes.
+const LOCK_CLASS: i32 = 0x4c48_4c44; // "LHLD"
+
+/// How long after a failed connection attempt the next one is made.
+pub(crate) const RECONNECT_AFTER: Duration = Duration::from_millis(100);
+
+/// The default schema.
+pub(crate) const DEFAULT_SCHEMA: &str = "leasehold";
+
+/// Whether `name` can be a schema of ours: lower-case letters, digits and `_`, not starting
+/// with a digit, at most 63 bytes (PostgreSQL's limit). It is quoted in every statement too.
+pub(crate) fn valid_schema(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
+/// What is said of a connection string in errors and `Debug`: never its password.
+pub(crate) fn describe(config: &Config) -> String {
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .map(|host| match host {
+            postgres::config::Host::Tcp(name) => name.clone(),
+            #[cfg(unix)]
+            postgres::config::Host::Unix(path) => path.display().to_string(),
+        })
+        .collect();
+    format!(
+        "postgres (user {:?}, host {:?}, database {:?})",
+        config.get_user().unwrap_or(""),
+        hosts.join(","),
+        config.get_dbname().unwrap_or("")
+    )
+}
+
+/// Parses a libpq connection string or URL.
+pub(crate) fn parse(url: &str) -> std::result::Result<Config, LockError> {
+    url.parse::<Config>().map_err(|error| {
+        // The parser's message never quotes the string it was given, so no password leaks.
+        LockError::InvalidConfig(format!(
+            "the PostgreSQL connection string is invalid: {error}"
+        ))
+    })
+}
+
+fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
+    match error.code() {
+        Some(code) => LockError::Storage(format!(
+            "while {doing}: {error} (PostgreSQL code {})",
+            code.code()
+        )),
+        None => LockError::Storage(format!("while {doing}: {error}")),
+    }
+}
+
+/// A connection to the server, with the schema in place and the statements prepared.
+pub(crate) struct Postgres {
+    config: Config,
+    schema: String,
+    client: Option<Client>,
+    statements: HashMap<&'static str, Statement>,
+    last_attempt: Option<Instant>,
+    /// The server's time less this process's monotonic time, as of the last reading (micros).
+    offset: i64,
+    started: Instant,
+}
+
+impl Postgres {
+    /// Connects, creates or migrates the schema, and reads the server's time.
+    pub(crate) fn connect(config: Config, schema: String) -> Result<Postgres> {
+        let mut storage = Postgres {
+            config,
+            schema,
+            client: None,
+            statements: HashMap::new(),
+            last_attempt: None,
+            offset: 0,
+            started: Instant::now(),
+        };
+        storage.client()?;
+        Ok(storage)
+    }
+
+    fn monotonic(&self) -> i64 {
+        i64::try_from(self.started.elapsed().as_micros()).unwrap_or(i64::MAX)
+    }
+
+    /// The open connection, opened (and the schema brought up to date) if there is none.
+    fn client(&mut self) -> Result<&mut Client> {
+        if self.client.as_ref().is_some_and(Client::is_closed) {
+            self.client = None;
+            self.statements.clear();
+        }
+        if self.client.is_none() {
+            if self
+                .last_attempt
+                .is_some_and(|at| at.elapsed() < RECONNECT_AFTER)
+            {
+                return Err(LockError::Storage(format!(
+                    "while connecting to {}: the last attempt failed less than {RECONNECT_AFTER:?} ago",
+                    describe(&self.config)
+                )));
+            }
+            self.last_attempt = Some(Instant::now());
+            let mut client = self.config.connect(NoTls).map_err(|e| {
+                storage_error(&format!("connecting to {}", describe(&self.config)), &e)
+            })?;
+            migrate(&mut client, &self.schema)?;
+            self.last_attempt = None;
+            self.client = Some(client);
+            let now = self.server_now()?;
+            self.offset = now - self.monotonic();
+        }
+        Ok(self.client.as_mut().expect("connected above"))
+    }
+
+    /// Runs `f` with the connection; a failure that closed it is noticed on the next call.
+    fn with<T>(
+        &mut self,
+        doing: &str,
+        f: impl FnOnce(&mut Client) -> std::result::Result<T, postgres::Error>,
+    ) -> Result<T> {
+        f(self.client()?).map_err(|e| storage_error(doing, &e))
+    }
+
+    /// The prepared statement named `name`, whose text `sql` names the schema `{s}`.
+    fn statement(&mut self, name: &'static str, sql: &str) -> Result<Statement> {
+        self.client()?;
+        if let Some(statement) = self.statements.get(name) {
+            return Ok(statement.clone());
+        }
+        let text = sql.replace("{s}", &quote(&self.schema));
+        let client = self.client.as_mut().expect("connected above");
+        let statement = client
+            .prepare(&text)
+            .map_err(|e| storage_error(&format!("preparing {name}"), &e))?;
+        self.statements.insert(name, statement.clone());
+        Ok(statement)
+    }
+
+    fn query(
+        &mut self,
+        name: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<postgres::Row>> {
+        let statement = self.statement(name, sql)?;
+        self.with(name, |client| client.query(&statement, params))
+    }
+
+    fn execute(
+        &mut self,
+        name: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64> {
+        let statement = self.statement(name, sql)?;
+        self.with(name, |client| client.execute(&statement, params))
+    }
+
+    /// The server's time, read now.
+    fn server_now(&mut self) -> Result<i64> {
+        let rows = self.query(
+            "server time",
+            "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+            &[],
+        )?;
+        Ok(rows[0].get(0))
+    }
+
+    fn simple(&mut self, doing: &str, sql: &str) -> Result<()> {
+        self.with(doing, |client| client.batch_execute(sql))
+    }
+}
+
+/// `name` as a quoted identifier (it is validated too; quoting makes sure).
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Creates the schema and its tables if missing, under an advisory lock so that several
+/// processes starting at once do it once; refuses a schema from a newer version.
+fn migrate(client: &mut Client, schema: &str) -> Result<()> {
+    let s = quote(schema);
+    let doing = "creating the schema";
+    let mut transaction = client.transaction().map_err(|e| storage_error(doing, &e))?;
+    transaction
+        .execute(
+            "SELECT pg_advisory_xact_lock($1, hashtext($2))",
+            &[&LOCK_CLASS, &schema],
+        )
+        .map_err(|e| storage_error(doing, &e))?;
+    let exists: bool = transaction
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.tables
+                            WHERE table_schema = $1 AND table_name = 'meta')",
+            &[&schema],
+        )
+        .map_err(|e| storage_error(doing, &e))?
+        .get(0);
+    if exists {
+        let found: i32 = transaction
+            .query_one(&format!("SELECT version FROM {s}.meta"), &[])
+            .map_err(|e| storage_error("reading the schema version", &e))?
+            .get(0);
+        if found > SCHEMA_VERSION {
+            return Err(LockError::SchemaTooNew {
+                found: i64::from(found),
+                supported: i64::from(SCHEMA_VERSION),
+            });
+        }
+    } else {
+        transaction
+            .batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {s};
+                 CREATE TABLE {s}.meta (
+                     id integer PRIMARY KEY CHECK (id = 1),
+                     version integer NOT NULL,
+                     changes bigint NOT NULL
+                 );
+                 INSERT INTO {s}.meta (id, version, changes) VALUES (1, {SCHEMA_VERSION}, 0);
+                 CREATE SEQUENCE {s}.tickets;
+                 CREATE TABLE {s}.locks (
+                     key text NOT NULL,
+                     ticket bigint NOT NULL,
+                     mode smallint NOT NULL,
+                     operation text NOT NULL,
+                     owner text NOT NULL,
+                     held boolean NOT NULL,
+                     requested_at bigint NOT NULL,
+                     acquired_at bigint,
+                     expires_at bigint NOT NULL,
+                     heartbeat_at bigint NOT NULL,
+                     PRIMARY KEY (key, ticket)
+                 );
+                 CREATE INDEX ON {s}.locks (owner);"
+            ))
+            .map_err(|e| storage_error(doing, &e))?;
+    }
+    transaction.commit().map_err(|e| storage_error(doing, &e))
+}
+
+fn mode_code(mode: Mode) -> i16 {
+    match mode {
+        Mode::Shared => 0,
+        Mode::Exclusive => 1,
+    }
+}
+
+fn mode_of(code: i16) -> Mode {
+    if code == 0 {
+        Mode::Shared
+    } else {
+        Mode::Exclusive
+    }
+}
+
+fn ticket_of(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+fn sql_ticket(ticket: u64) -> i64 {
+    i64::try_from(ticket).unwrap_or(i64::MAX)
+}
+
+fn row_view(row: &postgres::Row, key: Option<&str>) -> RowView {
+    let (key, first) = match key {
+        Some(key) => (key.to_owned(), 0),
+        None => (row.get::<_, String>(0), 1),
+    };
+    RowView {
+        key,
+        mode: mode_of(row.get(first)),
+        ticket: ticket_of(row.get(first + 1)),
+        held: row.get(first + 2),
+    }
+}
+
+impl Storage for Postgres {
+    fn now(&self) -> i64 {
+        self.monotonic() + self.offset
+    }
+
+    fn change_version(&mut self) -> Result<i64> {
+        let rows = self.query("changes", "SELECT changes FROM {s}.meta", &[])?;
+        Ok(rows[0].get(0))
+    }
+
+    fn begin(&mut self) -> Result<i64> {
+        self.simple("starting a write transaction", "BEGIN")?;
+        let schema = self.schema.clone();
+        self.execute(
+            "decision lock",
+            "SELECT pg_advisory_xact_lock($1, hashtext($2))",
+            &[&LOCK_CLASS, &schema],
+        )?;
+        let now = self.server_now()?;
+        self.offset = now - self.monotonic();
+        Ok(now)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        self.execute(
+            "counting a change",
+            "UPDATE {s}.meta SET changes = changes + 1",
+            &[],
+        )?;
+        self.simple("committing", "COMMIT")
+    }
+
+    fn rollback(&mut self) {
+        if let Some(client) = self.client.as_mut() {
+            let _ = client.batch_execute("ROLLBACK");
+        }
+    }
+
+    fn rows_on_key(&mut self, key: &str, now: i64, into: &mut Vec<RowView>) -> Result<()> {
+        let rows = self.query(
+            "rows on a key",
+            "SELECT mode, ticket, held FROM {s}.locks
+             WHERE key = $1 AND expires_at > $2 ORDER BY ticket",
+            &[&key, &now],
+        )?;
+        into.extend(rows.iter().map(|row| row_view(row, Some(key))));
+        Ok(())
+    }
+
+    fn rows_on_waited_keys(&mut self, now: i64) -> Result<Vec<RowView>> {
+        let rows = self.query(
+            "rows on waited keys",
+            "SELECT key, mode, ticket, held FROM {s}.locks
+             WHERE expires_at > $1
+               AND key IN (SELECT key FROM {s}.locks WHERE NOT held AND expires_at > $1)
+             ORDER BY key, ticket",
+            &[&now],
+        )?;
+        Ok(rows.iter().map(|row| row_view(row, None)).collect())
+    }
+
+    fn next_ticket(&mut self) -> Result<u64> {
+        let rows = self.query("taking a ticket", "SELECT nextval('{s}.tickets')", &[])?;
+        Ok(ticket_of(rows[0].get(0)))
+    }
+
+    fn insert_request(
+        &mut self,
+        owner: &str,
+        ticket: u64,
+        requests: &[LockRequest],
+        held: bool,
+        now: i64,
+        expires_at: i64,
+    ) -> Result<()> {
+        let ticket = sql_ticket(ticket);
+        let acquired_at = held.then_some(now);
+        for request in requests {
+            self.execute(
+                "writing a lock row",
+                "INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
+                                        acquired_at, expires_at, heartbeat_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $7)",
+                &[
+                    &request.key,
+                    &mode_code(request.mode),
+                    &request.operation,
+                    &owner,
+                    &ticket,
+                    &held,
+                    &now,
+                    &acquired_at,
+                    &expires_at,
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn promote(&mut self, key: &str, ticket: u64, now: i64) -> Result<()> {
+        self.execute(
+            "promoting a waiting request",
+            "UPDATE {s}.locks SET held = true, acquired_at = $1,
+                 expires_at = GREATEST(expires_at, $1 + (expires_at - heartbeat_at)),
+                 heartbeat_at = GREATEST(heartbeat_at, $1)
+             WHERE key = $2 AND ticket = $3 AND NOT held",
+            &[&now, &key, &sql_ticket(ticket)],
+        )?;
+        Ok(())
+    }
+
+    fn delete_row(&mut self, owner: &str, key: &str, ticket: u64, now: i64) -> Result<Deleted> {
+        let ticket = sql_ticket(ticket);
+        if self.execute(
+            "deleting a live row",
+            "DELETE FROM {s}.locks
+             WHERE key = $1 AND ticket = $2 AND owner = $3 AND expires_at > $4",
+            &[&key, &ticket, &owner, &now],
+        )? > 0
+        {
+            return Ok(Deleted::Live);
+        }
+        if self.execute(
+            "deleting an expired row",
+            "DELETE FROM {s}.locks WHERE key = $1 AND ticket = $2 AND owner = $3",
+            &[&key, &ticket, &owner],
+        )? > 0
+        {
+            return Ok(Deleted::Expired);
+        }
+        Ok(Deleted::Missing)
+    }
+
+    fn delete_owner(&mut self, owner: &str) -> Result<usize> {
+        let deleted = self.execute(
+            "deleting an owner's rows",
+            "DELETE FROM {s}.locks WHERE owner = $1",
+            &[&owner],
+        )?;
+        Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
+    }
+
+    fn delete_expired(&mut self, now: i64) -> Result<usize> {
+        let deleted = self.execute(
+            "deleting expired rows",
+            "DELETE FROM {s}.locks WHERE expires_at <= $1",
+            &[&now],
+        )?;
+        Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
+    }
+
+    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize> {
+        let renewed = self.execute(
+            "renewing leases",
+            "UPDATE {s}.locks SET expires_at = $1, heartbeat_at = $2
+             WHERE owner = $3 AND expires_at > $2",
+            &[&expires_at, &now, &owner],
+        )?;
+        Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
+    }
+
+    fn owned_requests(&mut self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>> {
+        let rows = self.query(
+            "reading this owner's rows",
+            "SELECT ticket, held, COUNT(*), MIN(expires_at) FROM {s}.locks
+             WHERE owner = $1 AND expires_at > $2 GROUP BY ticket, held",
+            &[&owner, &now],
+        )?;
+        Ok(rows
+            .iter()
+            .map(|row| OwnedRequest {
+                ticket: ticket_of(row.get(0)),
+                held: row.get(1),
+                rows: usize::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                expires_at: row.get(3),
+            })
+            .collect())
+    }
+
+    fn next_foreign_expiry(&mut self, owner: &str, now: i64) -> Result<Option<i64>> {
+        let rows = self.query(
+            "reading the next lease expiry",
+            "SELECT MIN(expires_at) FROM {s}.locks WHERE expires_at > $1 AND owner <> $2",
+            &[&now, &owner],
+        )?;
+        Ok(rows[0].get(0))
+    }
+
+    fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>> {
+        let rows = match key {
+            Some(key) => self.query(
+                "inspecting a key",
+                "SELECT key, mode, operation, owner, ticket, held, requested_at, acquired_at,
+                        expires_at
+                 FROM {s}.locks WHERE expires_at > $1 AND key = $2 ORDER BY key, ticket",
+                &[&now, &key],
+            )?,
+            None => self.query(
+                "inspecting locks",
+                "SELECT key, mode, operation, owner, ticket, held, requested_at, acquired_at,
+                        expires_at
+                 FROM {s}.locks WHERE expires_at > $1 ORDER BY key, ticket",
+                &[&now],
+            )?,
+        };
+        Ok(rows
+            .iter()
+            .map(|row| {
+                let held: bool = row.get(5);
+                let requested_at: i64 = row.get(6);
+                let acquired_at: Option<i64> = row.get(7);
+                Row {
+                    key: row.get(0),
+                    mode: mode_of(row.get(1)),
+                    operation: row.get(2),
+                    owner: row.get(3),
+                    ticket: ticket_of(row.get(4)),
+                    held,
+                    since: if held {
+                        acquired_at.unwrap_or(requested_at)
+                    } else {
+                        requested_at
+                    },
+                    expires_at: row.get(8),
+                }
+            })
+            .collect())
+    }
+
+    fn is_held(&mut self, key: &str, now: i64) -> Result<bool> {
+        let rows = self.query(
+            "checking whether a key is locked",
+            "SELECT EXISTS (SELECT 1 FROM {s}.locks WHERE key = $1 AND held AND expires_at > $2)",
+            &[&key, &now],
+        )?;
+        Ok(rows[0].get(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_that_could_inject_sql_are_refused() {
+        assert!(valid_schema("leasehold"));
+        assert!(valid_schema("app_locks_2"));
+        for bad in [
+            "",
+            "Leasehold",
+            "a b",
+            "x\"; DROP TABLE t; --",
+            "1abc",
+            &"a".repeat(64),
+        ] {
+            assert!(!valid_schema(bad), "{bad:?}");
+        }
+        assert_eq!(quote("a\"b"), "\"a\"\"b\"");
+    }
+
+    #[test]
+    fn a_password_never_appears_in_the_description() {
+        let config = parse("postgres://alice:s3cret@db.example/app?sslmode=disable").unwrap();
+        let text = format!("{} {config:?}", describe(&config));
+        assert!(!text.contains("s3cret"), "{text}");
+        let config = parse("host=/run/postgresql user=alice password=s3cret dbname=app").unwrap();
+        let text = format!("{} {config:?}", describe(&config));
+        assert!(!text.contains("s3cret"), "{text}");
+        let error = parse("postgres://alice:s3cret@db.example:notaport/app").unwrap_err();
+        assert!(!error.to_string().contains("s3cret"), "{error}");
+    }
+}

@@ -1,0 +1,296 @@
+//! The lock manager on PostgreSQL (feature `postgres`), against a real server that
+//! `pg_support` starts for this test binary (or `LEASEHOLD_POSTGRES_URL`). Each test works in a
+//! schema of its own. Without the server programs the tests are skipped with a printed reason,
+//! unless `LEASEHOLD_REQUIRE_POSTGRES=1`.
+#![cfg(feature = "postgres")]
+
+mod lock_support;
+mod pg_support;
+
+use std::time::Duration;
+
+use futures::executor::block_on;
+use leasehold::{
+    fork_daemon, AbortController, EntryState, Exit, LockError, LockManager, LockRequest,
+};
+use lock_support::{join_within, within};
+
+/// A manager on `server` in `schema`, with short leases so that tests about them are quick.
+async fn manager(url: &str, schema: &str) -> LockManager {
+    LockManager::builder()
+        .schema(schema)
+        .lease(Duration::from_secs(2))
+        .heartbeat(Duration::from_millis(500))
+        .poll(Duration::from_millis(5))
+        .connect(url)
+        .await
+        .expect("connect to the test server")
+}
+
+async fn states(locks: &LockManager, key: &str) -> Vec<(String, EntryState)> {
+    locks
+        .inspect(Some(key))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.operation, e.state))
+        .collect()
+}
+
+#[test]
+fn a_lock_is_taken_inspected_and_released_over_tcp_and_the_unix_socket() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("basic");
+        let mut urls = vec![server.url().to_owned()];
+        urls.extend(server.conninfo().map(str::to_owned));
+        for url in &urls {
+            let locks = manager(url, &schema).await;
+            let guard = locks.exclusive("repo", "prune").await.unwrap();
+            assert!(locks.is_locked("repo").await.unwrap());
+            assert_eq!(
+                states(&locks, "repo").await,
+                vec![("prune".to_owned(), EntryState::Held)]
+            );
+            assert!(locks
+                .try_acquire(LockRequest::shared("repo", "backup"))
+                .await
+                .unwrap()
+                .is_none());
+            guard.release().await.unwrap();
+            assert!(!locks.is_locked("repo").await.unwrap());
+            locks.shutdown().await.unwrap();
+        }
+    });
+}
+
+/// Conformance case 1 across two managers (two machines, as far as the server can tell): S1
+/// held, X queued, S2 waits behind X; grants in the order S1, X, S2, each handed over when the
+/// one before releases; fencing tokens increase in grant order.
+#[test]
+fn shared_waits_behind_a_queued_exclusive_across_managers() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("order");
+        let a = manager(server.url(), &schema).await;
+        let b = manager(server.url(), &schema).await;
+        let s1 = a.shared("k", "S1").await.unwrap();
+        let x = {
+            let b = b.clone();
+            fork_daemon(async move { b.exclusive("k", "X").await })
+        };
+        within(5_000, "X queued", || async {
+            states(&a, "k").await.len() == 2
+        })
+        .await;
+        let s2 = {
+            let a = a.clone();
+            fork_daemon(async move { a.shared("k", "S2").await })
+        };
+        within(5_000, "S2 queued", || async {
+            states(&a, "k").await.len() == 3
+        })
+        .await;
+        assert_eq!(
+            states(&b, "k").await,
+            vec![
+                ("S1".to_owned(), EntryState::Held),
+                ("X".to_owned(), EntryState::Waiting { position: 0 }),
+                ("S2".to_owned(), EntryState::Waiting { position: 1 }),
+            ]
+        );
+        let first = s1.fencing_token();
+        s1.release().await.unwrap();
+        let x = match join_within(5_000, "X granted", x).await {
+            Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}"),
+        };
+        assert!(x.fencing_token() > first);
+        assert!(!s2.is_finished(), "S2 was granted while X held");
+        let second = x.fencing_token();
+        x.release().await.unwrap();
+        let s2 = match join_within(5_000, "S2 granted", s2).await {
+            Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}"),
+        };
+        assert!(s2.fencing_token() > second);
+        s2.release().await.unwrap();
+        assert!(a.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+/// Conformance case 5: an interrupted queued request returns the caller's reason, and by then
+/// its row is gone.
+#[test]
+fn an_interrupted_waiter_returns_the_callers_reason_and_leaves_no_row() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("interrupt");
+        let locks = manager(server.url(), &schema).await;
+        let holder = locks.exclusive("k", "holder").await.unwrap();
+        let stop = AbortController::new();
+        let waiter = {
+            let acquisition = locks.exclusive("k", "waiter").with_signal(&stop.signal());
+            fork_daemon(acquisition)
+        };
+        within(5_000, "queued", || async {
+            states(&locks, "k").await.len() == 2
+        })
+        .await;
+        let reason = leasehold::AbortReason::from("the user left");
+        stop.abort(reason.clone());
+        match join_within(5_000, "the interrupted waiter", waiter).await {
+            Exit::Success(Err(error)) => {
+                assert!(error.abort_reason().unwrap().ptr_eq(&reason));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            states(&locks, "k").await,
+            vec![("holder".to_owned(), EntryState::Held)]
+        );
+        holder.release().await.unwrap();
+    });
+}
+
+/// Rows live on the server: a guard survives its connection being cut (the next heartbeat
+/// connects again and renews), and the lease is not lost.
+#[test]
+fn a_guard_survives_its_connection_being_cut() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    if server.conninfo().is_none() {
+        return; // an external server: the test cannot cut connections there
+    }
+    block_on(async {
+        let schema = pg_support::schema("cut");
+        let name = format!("app_{schema}");
+        let locks = manager(
+            &server.url_with(&format!("application_name={name}")),
+            &schema,
+        )
+        .await;
+        let guard = locks.exclusive("k", "survivor").await.unwrap();
+        let cut = server.terminate_backends(&format!("application_name = '{name}'"));
+        assert!(cut >= 1, "no connection of the manager was cut");
+        // Past two leases: only renewals over a new connection keep the row.
+        let heartbeats = locks.stats().heartbeats;
+        within(10_000, "renewed over a new connection", || async {
+            locks.stats().heartbeats >= heartbeats + 3
+        })
+        .await;
+        smol::Timer::after(Duration::from_secs(3)).await;
+        assert!(!guard.lost().is_aborted(), "the lease was lost");
+        assert_eq!(
+            states(&locks, "k").await,
+            vec![("survivor".to_owned(), EntryState::Held)]
+        );
+        guard.release().await.unwrap();
+    });
+}
+
+#[test]
+fn a_password_never_appears_in_errors_or_debug_output() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(secret) = server.secret() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("secret");
+        let locks = manager(&secret.url, &schema).await;
+        let shown = format!("{locks:?}");
+        assert!(!shown.contains(&secret.password), "{shown}");
+        let wrong = secret.url.replace(&secret.password, "wrong-password-value");
+        let error = LockManager::builder()
+            .schema(&schema)
+            .connect(&wrong)
+            .await
+            .unwrap_err();
+        let shown = format!("{error} {error:?}");
+        assert!(matches!(error, LockError::Storage(_)), "{shown}");
+        assert!(!shown.contains("wrong-password-value"), "{shown}");
+        assert!(!shown.contains(&secret.password), "{shown}");
+    });
+}
+
+#[test]
+fn a_schema_name_that_could_inject_sql_is_refused() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let error = LockManager::builder()
+            .schema("x\"; DROP SCHEMA public; --")
+            .connect(server.url())
+            .await
+            .unwrap_err();
+        assert!(matches!(error, LockError::InvalidConfig(_)), "{error}");
+    });
+}
+
+#[test]
+fn a_schema_written_by_a_newer_version_is_refused() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    if server.conninfo().is_none() {
+        return;
+    }
+    block_on(async {
+        let schema = pg_support::schema("newer");
+        manager(server.url(), &schema)
+            .await
+            .shutdown()
+            .await
+            .unwrap();
+        server.sql(&format!("UPDATE {schema}.meta SET version = 99"));
+        match LockManager::builder()
+            .schema(&schema)
+            .connect(server.url())
+            .await
+        {
+            Err(LockError::SchemaTooNew { found: 99, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
+#[test]
+fn shutdown_leaves_no_row_and_ends_waits() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("shutdown");
+        let a = manager(server.url(), &schema).await;
+        let b = manager(server.url(), &schema).await;
+        let held = b.exclusive("j", "blocker").await.unwrap();
+        let guard = a.exclusive("k", "mine").await.unwrap();
+        let waiter = {
+            let a = a.clone();
+            fork_daemon(async move { a.exclusive("j", "waiting").await })
+        };
+        within(5_000, "queued", || async {
+            states(&b, "j").await.len() == 2
+        })
+        .await;
+        a.shutdown().await.unwrap();
+        assert!(matches!(
+            join_within(5_000, "the waiter", waiter).await,
+            Exit::Success(Err(LockError::Shutdown))
+        ));
+        assert!(guard.lost().is_aborted());
+        let rows = b.inspect(None).await.unwrap();
+        assert!(rows.iter().all(|e| e.owner == b.owner_id()), "{rows:?}");
+        held.release().await.unwrap();
+    });
+}
