@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use futures::executor::block_on;
 use leasehold::{
-    fork_daemon, AbortController, EntryState, Exit, LockError, LockManager, LockRequest,
+    fork_daemon, AbortController, Clock, EntryState, Exit, LockError, LockManager, LockRequest,
 };
-use lock_support::{join_within, within};
+use lock_support::{bounded, join_within, within};
 
 /// A manager on `server` in `schema`, with short leases so that tests about them are quick.
 async fn manager(url: &str, schema: &str) -> LockManager {
@@ -292,5 +292,83 @@ fn shutdown_leaves_no_row_and_ends_waits() {
         let rows = b.inspect(None).await.unwrap();
         assert!(rows.iter().all(|e| e.owner == b.owner_id()), "{rows:?}");
         held.release().await.unwrap();
+    });
+}
+
+/// A clock that runs `ahead` of the system's (or behind it, if negative), as on a machine whose
+/// clock is off.
+struct Skewed {
+    ahead: i64,
+}
+
+impl leasehold::Clock for Skewed {
+    fn now(&self) -> Duration {
+        let now = leasehold::SystemClock.now();
+        if self.ahead >= 0 {
+            now + Duration::from_secs(self.ahead as u64)
+        } else {
+            now - Duration::from_secs(self.ahead.unsigned_abs())
+        }
+    }
+
+    fn sleep(&self, duration: Duration) -> futures::future::BoxFuture<'static, ()> {
+        leasehold::SystemClock.sleep(duration)
+    }
+}
+
+/// Leases are judged by the server's clock: managers whose clocks are ten seconds ahead and
+/// behind (five leases) hold, renew, hand over and release as any other.
+#[test]
+fn leases_do_not_depend_on_the_clients_clocks() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("skew");
+        let open = |ahead: i64| {
+            LockManager::builder()
+                .schema(&schema)
+                .lease(Duration::from_secs(2))
+                .heartbeat(Duration::from_millis(500))
+                .poll(Duration::from_millis(5))
+                .clock(std::sync::Arc::new(Skewed { ahead }))
+                .connect(server.url())
+        };
+        let fast = open(10).await.unwrap();
+        let slow = open(-10).await.unwrap();
+        let held = bounded(
+            5_000,
+            "the fast client's grant",
+            fast.exclusive("k", "fast"),
+        )
+        .await
+        .unwrap();
+        let waiter = {
+            let slow = slow.clone();
+            fork_daemon(async move { slow.exclusive("k", "slow").await })
+        };
+        within(5_000, "queued", || async {
+            states(&fast, "k").await.len() == 2
+        })
+        .await;
+        // Two leases: both keep their rows by heartbeat, neither is judged expired.
+        smol::Timer::after(Duration::from_secs(4)).await;
+        assert!(
+            !held.lost().is_aborted(),
+            "the fast client's lease was lost"
+        );
+        assert_eq!(states(&slow, "k").await.len(), 2);
+        held.release().await.unwrap();
+        let granted = match join_within(5_000, "the slow client's grant", waiter).await {
+            Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}"),
+        };
+        smol::Timer::after(Duration::from_secs(3)).await;
+        assert!(
+            !granted.lost().is_aborted(),
+            "the slow client's lease was lost"
+        );
+        granted.release().await.unwrap();
+        assert!(fast.inspect(None).await.unwrap().is_empty());
     });
 }

@@ -43,7 +43,7 @@ pub(crate) enum Write {
         reply: Option<Reply<bool>>,
     },
     /// Renew this owner's live rows, unless that was done less than half a heartbeat ago.
-    /// Replies with when the rows were last renewed (clock micros).
+    /// Replies with when the rows were last renewed (micros, by the manager's clock).
     Renew { reply: Reply<i64> },
     /// Delete every row of this owner and stop.
     Shutdown { reply: Reply<()> },

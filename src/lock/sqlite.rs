@@ -349,6 +349,11 @@ impl Storage for Db<'_> {
         micros(self.clock.now())
     }
 
+    /// Leases are judged by the manager's own clock.
+    fn ahead_of(&self, _clock: &dyn Clock) -> i64 {
+        0
+    }
+
     fn begin(&mut self) -> Result<i64> {
         if let Some(file) = &self.file {
             file.check()?;

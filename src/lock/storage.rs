@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use super::grant::RowView;
 use super::{LockError, LockRequest, Mode};
+use crate::clock::Clock;
 
 pub(crate) type Result<T> = std::result::Result<T, LockError>;
 
@@ -17,6 +18,12 @@ pub(crate) type Result<T> = std::result::Result<T, LockError>;
 pub(crate) trait Storage {
     /// The time leases are judged by, now.
     fn now(&self) -> i64;
+
+    /// How far that time is ahead of `clock`'s: the worker tells callers, who judge by their
+    /// own clock, of expiries in theirs.
+    fn ahead_of(&self, clock: &dyn Clock) -> i64 {
+        self.now() - micros(clock.now())
+    }
 
     /// A number that changes whenever another connection may have committed: a cheap read,
     /// writing nothing. Also where a backend finds out that it no longer talks to the database

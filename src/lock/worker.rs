@@ -111,6 +111,11 @@ impl<S: Storage> Worker<S> {
         self.storage.now()
     }
 
+    /// `at`, a time of the storage's clock, in the manager's clock: what callers judge by.
+    fn local(&self, at: i64) -> i64 {
+        at - self.storage.ahead_of(&*self.common.clock)
+    }
+
     fn counters(&self) -> &Counters {
         &self.common.counters
     }
@@ -234,7 +239,7 @@ impl<S: Storage> Worker<S> {
                         // caller is told when, and beats again one heartbeat after that, so the
                         // rows keep their whole margin; lost leases are looked for then.
                         Some(at) if now < at + half_beat => {
-                            let _ = reply.send(Ok(at));
+                            let _ = reply.send(Ok(self.local(at)));
                         }
                         _ => {
                             for request in std::mem::take(&mut self.failed_removals) {
@@ -440,7 +445,11 @@ impl<S: Storage> Worker<S> {
     fn deliver(&mut self, write: Write, decided: Decided, now: i64) {
         match (write, decided) {
             (Write::Acquire { reply, .. }, Decided::Granted(grant)) => {
-                let _ = reply.send(Ok(Acquired::Granted(grant)));
+                let expires_at = self.local(grant.expires_at);
+                let _ = reply.send(Ok(Acquired::Granted(Grant {
+                    expires_at,
+                    ..grant
+                })));
             }
             (Write::Acquire { reply, .. }, Decided::Queued(ticket)) => {
                 let slot = Arc::new(WaitSlot::default());
@@ -462,13 +471,14 @@ impl<S: Storage> Worker<S> {
             }
             (Write::Renew { reply }, _) => {
                 self.last_renewal = Some(now);
+                let local = self.local(now);
                 self.common.last_renewal.store(
-                    u64::try_from(now).unwrap_or(0),
+                    u64::try_from(local).unwrap_or(0),
                     std::sync::atomic::Ordering::SeqCst,
                 );
                 Counters::bump(&self.counters().heartbeats);
                 let checked = self.check_own_rows(now);
-                let _ = reply.send(checked.map(|()| now));
+                let _ = reply.send(checked.map(|()| local));
             }
             (Write::Shutdown { reply }, _) => {
                 self.requests.clear();
@@ -487,7 +497,7 @@ impl<S: Storage> Worker<S> {
     /// the waiters without a queue position and the other managers of this process.
     fn after_commit(&mut self, freed: &Freed) {
         // This owner's rows were promoted with this owner's lease (see `Db::promote`).
-        let expires_at = freed.at + micros(self.common.lease);
+        let expires_at = self.local(freed.at + micros(self.common.lease));
         for ticket in &freed.promoted {
             if let Some(slot) = self.waits.remove(ticket) {
                 slot.set(SlotState::Granted(expires_at));
@@ -513,11 +523,12 @@ impl<S: Storage> Worker<S> {
             |ticket, rows, _| find(ticket, true) < rows,
             "the lock's rows are gone or expired",
         );
+        let ahead = self.storage.ahead_of(&*self.common.clock);
         let mut settled = Vec::new();
         for (&ticket, slot) in &self.waits {
             if let Some(held) = find_request(ticket, true) {
                 // Promoted by another manager, with this owner's lease from its clock.
-                slot.set(SlotState::Granted(held.expires_at));
+                slot.set(SlotState::Granted(held.expires_at - ahead));
                 settled.push(ticket);
             } else if find(ticket, false) == 0 {
                 slot.set(SlotState::Expired);
