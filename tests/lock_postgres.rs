@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::executor::block_on;
 use leasehold::{
-    fork_daemon, AbortController, Clock, EntryState, Exit, LockError, LockManager, LockRequest,
+    fork_daemon, AbortController, EntryState, Exit, LockError, LockManager, LockRequest,
 };
 use lock_support::{bounded, join_within, within};
 
