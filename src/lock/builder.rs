@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use event_listener::Event;
-use futures::channel::oneshot;
 
 use crate::clock::{Clock, SystemClock};
 use crate::spawn::Spawner;
@@ -254,18 +253,21 @@ impl LockManagerBuilder {
             )));
         }
         let schema = self.schema.clone();
-        let starting = self.launch(None, move |common, commands, opened| {
-            match super::postgres::Postgres::connect(config, schema) {
-                Ok(storage) => {
-                    let _ = opened.send(Ok(()));
-                    Worker::new(storage, common, commands).run();
-                }
-                Err(error) => {
-                    let _ = opened.send(Err(error));
-                }
-            }
-        })?;
-        starting.opened().await
+        let (opened, connected) = futures::channel::oneshot::channel();
+        let starting =
+            self.launch(
+                None,
+                move |common, commands| match super::postgres::Postgres::connect(config, schema) {
+                    Ok(storage) => {
+                        let _ = opened.send(Ok(()));
+                        Worker::new(storage, common, commands).run();
+                    }
+                    Err(error) => {
+                        let _ = opened.send(Err(error));
+                    }
+                },
+            )?;
+        starting.finish(connected.await)
     }
 
     /// The PostgreSQL schema that holds the tables (default `leasehold`); created if missing.
@@ -280,7 +282,10 @@ impl LockManagerBuilder {
     fn start(self, path: Option<&Path>) -> Result<LockManager, LockError> {
         let file_mode = self.file_mode;
         let open_path = path.map(Path::to_path_buf);
-        let starting = self.launch(path.map(canonical), move |common, commands, opened| {
+        // A plain channel, not a future: `open` may be called inside any executor, and must
+        // not run one of its own there.
+        let (opened, result) = std::sync::mpsc::channel();
+        let starting = self.launch(path.map(canonical), move |common, commands| {
             // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
             match sqlite::connect(open_path.as_deref(), file_mode) {
                 Ok(conn) => {
@@ -295,14 +300,14 @@ impl LockManagerBuilder {
             }
         })?;
         // Opening a file takes a moment on the storage thread; this waits for it.
-        futures::executor::block_on(starting.opened())
+        starting.finish(result.recv())
     }
 
     /// Validates the settings and starts the storage thread, which runs `run`: it opens the
-    /// storage, says so on `opened`, and then runs the worker over `commands`.
+    /// storage, says whether it could, and then runs the worker over `commands`.
     fn launch<F>(self, path: Option<PathBuf>, run: F) -> Result<Starting, LockError>
     where
-        F: FnOnce(Arc<Common>, Receiver<Command>, Opened) + Send + 'static,
+        F: FnOnce(Arc<Common>, Receiver<Command>) + Send + 'static,
     {
         self.validate()?;
         let common = Arc::new(Common {
@@ -320,37 +325,28 @@ impl LockManagerBuilder {
             path,
             replies: Replies::default(),
         });
-        let (opened, opened_rx) = oneshot::channel();
         let (tx, commands) = std::sync::mpsc::channel();
         let worker_common = common.clone();
         let worker = std::thread::Builder::new()
             .name("leasehold-storage".into())
-            .spawn(move || run(worker_common, commands, opened))
+            .spawn(move || run(worker_common, commands))
             .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
-        Ok(Starting {
-            common,
-            tx,
-            worker,
-            opened: opened_rx,
-        })
+        Ok(Starting { common, tx, worker })
     }
 }
-
-/// Where the storage thread says whether it opened its storage.
-type Opened = oneshot::Sender<Result<(), LockError>>;
 
 /// A manager whose storage thread is opening its storage.
 struct Starting {
     common: Arc<Common>,
     tx: Sender<Command>,
     worker: std::thread::JoinHandle<()>,
-    opened: oneshot::Receiver<Result<(), LockError>>,
 }
 
 impl Starting {
-    /// The manager, once its storage is open.
-    async fn opened(self) -> Result<LockManager, LockError> {
-        self.opened.await.map_err(|_| {
+    /// The manager, given what the storage thread said of opening its storage (an error to
+    /// receive means it stopped without saying).
+    fn finish<E>(self, opened: Result<Result<(), LockError>, E>) -> Result<LockManager, LockError> {
+        opened.map_err(|_| {
             LockError::Storage("while opening the database: the storage thread stopped".into())
         })??;
         let shared = Arc::new(Shared {
