@@ -372,3 +372,35 @@ fn leases_do_not_depend_on_the_clients_clocks() {
         assert!(fast.inspect(None).await.unwrap().is_empty());
     });
 }
+
+/// TLS through rustls: `sslmode=require` encrypts (the TLS server refuses plain TCP), and
+/// `verify-full` checks the certificate against the CA named by `sslrootcert`, and refuses a
+/// server the system's roots do not vouch for.
+#[test]
+fn tls_with_sslmode_require_and_verify_full() {
+    let Some(server) = pg_support::tls_server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("tls");
+        for mode in ["require", "verify-full"] {
+            let locks = manager(&server.tls_url(mode), &schema).await;
+            let guard = locks.exclusive("k", mode).await.unwrap();
+            guard.release().await.unwrap();
+            locks.shutdown().await.unwrap();
+        }
+        let unverifiable = server.url_with("sslmode=verify-full");
+        let error = LockManager::builder()
+            .schema(&schema)
+            .connect(&unverifiable)
+            .await
+            .unwrap_err();
+        assert!(matches!(error, LockError::Storage(_)), "{error}");
+        let plain = server.url_with("sslmode=disable");
+        assert!(LockManager::builder()
+            .schema(&schema)
+            .connect(&plain)
+            .await
+            .is_err());
+    });
+}

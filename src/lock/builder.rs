@@ -244,7 +244,7 @@ impl LockManagerBuilder {
     /// [`LockError::SchemaTooNew`] if a newer version of this library created the schema.
     #[cfg(feature = "postgres")]
     pub async fn connect(self, url: &str) -> Result<LockManager, LockError> {
-        let config = super::postgres::parse(url)?;
+        let target = super::postgres::parse(url)?;
         if !super::postgres::valid_schema(&self.schema) {
             return Err(LockError::InvalidConfig(format!(
                 "the schema name {:?} must be lower-case letters, digits and _, not start with a \
@@ -257,7 +257,7 @@ impl LockManagerBuilder {
         let starting =
             self.launch(
                 None,
-                move |common, commands| match super::postgres::Postgres::connect(config, schema) {
+                move |common, commands| match super::postgres::Postgres::connect(target, schema) {
                     Ok(storage) => {
                         let _ = opened.send(Ok(()));
                         Worker::new(storage, common, commands).run();

@@ -23,6 +23,8 @@ mod heartbeat;
 mod manager;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "postgres")]
+mod postgres_tls;
 mod protocol;
 mod reply;
 mod siblings;

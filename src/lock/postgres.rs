@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use postgres::types::ToSql;
 use postgres::{Client, Config, NoTls, Statement};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::grant::RowView;
 use super::storage::{Deleted, OwnedRequest, Result, Row, Storage};
@@ -71,14 +72,24 @@ pub(crate) fn describe(config: &Config) -> String {
     )
 }
 
-/// Parses a libpq connection string or URL.
-pub(crate) fn parse(url: &str) -> std::result::Result<Config, LockError> {
-    url.parse::<Config>().map_err(|error| {
+/// A parsed connection string: the client's settings and how to connect (with TLS or not).
+pub(crate) struct Target {
+    config: Config,
+    tls: Option<MakeRustlsConnect>,
+}
+
+/// Parses a libpq connection string or URL, with its TLS settings (see `postgres_tls.rs`).
+pub(crate) fn parse(url: &str) -> std::result::Result<Target, LockError> {
+    let (rest, settings) = super::postgres_tls::split(url)?;
+    let mut config = rest.parse::<Config>().map_err(|error| {
         // The parser's message never quotes the string it was given, so no password leaks.
         LockError::InvalidConfig(format!(
             "the PostgreSQL connection string is invalid: {error}"
         ))
-    })
+    })?;
+    let (mode, tls) = super::postgres_tls::connector(&settings)?;
+    config.ssl_mode(mode);
+    Ok(Target { config, tls })
 }
 
 fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
@@ -94,6 +105,7 @@ fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
 /// A connection to the server, with the schema in place and the statements prepared.
 pub(crate) struct Postgres {
     config: Config,
+    tls: Option<MakeRustlsConnect>,
     schema: String,
     client: Option<Client>,
     statements: HashMap<&'static str, Statement>,
@@ -105,9 +117,10 @@ pub(crate) struct Postgres {
 
 impl Postgres {
     /// Connects, creates or migrates the schema, and reads the server's time.
-    pub(crate) fn connect(config: Config, schema: String) -> Result<Postgres> {
+    pub(crate) fn connect(target: Target, schema: String) -> Result<Postgres> {
         let mut storage = Postgres {
-            config,
+            config: target.config,
+            tls: target.tls,
             schema,
             client: None,
             statements: HashMap::new(),
@@ -140,7 +153,11 @@ impl Postgres {
                 )));
             }
             self.last_attempt = Some(Instant::now());
-            let mut client = self.config.connect(NoTls).map_err(|e| {
+            let connected = match &self.tls {
+                Some(tls) => self.config.connect(tls.clone()),
+                None => self.config.connect(NoTls),
+            };
+            let mut client = connected.map_err(|e| {
                 storage_error(&format!("connecting to {}", describe(&self.config)), &e)
             })?;
             migrate(&mut client, &self.schema)?;
@@ -576,13 +593,17 @@ mod tests {
 
     #[test]
     fn a_password_never_appears_in_the_description() {
-        let config = parse("postgres://alice:s3cret@db.example/app?sslmode=disable").unwrap();
-        let text = format!("{} {config:?}", describe(&config));
+        let target = parse("postgres://alice:s3cret@db.example/app?sslmode=disable").unwrap();
+        let config = &target.config;
+        let text = format!("{} {config:?}", describe(config));
         assert!(!text.contains("s3cret"), "{text}");
-        let config = parse("host=/run/postgresql user=alice password=s3cret dbname=app").unwrap();
-        let text = format!("{} {config:?}", describe(&config));
+        let target = parse("host=/run/postgresql user=alice password=s3cret dbname=app").unwrap();
+        let config = &target.config;
+        let text = format!("{} {config:?}", describe(config));
         assert!(!text.contains("s3cret"), "{text}");
-        let error = parse("postgres://alice:s3cret@db.example:notaport/app").unwrap_err();
+        let Err(error) = parse("postgres://alice:s3cret@db.example:notaport/app") else {
+            panic!("a port that is not a number was accepted");
+        };
         assert!(!error.to_string().contains("s3cret"), "{error}");
     }
 }
