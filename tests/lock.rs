@@ -5,6 +5,7 @@
 
 mod common;
 mod lock_support;
+mod stores;
 
 use lock_support::within;
 
@@ -78,8 +79,8 @@ async fn guard_of(fiber: Fiber<Result<Guard, LockError>>) -> Guard {
 
 #[test]
 fn case_01_shared_waits_behind_a_queued_exclusive() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let grants = Grants::default();
         let s1 = locks.shared("k", "S1").await.unwrap();
         let x = contend(&locks, LockRequest::exclusive("k", "X"), &grants, None);
@@ -105,8 +106,8 @@ fn case_01_shared_waits_behind_a_queued_exclusive() {
 
 #[test]
 fn case_02_interrupting_a_queued_exclusive_lets_the_shared_behind_it_through() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let grants = Grants::default();
         let holder = locks.exclusive("k", "H").await.unwrap();
         let stop = AbortController::new();
@@ -141,8 +142,8 @@ fn case_02_interrupting_a_queued_exclusive_lets_the_shared_behind_it_through() {
 
 #[test]
 fn case_03_the_third_exclusive_is_granted_when_the_first_two_are_interrupted() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let grants = Grants::default();
         let holder = locks.exclusive("k", "H").await.unwrap();
         let stops = [AbortController::new(), AbortController::new()];
@@ -182,8 +183,8 @@ fn case_03_the_third_exclusive_is_granted_when_the_first_two_are_interrupted() {
 
 #[test]
 fn case_04_interrupting_a_queued_request_never_releases_anyone_else() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let grants = Grants::default();
         let s1 = locks.shared("k", "S1").await.unwrap();
         let stop = AbortController::new();
@@ -214,8 +215,8 @@ fn case_04_interrupting_a_queued_request_never_releases_anyone_else() {
 
 #[test]
 fn case_05_an_interrupted_request_returns_the_callers_reason_with_no_trace_left() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let holder = locks.exclusive("k", "H").await.unwrap();
         let stop = AbortController::new();
         let reason = AbortReason::from("user cancelled the backup");
@@ -239,8 +240,8 @@ fn case_05_an_interrupted_request_returns_the_callers_reason_with_no_trace_left(
 
 #[test]
 fn case_06_shared_locks_are_held_together_and_exclusive_waits_for_all() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let grants = Grants::default();
         let a = locks.shared("k", "A").await.unwrap();
         let b = locks.shared("k", "B").await.unwrap();
@@ -266,8 +267,8 @@ fn case_06_shared_locks_are_held_together_and_exclusive_waits_for_all() {
 
 #[test]
 fn case_07_while_exclusive_is_held_later_requests_are_granted_in_arrival_order() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let grants = Grants::default();
         let holder = locks.exclusive("k", "H").await.unwrap();
         let order = [
@@ -295,8 +296,8 @@ fn case_07_while_exclusive_is_held_later_requests_are_granted_in_arrival_order()
 
 #[test]
 fn case_08_releasing_exclusive_grants_the_leading_shared_run_together() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let grants = Grants::default();
         let holder = locks.exclusive("k", "H").await.unwrap();
         let mut fibers = Vec::new();
@@ -340,8 +341,8 @@ fn case_08_releasing_exclusive_grants_the_leading_shared_run_together() {
 
 #[test]
 fn case_09_many_never_holds_part_of_its_set_and_leaves_nothing_when_interrupted() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let mirror = locks.exclusive("mirror", "prune").await.unwrap();
         let stop = AbortController::new();
         let copy = {
@@ -404,8 +405,8 @@ fn case_09_many_never_holds_part_of_its_set_and_leaves_nothing_when_interrupted(
 
 #[test]
 fn case_10_an_already_aborted_signal_runs_nothing_and_writes_nothing() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let before = locks.stats().write_transactions;
         let stop = AbortController::new();
         let reason = AbortReason::from("already over");
@@ -425,11 +426,9 @@ fn case_10_an_already_aborted_signal_runs_nothing_and_writes_nothing() {
 
 #[test]
 fn case_11_release_removes_only_the_callers_rows() {
-    common::on_every_executor(|| async {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("locks.db");
-        let alice = LockManager::open(&path).unwrap();
-        let bob = LockManager::open(&path).unwrap();
+    stores::on_every_store(|store| async move {
+        let alice = store.open().await;
+        let bob = store.open().await;
         let a = alice.shared("k", "alice").await.unwrap();
         let b = bob.shared("k", "bob").await.unwrap();
         let a2 = alice.shared("other", "alice").await.unwrap();
@@ -448,18 +447,11 @@ fn case_11_release_removes_only_the_callers_rows() {
 
 #[test]
 fn case_12_a_waiter_in_this_process_is_woken_at_once_even_with_a_long_poll() {
-    common::on_every_executor(|| async {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("locks.db");
-        let slow_poll = |path| {
-            LockManager::builder()
-                .poll(Duration::from_secs(30))
-                .open(path)
-                .unwrap()
-        };
-        // Same manager, and a second manager (another owner) on the same file.
-        let first = slow_poll(&path);
-        let second = slow_poll(&path);
+    stores::on_every_store(|store| async move {
+        let slow_poll = || store.open_with(LockManager::builder().poll(Duration::from_secs(30)));
+        // Same manager, and a second manager (another owner) on the same database.
+        let first = slow_poll().await;
+        let second = slow_poll().await;
         for waiter_side in [&first, &second] {
             let holder = first.exclusive("k", "H").await.unwrap();
             let waiter = {
@@ -482,8 +474,8 @@ fn case_12_a_waiter_in_this_process_is_woken_at_once_even_with_a_long_poll() {
 
 #[test]
 fn invalid_requests_are_refused_before_anything_is_written() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let long = "x".repeat(leasehold::MAX_NAME_BYTES + 1);
         let cases: Vec<Vec<LockRequest>> = vec![
             vec![],
@@ -547,11 +539,11 @@ fn a_lease_shorter_than_two_heartbeats_is_refused() {
 
 #[test]
 fn fencing_tokens_increase_across_keys_and_owners() {
+    // On SQLite only: on PostgreSQL they increase in grant order on each key.
     common::on_every_executor(|| async {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("locks.db");
-        let a = LockManager::open(&path).unwrap();
-        let b = LockManager::open(&path).unwrap();
+        let store = stores::Store::sqlite();
+        let a = store.open().await;
+        let b = store.open().await;
         let mut last = 0;
         for round in 0..10 {
             let locks = if round % 2 == 0 { &a } else { &b };
@@ -566,8 +558,8 @@ fn fencing_tokens_increase_across_keys_and_owners() {
 
 #[test]
 fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let b = locks.exclusive("b", "holder").await.unwrap();
         let both = {
             let locks = locks.clone();
@@ -612,8 +604,8 @@ fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
 
 #[test]
 fn dropping_a_queued_acquisition_removes_its_row() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let holder = locks.exclusive("k", "H").await.unwrap();
         {
             let mut acquisition = locks.exclusive("k", "dropped");
@@ -636,8 +628,8 @@ fn dropping_a_queued_acquisition_removes_its_row() {
 
 #[test]
 fn dropping_a_guard_releases_it() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         drop(locks.exclusive("k", "H").await.unwrap());
         // The release went to the worker before this inspection, so it is already done.
         assert!(locks.inspect(None).await.unwrap().is_empty());
@@ -646,11 +638,9 @@ fn dropping_a_guard_releases_it() {
 
 #[test]
 fn shutdown_releases_everything_and_ends_waits() {
-    common::on_every_executor(|| async {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("locks.db");
-        let locks = LockManager::open(&path).unwrap();
-        let other = LockManager::open(&path).unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
+        let other = store.open().await;
         let guard = locks.exclusive("k", "H").await.unwrap();
         let blocker = other.exclusive("j", "blocker").await.unwrap();
         let waiter = {
@@ -680,8 +670,8 @@ fn shutdown_releases_everything_and_ends_waits() {
 
 #[test]
 fn inspect_reports_modes_owners_positions_and_times() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let grants = Grants::default();
         let s = locks.shared("k", "S").await.unwrap();
         let x = contend(&locks, LockRequest::exclusive("k", "X"), &grants, None);
@@ -835,8 +825,8 @@ fn inspect_prints_one_line_per_entry_with_the_lease_expiry() {
 
 #[test]
 fn an_acquisition_dropped_right_after_it_was_sent_leaves_no_row() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         for round in 0..200 {
             // Polled once (the request is sent), then dropped, usually before the reply: the
             // removal it sends from `Drop` then reaches the storage worker in the same batch. (If
@@ -854,8 +844,8 @@ fn an_acquisition_dropped_right_after_it_was_sent_leaves_no_row() {
 /// `try_acquire` right after a guard was dropped finds the lock free.
 #[test]
 fn a_try_acquire_right_after_a_dropped_guard_is_never_refused() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let mut refused = 0;
         for _ in 0..1000 {
             match locks
@@ -879,8 +869,8 @@ fn a_try_acquire_right_after_a_dropped_guard_is_never_refused() {
 /// `Drop`) instead of a guard.
 #[test]
 fn a_try_acquire_right_after_a_dropped_acquisition_is_never_refused() {
-    common::on_every_executor(|| async {
-        let locks = LockManager::open_in_memory().unwrap();
+    stores::on_every_store(|store| async move {
+        let locks = store.open().await;
         let mut refused = 0;
         for _ in 0..1000 {
             let mut pending = locks.exclusive("k", "dropped");

@@ -10,6 +10,7 @@
 
 mod common;
 mod lock_support;
+mod stores;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -21,9 +22,10 @@ use leasehold::{
     fork_daemon, AbortController, AbortReason, Exit, Guard, LockError, LockManager, LockRequest,
     Mode,
 };
-use lock_support::{entries, join_within, rows_of, temp_db, within};
+use lock_support::{entries, join_within, rows_of, within};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
+use stores::Store;
 
 const KEYS: [&str; 2] = ["alpha", "beta"];
 
@@ -65,26 +67,18 @@ fn plan() -> impl Strategy<Value = Plan> {
         )
 }
 
-/// Two owners on one file, and a counter per key: -1 while an exclusive guard is held, the
+/// Two owners on one store, and a counter per key: -1 while an exclusive guard is held, the
 /// number of shared guards otherwise.
 struct Bench {
-    _dir: tempfile::TempDir,
     owners: [LockManager; 2],
     held: Arc<[AtomicI64; 2]>,
 }
 
 impl Bench {
-    fn new() -> Bench {
-        let (dir, path) = temp_db();
-        let open = || {
-            LockManager::builder()
-                .poll(Duration::from_millis(1))
-                .open(&path)
-                .expect("open a manager")
-        };
+    async fn new(store: &Store) -> Bench {
+        let open = || store.open_with(LockManager::builder().poll(Duration::from_millis(1)));
         Bench {
-            owners: [open(), open()],
-            _dir: dir,
+            owners: [open().await, open().await],
             held: Arc::new([AtomicI64::new(0), AtomicI64::new(0)]),
         }
     }
@@ -151,8 +145,8 @@ async fn hold_and_release(held: &[AtomicI64; 2], plan: &Plan, guard: Guard) {
 
 /// Runs `plans` at once, interrupting those with a stop time; returns how many acquisitions
 /// were interrupted and how many were granted although their interruption had been sent.
-async fn interrupted_workload(plans: Vec<Plan>) -> (usize, usize) {
-    let bench = Bench::new();
+async fn interrupted_workload(store: Store, plans: Vec<Plan>) -> (usize, usize) {
+    let bench = Bench::new(&store).await;
     let interrupted = Arc::new(AtomicUsize::new(0));
     let granted_anyway = Arc::new(AtomicUsize::new(0));
     let mut fibers = Vec::new();
@@ -213,8 +207,8 @@ async fn interrupted_workload(plans: Vec<Plan>) -> (usize, usize) {
 
 /// Runs `plans` at once, each acquisition racing a timer of its stop time; the losers are
 /// dropped. Returns how many were dropped.
-async fn dropped_workload(plans: Vec<Plan>) -> usize {
-    let bench = Bench::new();
+async fn dropped_workload(store: Store, plans: Vec<Plan>) -> usize {
+    let bench = Bench::new(&store).await;
     let dropped = Arc::new(AtomicUsize::new(0));
     let mut fibers = Vec::new();
     for (n, plan) in plans.into_iter().enumerate() {
@@ -281,7 +275,7 @@ proptest! {
         common::on_every_executor(|| {
             let plans = plans.clone();
             async move {
-                interrupted_workload(plans).await;
+                interrupted_workload(Store::sqlite(), plans).await;
             }
         });
     }
@@ -291,40 +285,43 @@ proptest! {
         common::on_every_executor(|| {
             let plans = plans.clone();
             async move {
-                dropped_workload(plans).await;
+                dropped_workload(Store::sqlite(), plans).await;
             }
         });
     }
 }
 
-/// A seeded variant with larger workloads, so that interruptions meet a busy storage worker.
+/// A seeded variant with larger workloads, so that interruptions meet a busy storage worker;
+/// on every store (the random ones above run on SQLite only, to keep the run short).
 #[test]
 fn interruptions_under_load_leave_nothing_behind() {
-    let mut rng = proptest::test_runner::TestRunner::deterministic();
-    let strategy = proptest::collection::vec(plan(), 24..=32);
-    let (mut interrupted, mut granted_anyway) = (0, 0);
-    for _ in 0..10 {
-        let plans = strategy.new_tree(&mut rng).unwrap().current();
-        let (i, g) = block_on(interrupted_workload(plans));
-        interrupted += i;
-        granted_anyway += g;
+    for store in Store::all() {
+        let mut rng = proptest::test_runner::TestRunner::deterministic();
+        let strategy = proptest::collection::vec(plan(), 24..=32);
+        let (mut interrupted, mut granted_anyway) = (0, 0);
+        for _ in 0..10 {
+            let plans = strategy.new_tree(&mut rng).unwrap().current();
+            let (i, g) = block_on(interrupted_workload(Store::like(&store), plans));
+            interrupted += i;
+            granted_anyway += g;
+        }
+        // Not a timing assertion: 60% of ~280 acquisitions carry an interruption, most land
+        // while waiting.
+        assert!(
+            interrupted > 0,
+            "no interruption landed on {} ({granted_anyway} granted anyway)",
+            store.name()
+        );
     }
-    // Not a timing assertion: 60% of ~280 acquisitions carry an interruption, most land while
-    // waiting.
-    assert!(
-        interrupted > 0,
-        "no interruption landed ({granted_anyway} granted anyway)"
-    );
 }
 
 /// The interruption of a queued request and its grant, sent as close together as possible, in
 /// both orders, with the holder and the waiter in one owner and in two.
 #[test]
 fn an_interruption_racing_the_grant_hands_over_the_guard_or_leaves_no_row() {
-    common::on_every_executor(|| async {
-        let (_dir, path) = temp_db();
-        let a = LockManager::open(&path).unwrap();
-        let b = LockManager::open(&path).unwrap();
+    stores::on_every_store(|store| async move {
+        let a = store.open().await;
+        let b = store.open().await;
         let (mut granted, mut interrupted) = (0, 0);
         for round in 0..120u32 {
             let waiter_side = if round % 2 == 0 { &a } else { &b };

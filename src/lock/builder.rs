@@ -253,10 +253,11 @@ impl LockManagerBuilder {
             )));
         }
         let schema = self.schema.clone();
+        let store = Some(format!("{} schema {schema:?}", target.describe()));
         let (opened, connected) = futures::channel::oneshot::channel();
         let starting =
             self.launch(
-                None,
+                store,
                 move |common, commands| match super::postgres::Postgres::connect(target, schema) {
                     Ok(storage) => {
                         let _ = opened.send(Ok(()));
@@ -285,7 +286,8 @@ impl LockManagerBuilder {
         // A plain channel, not a future: `open` may be called inside any executor, and must
         // not run one of its own there.
         let (opened, result) = std::sync::mpsc::channel();
-        let starting = self.launch(path.map(canonical), move |common, commands| {
+        let store = path.map(|path| canonical(path).display().to_string());
+        let starting = self.launch(store, move |common, commands| {
             // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
             match sqlite::connect(open_path.as_deref(), file_mode) {
                 Ok(conn) => {
@@ -305,7 +307,7 @@ impl LockManagerBuilder {
 
     /// Validates the settings and starts the storage thread, which runs `run`: it opens the
     /// storage, says whether it could, and then runs the worker over `commands`.
-    fn launch<F>(self, path: Option<PathBuf>, run: F) -> Result<Starting, LockError>
+    fn launch<F>(self, store: Option<String>, run: F) -> Result<Starting, LockError>
     where
         F: FnOnce(Arc<Common>, Receiver<Command>) + Send + 'static,
     {
@@ -322,7 +324,7 @@ impl LockManagerBuilder {
             changed: Event::new(),
             unqueued: AtomicUsize::new(0),
             last_renewal: AtomicU64::new(0),
-            path,
+            store,
             replies: Replies::default(),
         });
         let (tx, commands) = std::sync::mpsc::channel();

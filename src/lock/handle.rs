@@ -1,7 +1,6 @@
 //! What a `LockManager` handle is made of: the command sender to its storage worker, and
 //! what the worker, the heartbeats and the guards share.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -41,8 +40,10 @@ pub(crate) struct Common {
     /// When this owner's rows were last renewed (micros), for deciding a lease ran out when
     /// renewals fail.
     pub(super) last_renewal: AtomicU64,
-    /// The database file, for waking other managers of this process that share it.
-    pub(super) path: Option<PathBuf>,
+    /// What the rows are kept in, named so that the managers of this process that share it
+    /// agree (the file's absolute path; PostgreSQL's host, database and schema), for waking each
+    /// other; `None` for a private in-memory database. Never holds a password.
+    pub(super) store: Option<String>,
     /// The worker's replies, as awaited by callers.
     pub(super) replies: Replies,
 }

@@ -64,7 +64,7 @@ impl fmt::Debug for LockManager {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockManager")
             .field("owner", &self.shared.common.owner)
-            .field("path", &self.shared.common.path)
+            .field("store", &self.shared.common.store)
             .finish()
     }
 }

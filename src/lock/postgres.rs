@@ -78,6 +78,13 @@ pub(crate) struct Target {
     tls: Option<MakeRustlsConnect>,
 }
 
+impl Target {
+    /// The server and database, without the password.
+    pub(crate) fn describe(&self) -> String {
+        describe(&self.config)
+    }
+}
+
 /// Parses a libpq connection string or URL, with its TLS settings (see `postgres_tls.rs`).
 pub(crate) fn parse(url: &str) -> std::result::Result<Target, LockError> {
     let (rest, settings) = super::postgres_tls::split(url)?;

@@ -1,7 +1,6 @@
-//! Managers of one process that share a database file wake each other at once after a commit,
-//! instead of waiting for their next poll to notice it.
+//! Managers of one process that share a database (a file, or a PostgreSQL schema) wake each
+//! other at once after a commit, instead of waiting for their next poll to notice it.
 
-use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -10,7 +9,7 @@ use super::{Common, Shared};
 use crate::sync::lock;
 
 struct Sibling {
-    path: PathBuf,
+    store: String,
     owner: String,
     tx: Weak<Sender<Command>>,
 }
@@ -18,26 +17,26 @@ struct Sibling {
 static SIBLINGS: Mutex<Vec<Sibling>> = Mutex::new(Vec::new());
 
 pub(super) fn register(shared: &Arc<Shared>) {
-    let Some(path) = shared.common.path.clone() else {
+    let Some(store) = shared.common.store.clone() else {
         return;
     };
     let mut siblings = lock(&SIBLINGS);
     siblings.retain(|s| s.tx.strong_count() > 0);
     siblings.push(Sibling {
-        path,
+        store,
         owner: shared.common.owner.clone(),
         tx: Arc::downgrade(&shared.tx),
     });
 }
 
-/// Tells the other managers on this file that something was committed.
+/// Tells the other managers on this database that something was committed.
 pub(super) fn poke(common: &Common) {
-    let Some(path) = &common.path else {
+    let Some(store) = &common.store else {
         return;
     };
     let targets: Vec<Arc<Sender<Command>>> = lock(&SIBLINGS)
         .iter()
-        .filter(|s| &s.path == path && s.owner != common.owner)
+        .filter(|s| &s.store == store && s.owner != common.owner)
         .filter_map(|s| s.tx.upgrade())
         .collect();
     for target in targets {

@@ -1,0 +1,114 @@
+//! Where a test's managers keep their rows. The lock manager's behaviour tests run on each
+//! store: an SQLite file, and (with the `postgres` feature) a fresh schema on the PostgreSQL
+//! server of `pg_support`, when there is one.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::path::PathBuf;
+
+use leasehold::{LockManager, LockManagerBuilder};
+
+#[cfg(feature = "postgres")]
+#[path = "../pg_support/mod.rs"]
+mod pg_support;
+
+/// One database that managers share, as processes share a file or a server.
+pub enum Store {
+    Sqlite {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+    },
+    #[cfg(feature = "postgres")]
+    Postgres { url: String, schema: String },
+}
+
+impl Store {
+    /// A new SQLite file in a temporary folder.
+    pub fn sqlite() -> Store {
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let path = dir.path().join("locks.db");
+        Store::Sqlite { _dir: dir, path }
+    }
+
+    /// A new schema on the test server, named after the running test; `None` (the reason
+    /// printed) when there is no server.
+    #[cfg(feature = "postgres")]
+    pub fn postgres() -> Option<Store> {
+        let server = pg_support::server()?;
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("test")
+            .rsplit("::")
+            .next()
+            .unwrap_or("test")
+            .to_owned();
+        Some(Store::Postgres {
+            url: server.url().to_owned(),
+            schema: pg_support::schema(&test),
+        })
+    }
+
+    /// Every store there is: SQLite, and PostgreSQL when there is a test server.
+    pub fn all() -> Vec<Store> {
+        let sqlite = Store::sqlite();
+        #[cfg(feature = "postgres")]
+        if let Some(postgres) = Store::postgres() {
+            return vec![sqlite, postgres];
+        }
+        vec![sqlite]
+    }
+
+    /// A new store of the same kind as `store`.
+    pub fn like(store: &Store) -> Store {
+        match store {
+            Store::Sqlite { .. } => Store::sqlite(),
+            #[cfg(feature = "postgres")]
+            Store::Postgres { .. } => Store::postgres().expect("the server was there before"),
+        }
+    }
+
+    /// Which store this is, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Store::Sqlite { .. } => "SQLite",
+            #[cfg(feature = "postgres")]
+            Store::Postgres { .. } => "PostgreSQL",
+        }
+    }
+
+    /// A new owner on this store, with default settings.
+    pub async fn open(&self) -> LockManager {
+        self.open_with(LockManager::builder()).await
+    }
+
+    /// A new owner on this store, with `builder`'s settings.
+    pub async fn open_with(&self, builder: LockManagerBuilder) -> LockManager {
+        match self {
+            Store::Sqlite { path, .. } => builder.open(path).expect("open the database"),
+            #[cfg(feature = "postgres")]
+            Store::Postgres { url, schema } => builder
+                .schema(schema)
+                .connect(url)
+                .await
+                .expect("connect to the test server"),
+        }
+    }
+}
+
+/// Runs `scenario` under every executor (`common::on_every_executor`), once on each store: a
+/// fresh one for every run.
+pub fn on_every_store<F, Fut>(scenario: F)
+where
+    F: Fn(Store) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    eprintln!("=== on SQLite");
+    crate::common::on_every_executor(|| scenario(Store::sqlite()));
+    #[cfg(feature = "postgres")]
+    if pg_support::server().is_some() {
+        eprintln!("=== on PostgreSQL");
+        crate::common::on_every_executor(|| {
+            scenario(Store::postgres().expect("the server was there a moment ago"))
+        });
+    }
+}
