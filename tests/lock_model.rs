@@ -44,7 +44,7 @@ const LEASE: Duration = Duration::from_secs(6);
 const HEARTBEAT: Duration = Duration::from_secs(1);
 const POLL: Duration = Duration::from_millis(2);
 /// How long the system may take to settle after one step.
-const SETTLE_MS: u64 = 5_000;
+const SETTLE_MS: u64 = 10_000;
 
 #[derive(Clone, Copy, Debug)]
 enum Policy {

@@ -404,3 +404,43 @@ fn tls_with_sslmode_require_and_verify_full() {
             .is_err());
     });
 }
+
+/// Another machine's release reaches a waiter through `LISTEN/NOTIFY`, not its poll: with the
+/// poll at 30 s, the waiter is granted at once. (The two managers reach the server by different
+/// routes, TCP and the unix socket, so they do not know each other as managers of one process
+/// sharing a database, which wake each other directly.)
+#[test]
+fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(socket) = server.conninfo() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("notify");
+        let holder = manager(server.url(), &schema).await;
+        let waiting = LockManager::builder()
+            .schema(&schema)
+            .poll(Duration::from_secs(30))
+            .connect(socket)
+            .await
+            .unwrap();
+        let guard = holder.exclusive("k", "holder").await.unwrap();
+        let waiter = {
+            let waiting = waiting.clone();
+            fork_daemon(async move { waiting.exclusive("k", "waiter").await })
+        };
+        within(5_000, "queued", || async {
+            states(&holder, "k").await.len() == 2
+        })
+        .await;
+        let checks = waiting.stats().change_checks;
+        guard.release().await.unwrap();
+        match join_within(5_000, "the grant, long before the next poll", waiter).await {
+            Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
+            other => panic!("{other:?}"),
+        }
+        assert!(waiting.stats().change_checks > checks);
+    });
+}

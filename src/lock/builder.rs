@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use event_listener::Event;
@@ -255,19 +255,17 @@ impl LockManagerBuilder {
         let schema = self.schema.clone();
         let store = Some(format!("{} schema {schema:?}", target.describe()));
         let (opened, connected) = futures::channel::oneshot::channel();
-        let starting =
-            self.launch(
-                store,
-                move |common, commands| match super::postgres::Postgres::connect(target, schema) {
-                    Ok(storage) => {
-                        let _ = opened.send(Ok(()));
-                        Worker::new(storage, common, commands).run();
-                    }
-                    Err(error) => {
-                        let _ = opened.send(Err(error));
-                    }
-                },
-            )?;
+        let starting = self.launch(store, move |common, commands, poke| {
+            match super::postgres::Postgres::connect(target, schema, poke) {
+                Ok(storage) => {
+                    let _ = opened.send(Ok(()));
+                    Worker::new(storage, common, commands).run();
+                }
+                Err(error) => {
+                    let _ = opened.send(Err(error));
+                }
+            }
+        })?;
         starting.finish(connected.await)
     }
 
@@ -287,7 +285,7 @@ impl LockManagerBuilder {
         // not run one of its own there.
         let (opened, result) = std::sync::mpsc::channel();
         let store = path.map(|path| canonical(path).display().to_string());
-        let starting = self.launch(store, move |common, commands| {
+        let starting = self.launch(store, move |common, commands, _| {
             // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
             match sqlite::connect(open_path.as_deref(), file_mode) {
                 Ok(conn) => {
@@ -307,9 +305,12 @@ impl LockManagerBuilder {
 
     /// Validates the settings and starts the storage thread, which runs `run`: it opens the
     /// storage, says whether it could, and then runs the worker over `commands`.
+    ///
+    /// `run` is also given a way to send the worker commands (`Poke` it) that does not keep
+    /// it alive: the worker stops when every handle is gone.
     fn launch<F>(self, store: Option<String>, run: F) -> Result<Starting, LockError>
     where
-        F: FnOnce(Arc<Common>, Receiver<Command>) + Send + 'static,
+        F: FnOnce(Arc<Common>, Receiver<Command>, Weak<Sender<Command>>) + Send + 'static,
     {
         self.validate()?;
         let common = Arc::new(Common {
@@ -328,10 +329,12 @@ impl LockManagerBuilder {
             replies: Replies::default(),
         });
         let (tx, commands) = std::sync::mpsc::channel();
+        let tx = Arc::new(tx);
+        let poke = Arc::downgrade(&tx);
         let worker_common = common.clone();
         let worker = std::thread::Builder::new()
             .name("leasehold-storage".into())
-            .spawn(move || run(worker_common, commands))
+            .spawn(move || run(worker_common, commands, poke))
             .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
         Ok(Starting { common, tx, worker })
     }
@@ -340,7 +343,7 @@ impl LockManagerBuilder {
 /// A manager whose storage thread is opening its storage.
 struct Starting {
     common: Arc<Common>,
-    tx: Sender<Command>,
+    tx: Arc<Sender<Command>>,
     worker: std::thread::JoinHandle<()>,
 }
 
@@ -352,7 +355,7 @@ impl Starting {
             LockError::Storage("while opening the database: the storage thread stopped".into())
         })??;
         let shared = Arc::new(Shared {
-            tx: Arc::new(self.tx),
+            tx: self.tx,
             common: self.common,
             next_request: AtomicU64::new(1),
             worker: Mutex::new(Some(self.worker)),

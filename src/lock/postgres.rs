@@ -11,21 +11,29 @@
 //!    (`pg_advisory_xact_lock`, in a class of this library's own and keyed by the schema), so
 //!    they never race and never need SERIALIZABLE retries; tickets come from a sequence, and on
 //!    each key they follow grant order.
-//! 3. **Changes are counted**: every write transaction bumps a counter that a waiting owner reads
-//!    (a cheap query) to know whether to look at the queues again.
+//! 3. **Wake-ups**: a transaction that deletes or promotes rows bumps a counter and sends a
+//!    `NOTIFY`. Each manager has a listener thread with a connection of its own that `LISTEN`s
+//!    and pokes the worker when one arrives (and after every `LISTEN`, since notifications are
+//!    not kept across a disconnect); the worker then reads the counter and looks at the queues
+//!    if it moved. Where `LISTEN` cannot work (a pooler in transaction mode), the counter is
+//!    still read every `poll`.
 //!
 //! A connection that fails is opened again on the next call (at most every
 //! [`RECONNECT_AFTER`]); rows live on the server, so guards survive a disconnect shorter than
 //! their lease.
 
 use std::collections::HashMap;
+use std::sync::mpsc::Sender;
+use std::sync::Weak;
 use std::time::{Duration, Instant};
 
+use postgres::fallible_iterator::FallibleIterator;
 use postgres::types::ToSql;
 use postgres::{Client, Config, NoTls, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::grant::RowView;
+use super::protocol::Command;
 use super::storage::{Deleted, OwnedRequest, Result, Row, Storage};
 use super::{LockError, LockRequest, Mode};
 
@@ -100,10 +108,12 @@ pub(crate) fn parse(url: &str) -> std::result::Result<Target, LockError> {
 }
 
 fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
-    match error.code() {
-        Some(code) => LockError::Storage(format!(
-            "while {doing}: {error} (PostgreSQL code {})",
-            code.code()
+    match error.as_db_error() {
+        // The server's own message ("db error" alone says nothing).
+        Some(db) => LockError::Storage(format!(
+            "while {doing}: {} (PostgreSQL code {})",
+            db.message(),
+            db.code().code()
         )),
         None => LockError::Storage(format!("while {doing}: {error}")),
     }
@@ -124,7 +134,11 @@ pub(crate) struct Postgres {
 
 impl Postgres {
     /// Connects, creates or migrates the schema, and reads the server's time.
-    pub(crate) fn connect(target: Target, schema: String) -> Result<Postgres> {
+    pub(crate) fn connect(
+        target: Target,
+        schema: String,
+        poke: Weak<Sender<Command>>,
+    ) -> Result<Postgres> {
         let mut storage = Postgres {
             config: target.config,
             tls: target.tls,
@@ -136,6 +150,16 @@ impl Postgres {
             started: Instant::now(),
         };
         storage.client()?;
+        let listener = Listener {
+            config: storage.config.clone(),
+            tls: storage.tls.clone(),
+            channel: channel(&storage.schema),
+            poke,
+        };
+        std::thread::Builder::new()
+            .name("leasehold-listen".into())
+            .spawn(move || listener.run())
+            .map_err(|e| LockError::Storage(format!("while starting the listener thread: {e}")))?;
         Ok(storage)
     }
 
@@ -232,6 +256,83 @@ impl Postgres {
 
     fn simple(&mut self, doing: &str, sql: &str) -> Result<()> {
         self.with(doing, |client| client.batch_execute(sql))
+    }
+}
+
+/// The `NOTIFY` channel of a schema. A channel is an identifier, at most 63 bytes (a longer
+/// one is an error for `pg_notify` and silently cut short by `LISTEN`), so a long schema name is
+/// replaced by a digest of it.
+fn channel(schema: &str) -> String {
+    let channel = format!("leasehold_{schema}");
+    if channel.len() <= 63 {
+        return channel;
+    }
+    // FNV-1a: stable across processes and versions, unlike the standard library's hasher.
+    let digest = schema
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+    format!("leasehold_{digest:016x}")
+}
+
+/// Listens for other managers' announcements on a connection of its own, and pokes the worker
+/// when one comes. Stops once the worker is gone.
+struct Listener {
+    config: Config,
+    tls: Option<MakeRustlsConnect>,
+    channel: String,
+    poke: Weak<Sender<Command>>,
+}
+
+impl Listener {
+    /// How often a listener with nothing to hear checks whether its manager is still there.
+    const CHECK_EVERY: Duration = Duration::from_millis(500);
+
+    /// Whether the worker is still there; pokes it if so.
+    fn poke(&self) -> bool {
+        match self.poke.upgrade() {
+            Some(tx) => tx.send(Command::Poke).is_ok(),
+            None => false,
+        }
+    }
+
+    fn run(self) {
+        let mut backoff = RECONNECT_AFTER;
+        while self.poke.strong_count() > 0 {
+            if let Err(error) = self.listen() {
+                tracing::debug!(%error, "listening for other managers' changes stopped; again");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            } else {
+                return;
+            }
+        }
+    }
+
+    /// Listens until the connection fails (an error) or the worker is gone (`Ok`).
+    fn listen(&self) -> std::result::Result<(), postgres::Error> {
+        let mut client = match &self.tls {
+            Some(tls) => self.config.connect(tls.clone())?,
+            None => self.config.connect(NoTls)?,
+        };
+        client.batch_execute(&format!("LISTEN {}", quote(&self.channel)))?;
+        // Whatever was announced before this LISTEN was not heard: look now.
+        if !self.poke() {
+            return Ok(());
+        }
+        let mut notifications = client.notifications();
+        loop {
+            let mut heard = notifications.timeout_iter(Self::CHECK_EVERY);
+            while heard.next()?.is_some() {
+                if !self.poke() {
+                    return Ok(());
+                }
+            }
+            if self.poke.strong_count() == 0 {
+                return Ok(());
+            }
+        }
     }
 }
 
@@ -361,12 +462,22 @@ impl Storage for Postgres {
         Ok(now)
     }
 
-    fn commit(&mut self) -> Result<()> {
+    fn announce(&mut self) -> Result<()> {
         self.execute(
             "counting a change",
             "UPDATE {s}.meta SET changes = changes + 1",
             &[],
         )?;
+        let channel = channel(&self.schema);
+        self.execute(
+            "announcing a change",
+            "SELECT pg_notify($1, '')",
+            &[&channel],
+        )?;
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<()> {
         self.simple("committing", "COMMIT")
     }
 
@@ -580,6 +691,15 @@ impl Storage for Postgres {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn channels_fit_in_an_identifier_whatever_the_schema() {
+        assert_eq!(channel("leasehold"), "leasehold_leasehold");
+        let long = "s".repeat(63);
+        assert!(channel(&long).len() <= 63);
+        assert_ne!(channel(&long), channel(&"t".repeat(63)));
+        assert_eq!(channel(&long), channel(&long));
+    }
 
     #[test]
     fn schema_names_that_could_inject_sql_are_refused() {

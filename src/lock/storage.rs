@@ -35,6 +35,11 @@ pub(crate) trait Storage {
     /// long it waited).
     fn begin(&mut self) -> Result<i64>;
     fn commit(&mut self) -> Result<()>;
+    /// Called in a write transaction that deleted or promoted rows, before its commit: a
+    /// backend that can wake other managers says so here (others find out by their poll).
+    fn announce(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
     fn rollback(&mut self);
 

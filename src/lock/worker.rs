@@ -378,6 +378,9 @@ impl<S: Storage> Worker<S> {
                 }
                 freed.any |= expired > 0 || !freed.promoted.is_empty();
             }
+            if freed.any {
+                self.storage.announce()?;
+            }
             self.storage.commit()?;
             Ok((value, freed))
         })();
