@@ -20,6 +20,16 @@
 //!    the one given with `with_spawner`, else its parent's, else the default (with the `tokio`
 //!    feature, the runtime it is polled on; otherwise smol's). Fibers run on their scope's
 //!    spawner, and so does every clean-up a scope hands off.
+//! 6. A finalizer that panics does not stop the others. The first finalizer panic is kept and
+//!    given back to whoever awaits the close it started ([`Scope::close`], or the `Scoped` that
+//!    owns the scope), once every other finalizer has run: a `Scoped` whose body ended with a
+//!    value, an error or an interruption resumes that panic instead (a body's own panic comes
+//!    first), so a fiber ends `Exit::Panicked`. Panics that nobody can be given (later ones, or
+//!    those of a close that was handed to the spawner) are logged with `tracing` at error.
+//! 7. As in Effect's `forkIn`, a close started from inside one of the scope's own fibers neither
+//!    interrupts nor awaits that fiber (it would otherwise wait for itself, or cut off the fiber
+//!    that asked for the close): the fiber goes on once the close has finished, and keeps its
+//!    value. The scope's other fibers are interrupted and awaited as usual.
 //!
 //! Lock order: a scope's `state` lock is never held across an await or a call into user code.
 
@@ -115,10 +125,21 @@ pub trait Release: Send + 'static {
 
 type Finalizer = Box<dyn FnOnce(ExitStatus) -> BoxFuture<'static, ()> + Send>;
 
+/// A panic's payload, as caught and resumed.
+type Panic = Box<dyn Any + Send>;
+
 /// A child that a closing scope interrupts (when it can be) and awaits.
 struct Child {
     interrupt: Option<AbortController>,
     done: Arc<Completion>,
+}
+
+impl Child {
+    /// Which child this is: for a fiber, the same number as [`crate::fiber::current`] gives
+    /// inside it.
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.done) as usize
+    }
 }
 
 struct ScopeState {
@@ -229,9 +250,8 @@ impl Scope {
         if state.done {
             let status = state.status.clone().unwrap_or(ExitStatus::Success);
             drop(state);
-            self.inner
-                .spawner
-                .spawn(Box::pin(run_finalizer(finalizer, status)));
+            let run = run_finalizer(finalizer, status).map(Result::err);
+            self.inner.spawner.spawn(unattended(Box::pin(run)));
         } else {
             state.finalizers.push(finalizer);
         }
@@ -320,18 +340,45 @@ impl Scope {
     ///
     /// Idempotent: the first status wins; later calls wait for the first close to finish. Called
     /// from inside the close itself (by one of the scope's own finalizers), it returns at once,
-    /// since waiting would wait for itself.
+    /// since waiting would wait for itself. Called from inside one of the scope's own fibers, it
+    /// neither interrupts nor awaits that fiber (as Effect's `forkIn`): the fiber goes on, with
+    /// its value, once the rest of the close has finished.
+    ///
+    /// # Panics
+    ///
+    /// If a finalizer panicked, the call that started the close resumes the first such panic,
+    /// after every other finalizer has run. Later calls, which only wait, do not.
     ///
     /// # Cancel safety
     ///
     /// Dropping this future before it completes does not abandon the close: the rest of it runs
-    /// in the background on the scope's spawner.
+    /// in the background on the scope's spawner (a finalizer panic is then logged).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::panic::AssertUnwindSafe;
+    /// use futures::FutureExt;
+    /// use leasehold::{ExitStatus, Scope};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let scope = Scope::new();
+    /// scope.add_finalizer(|_| async { /* still runs */ });
+    /// scope.add_finalizer(|_| async { panic!("the finalizer died") });
+    /// let close = AssertUnwindSafe(scope.close(ExitStatus::Success)).catch_unwind();
+    /// let panic = close.await.unwrap_err();
+    /// assert_eq!(panic.downcast_ref::<&str>(), Some(&"the finalizer died"));
+    /// # });
+    /// ```
     pub async fn close(&self, status: ExitStatus) {
-        self.close_owned(status).await
+        if let Some(panic) = self.close_owned(status).await {
+            resume_unwind(panic)
+        }
     }
 
-    /// [`close`](Scope::close) as a `'static` future.
-    pub(crate) fn close_owned(&self, status: ExitStatus) -> BoxFuture<'static, ()> {
+    /// [`close`](Scope::close) as a `'static` future; gives back the first finalizer panic
+    /// instead of resuming it.
+    pub(crate) fn close_owned(&self, status: ExitStatus) -> BoxFuture<'static, Option<Panic>> {
         let started = {
             let mut state = lock(&self.inner.state);
             if state.status.is_none() {
@@ -342,18 +389,23 @@ impl Scope {
             }
         };
         if started {
+            // A close started by one of this scope's own fibers must not wait for that fiber.
+            let closer = crate::fiber::current();
             Box::pin(Closing {
-                work: Some(Box::pin(run_close(self.inner.clone(), status))),
+                work: Some(Box::pin(run_close(self.inner.clone(), status, closer))),
                 scope: self.clone(),
                 handed_off: false,
             })
         } else if self.is_closing_here() {
             // Called from inside this scope's own close (say, by one of its finalizers): waiting
             // for the close to finish would wait for itself.
-            Box::pin(std::future::ready(()))
+            Box::pin(std::future::ready(None))
         } else {
             let inner = self.inner.clone();
-            Box::pin(async move { wait_closed(&inner).await })
+            Box::pin(async move {
+                wait_closed(&inner).await;
+                None
+            })
         }
     }
 
@@ -400,13 +452,20 @@ impl Scope {
     }
 
     /// Takes over the unfinished close of a child that was dropped while first polled here.
-    fn adopt_close(&self, close: BoxFuture<'static, ()>) {
+    fn adopt_close(&self, close: BoxFuture<'static, Option<Panic>>) {
         if self.unwinding().is_some() {
             // The parent is unwinding and will close right after dropping its body: awaiting the
-            // child's close among its finalizers keeps "inner before outer".
-            self.push_finalizer(Box::new(move |_| close));
+            // child's close among its finalizers keeps "inner before outer", and a finalizer
+            // panic of the child's becomes one of the parent's, surfaced by its close.
+            self.push_finalizer(Box::new(move |_| {
+                Box::pin(async move {
+                    if let Some(panic) = close.await {
+                        resume_unwind(panic)
+                    }
+                })
+            }));
         } else {
-            self.track(close);
+            self.track(unattended(close));
         }
     }
 }
@@ -446,7 +505,7 @@ impl Drop for ScopeInner {
             orphan_state.children = std::mem::take(&mut state.children);
         }
         let close = orphan.close_owned(ExitStatus::Interrupted(AbortReason::new(Dropped)));
-        self.spawner.spawn(close);
+        self.spawner.spawn(unattended(close));
     }
 }
 
@@ -457,8 +516,15 @@ fn status_reason(status: Option<&ExitStatus>) -> AbortReason {
     }
 }
 
-async fn run_close(inner: Arc<ScopeInner>, status: ExitStatus) {
+/// The close itself (invariants 1, 6 and 7). `closer` is the fiber that started it, if it is
+/// one: as a child of this scope it is neither interrupted nor awaited.
+async fn run_close(
+    inner: Arc<ScopeInner>,
+    status: ExitStatus,
+    closer: Option<usize>,
+) -> Option<Panic> {
     let reason = status_reason(Some(&status));
+    let mut first_panic = None;
     loop {
         enum Next {
             Children(Vec<Child>),
@@ -477,7 +543,8 @@ async fn run_close(inner: Arc<ScopeInner>, status: ExitStatus) {
             }
         };
         match next {
-            Next::Children(children) => {
+            Next::Children(mut children) => {
+                children.retain(|child| Some(child.id()) != closer);
                 for child in &children {
                     if let Some(controller) = &child.interrupt {
                         controller.abort(reason.clone());
@@ -487,25 +554,44 @@ async fn run_close(inner: Arc<ScopeInner>, status: ExitStatus) {
                     child.done.wait().await;
                 }
             }
-            Next::Finalizer(finalizer) => run_finalizer(finalizer, status.clone()).await,
+            Next::Finalizer(finalizer) => {
+                if let Err(panic) = run_finalizer(finalizer, status.clone()).await {
+                    match first_panic {
+                        None => first_panic = Some(panic),
+                        Some(_) => log_panic(&panic, "a further scope finalizer panicked"),
+                    }
+                }
+            }
             Next::Done => {
                 inner.closed.notify(usize::MAX);
-                return;
+                return first_panic;
             }
         }
     }
 }
 
-async fn run_finalizer(finalizer: Finalizer, status: ExitStatus) {
-    let outcome = AssertUnwindSafe(async move { finalizer(status).await })
+/// Runs one finalizer to completion; a panic is caught so that the others still run.
+async fn run_finalizer(finalizer: Finalizer, status: ExitStatus) -> Result<(), Panic> {
+    AssertUnwindSafe(async move { finalizer(status).await })
         .catch_unwind()
-        .await;
-    if let Err(payload) = outcome {
-        tracing::error!(
-            panic = %panic_message(&*payload),
-            "a scope finalizer panicked; the remaining finalizers still run"
-        );
-    }
+        .await
+}
+
+/// A close (or a finalizer) that runs in the background, where nobody can be given its panic:
+/// the panic is logged instead.
+fn unattended(close: BoxFuture<'static, Option<Panic>>) -> BoxFuture<'static, ()> {
+    Box::pin(async move {
+        if let Some(panic) = close.await {
+            log_panic(
+                &panic,
+                "a scope finalizer panicked in a close that nobody awaits",
+            );
+        }
+    })
+}
+
+fn log_panic(panic: &Panic, what: &'static str) {
+    tracing::error!(panic = %panic_message(&**panic), "{what}");
 }
 
 async fn wait_closed(inner: &ScopeInner) {
@@ -514,19 +600,19 @@ async fn wait_closed(inner: &ScopeInner) {
 
 /// The close work, owned by the caller that started it; handed to the spawner if dropped.
 struct Closing {
-    work: Option<BoxFuture<'static, ()>>,
+    work: Option<BoxFuture<'static, Option<Panic>>>,
     scope: Scope,
     /// Already the spawner's: if the spawner drops it too, there is nowhere left to go.
     handed_off: bool,
 }
 
 impl Future for Closing {
-    type Output = ();
+    type Output = Option<Panic>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Panic>> {
         let this = &mut *self;
         let Some(work) = this.work.as_mut() else {
-            return Poll::Ready(());
+            return Poll::Ready(None);
         };
         // While the finalizers run, the closing scope is their ambient parent (so a `Scoped`
         // started by a finalizer belongs to it), and a `close` of it from inside returns at once.
@@ -537,9 +623,9 @@ impl Future for Closing {
             poll
         });
         match poll {
-            Ok(Poll::Ready(())) => {
+            Ok(Poll::Ready(panic)) => {
                 this.work = None;
-                Poll::Ready(())
+                Poll::Ready(panic)
             }
             Ok(Poll::Pending) => Poll::Pending,
             Err(payload) => resume_unwind(payload),
@@ -555,11 +641,11 @@ impl Drop for Closing {
         if let Some(work) = self.work.take() {
             // Still wrapped, so that the rest of the close keeps its ambient parent and its
             // "closing here" mark.
-            self.scope.inner.spawner.spawn(Box::pin(Closing {
+            self.scope.inner.spawner.spawn(unattended(Box::pin(Closing {
                 work: Some(work),
                 scope: self.scope.clone(),
                 handed_off: true,
-            }));
+            })));
         }
     }
 }
@@ -611,7 +697,7 @@ enum Phase<T, E> {
     Init(Body<T, E>),
     Running(BoxFuture<'static, Result<T, E>>),
     Closing {
-        close: BoxFuture<'static, ()>,
+        close: BoxFuture<'static, Option<Panic>>,
         outcome: Outcome<T, E>,
     },
     Done,
@@ -620,7 +706,7 @@ enum Phase<T, E> {
 enum Outcome<T, E> {
     Value(Result<T, E>),
     Interrupted(AbortReason),
-    Panicked(Box<dyn Any + Send>),
+    Panicked(Panic),
 }
 
 struct ScopedInner<T, E> {
@@ -872,20 +958,27 @@ impl<T, E> Future for Scoped<T, E> {
                     this.phase = Phase::Closing { close, outcome };
                 }
                 Phase::Closing { close, .. } => {
-                    if close.as_mut().poll(cx).is_pending() {
+                    let Poll::Ready(finalizer_panic) = close.as_mut().poll(cx) else {
                         return Poll::Pending;
-                    }
+                    };
                     let Phase::Closing { outcome, .. } =
                         std::mem::replace(&mut this.phase, Phase::Done)
                     else {
                         unreachable!("matched Closing above")
                     };
-                    return Poll::Ready(match outcome {
-                        Outcome::Value(result) => result,
-                        Outcome::Interrupted(reason) => {
+                    // Invariant 6: a finalizer's panic is not lost; the body's own came first.
+                    return Poll::Ready(match (outcome, finalizer_panic) {
+                        (Outcome::Panicked(payload), later) => {
+                            if let Some(later) = later {
+                                log_panic(&later, "a scope finalizer panicked after its body did");
+                            }
+                            resume_unwind(payload)
+                        }
+                        (_, Some(panic)) => resume_unwind(panic),
+                        (Outcome::Value(result), None) => result,
+                        (Outcome::Interrupted(reason), None) => {
                             Err((this.interrupted)(Interrupted::new(reason)))
                         }
-                        Outcome::Panicked(payload) => resume_unwind(payload),
                     });
                 }
                 Phase::Done => panic!("`Scoped` polled after it resolved"),
@@ -917,7 +1010,7 @@ impl<T, E> Drop for ScopedInner<T, E> {
         };
         match &self.parent {
             Some(parent) => parent.adopt_close(close),
-            None => self.scope().spawner().spawn(close),
+            None => self.scope().spawner().spawn(unattended(close)),
         }
     }
 }

@@ -105,8 +105,121 @@ fn a_panicking_finalizer_does_not_stop_the_others() {
     let last = log.clone();
     scope.add_finalizer(move |_| async move { last.push("last") });
 
-    block_on(scope.close(ExitStatus::Success));
+    let close = AssertUnwindSafe(scope.close(ExitStatus::Success)).catch_unwind();
+    assert!(block_on(close).is_err(), "the finalizer panic is surfaced");
     assert_eq!(log.entries(), ["last", "first"]);
+}
+
+#[test]
+fn close_resumes_the_first_finalizer_panic_after_every_other_finalizer_ran() {
+    let log = Log::new();
+    let scope = Scope::new();
+    let first = log.clone();
+    scope.add_finalizer(move |_| async move { first.push("added first, runs last") });
+    scope.add_finalizer(|_| async { panic!("runs second") });
+    scope.add_finalizer(|_| async { panic!("runs first") });
+
+    let close = AssertUnwindSafe(scope.close(ExitStatus::Success)).catch_unwind();
+    let payload = block_on(close).unwrap_err();
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"runs first"));
+    assert_eq!(log.entries(), ["added first, runs last"]);
+    assert!(scope.is_closed());
+}
+
+#[test]
+fn only_the_close_that_started_it_is_given_the_finalizer_panic() {
+    let scope = Scope::new();
+    let gate = Flag::new();
+    let finalizer_gate = gate.clone();
+    scope.add_finalizer(move |_| async move {
+        within(GENEROUS, "the gate opened", || finalizer_gate.is_set()).await;
+        panic!("the finalizer died");
+    });
+    let starter = scope.clone();
+    let started = std::thread::spawn(move || {
+        block_on(AssertUnwindSafe(starter.close(ExitStatus::Success)).catch_unwind()).is_err()
+    });
+    within_blocking(GENEROUS, "the close started", || scope.is_closed());
+    let waiter = scope.clone();
+    let waited = std::thread::spawn(move || block_on(waiter.close(ExitStatus::Failure)));
+    gate.set();
+    assert!(started.join().unwrap(), "the starter is given the panic");
+    waited
+        .join()
+        .expect("a close that only waits does not panic");
+}
+
+#[test]
+fn a_scoped_whose_finalizer_panics_resumes_that_panic_once_its_scope_is_closed() {
+    let log = Log::new();
+    let body_log = log.clone();
+    let work = Scoped::<u32, Interrupted>::new(move |scope| async move {
+        slow_finalizer(&scope, &body_log, "after the panic", SLOW);
+        scope.add_finalizer(|_| async { panic!("the finalizer died") });
+        Ok(42)
+    });
+    let payload = block_on(AssertUnwindSafe(work).catch_unwind()).unwrap_err();
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"the finalizer died"));
+    assert_eq!(
+        log.entries(),
+        ["after the panic start", "after the panic end"]
+    );
+}
+
+#[test]
+fn a_finalizer_panic_wins_over_an_error_and_over_an_interruption() {
+    let failed = Scoped::<(), Interrupted>::new(|scope| async move {
+        scope.add_finalizer(|_| async { panic!("died after an error") });
+        Err(Interrupted::new("an error of the body".into()))
+    });
+    let payload = block_on(AssertUnwindSafe(failed).catch_unwind()).unwrap_err();
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"died after an error"));
+
+    let stop = Arc::new(AbortController::new());
+    let stop_now = stop.clone();
+    let interrupted = Scoped::<(), Interrupted>::new(move |scope| async move {
+        scope.add_finalizer(|_| async { panic!("died after an interruption") });
+        stop_now.abort("stop");
+        yield_now().await;
+        future::pending().await
+    })
+    .with_signal(&stop.signal());
+    let payload = block_on(AssertUnwindSafe(interrupted).catch_unwind()).unwrap_err();
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"died after an interruption")
+    );
+}
+
+#[test]
+fn a_panicking_body_wins_over_a_panicking_finalizer() {
+    let work = Scoped::<(), Interrupted>::new(|scope| async move {
+        scope.add_finalizer(|_| async { panic!("the finalizer died") });
+        panic!("the body died");
+    });
+    let payload = block_on(AssertUnwindSafe(work).catch_unwind()).unwrap_err();
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"the body died"));
+}
+
+#[test]
+fn a_nested_scopeds_finalizer_panic_surfaces_through_its_interrupted_parent() {
+    let stop = AbortController::new();
+    let parent = Scoped::<(), Interrupted>::new(|_| async move {
+        Scoped::<(), Interrupted>::new(|child| async move {
+            child.add_finalizer(|_| async { panic!("the child's finalizer died") });
+            future::pending().await
+        })
+        .await
+    })
+    .with_signal(&stop.signal());
+    let mut parent = Box::pin(AssertUnwindSafe(parent).catch_unwind());
+    assert!(poll_once(&mut parent).is_pending(), "the child started");
+    stop.abort("stop");
+    let payload = block_on(parent).unwrap_err();
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"the child's finalizer died")
+    );
 }
 
 #[test]
