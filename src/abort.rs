@@ -326,8 +326,47 @@ impl AbortController {
     }
 
     /// Aborts with `reason`; the first reason wins. Returns whether this call aborted it.
+    ///
+    /// Takes text (`&str`, `String`) or an [`AbortReason`]; for an error type of your own, use
+    /// [`abort_with`](AbortController::abort_with).
     pub fn abort(&self, reason: impl Into<AbortReason>) -> bool {
         self.inner.abort(reason.into())
+    }
+
+    /// Aborts with an error of your own as the reason; the first reason wins. Returns whether
+    /// this call aborted it. The interrupted work can downcast the reason back to `E`.
+    ///
+    /// (A generic `abort` cannot take both text and any error type: the standard library may
+    /// one day implement `Error` for `&str`, so the two conversions would overlap.)
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{AbortController, Interrupted, Scoped};
+    ///
+    /// #[derive(Debug)]
+    /// struct UserCancelled {
+    ///     user: &'static str,
+    /// }
+    /// impl std::fmt::Display for UserCancelled {
+    ///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+    ///         write!(f, "cancelled by {}", self.user)
+    ///     }
+    /// }
+    /// impl std::error::Error for UserCancelled {}
+    ///
+    /// # futures::executor::block_on(async {
+    /// let controller = AbortController::new();
+    /// assert!(controller.abort_with(UserCancelled { user: "ada" }));
+    /// let work = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+    ///     .with_signal(&controller.signal());
+    /// let error = work.await.unwrap_err();
+    /// let reason = error.reason().downcast_ref::<UserCancelled>().unwrap();
+    /// assert_eq!(reason.user, "ada");
+    /// # });
+    /// ```
+    pub fn abort_with<E: Error + Send + Sync + 'static>(&self, error: E) -> bool {
+        self.inner.abort(AbortReason::new(error))
     }
 
     /// A second handle on the same controller, for the crate's own bookkeeping.

@@ -60,6 +60,27 @@ impl<T> Exit<T> {
     }
 }
 
+/// `success: ` and the value, `interrupted: ` and the reason, or `panicked: ` and the message.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::Exit;
+///
+/// assert_eq!(Exit::Success(42).to_string(), "success: 42");
+/// assert_eq!(Exit::<u8>::Interrupted("enough".into()).to_string(), "interrupted: enough");
+/// assert_eq!(Exit::<u8>::Panicked("boom".into()).to_string(), "panicked: boom");
+/// ```
+impl<T: fmt::Display> fmt::Display for Exit<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exit::Success(value) => write!(f, "success: {value}"),
+            Exit::Interrupted(reason) => write!(f, "interrupted: {reason}"),
+            Exit::Panicked(message) => write!(f, "panicked: {message}"),
+        }
+    }
+}
+
 struct FiberShared<T> {
     exit: Mutex<Option<Exit<T>>>,
     done: Arc<Completion>,

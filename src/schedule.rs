@@ -284,17 +284,90 @@ impl Schedule {
     /// assert_eq!(result, Err(4));
     /// # });
     /// ```
-    pub async fn retry<T, E, F, Fut>(&self, mut attempt: F) -> Result<T, E>
+    pub async fn retry<T, E, F, Fut>(&self, attempt: F) -> Result<T, E>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, E>>,
+    {
+        self.retry_while(attempt, |_| true).await
+    }
+
+    /// As [`retry`](Schedule::retry), but only errors for which `retry_if` holds are retried;
+    /// others return at once.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`retry`](Schedule::retry): dropping it drops the attempt in progress or the sleep.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::Schedule;
+    ///
+    /// # futures::executor::block_on(async {
+    /// let mut attempts = 0;
+    /// let result: Result<(), &str> = Schedule::recurs(5)
+    ///     .retry_while(
+    ///         || {
+    ///             attempts += 1;
+    ///             let error = if attempts < 3 { "busy" } else { "forbidden" };
+    ///             async move { Err(error) }
+    ///         },
+    ///         |error| *error == "busy",
+    ///     )
+    ///     .await;
+    /// assert_eq!((result, attempts), (Err("forbidden"), 3));
+    /// # });
+    /// ```
+    ///
+    /// Retrying [`try_acquire`](crate::LockManager::try_acquire) on a fixed spacing. A busy lock
+    /// is `Ok(None)`, not an error, so a plain `retry` would stop after the first attempt: turn
+    /// "busy" into an error of its own (here `None`), and retry only that one, so that a storage
+    /// error returns at once.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{LockError, LockManager, LockRequest, Schedule};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::open_in_memory()?;
+    /// let held = locks.exclusive("repo/photos", "prune").await?;
+    ///
+    /// // Err(Some(error)): storage failed; Err(None): still busy.
+    /// let try_backup = || async {
+    ///     let request = LockRequest::shared("repo/photos", "backup");
+    ///     locks.try_acquire(request).await.map_err(Some)?.ok_or(None)
+    /// };
+    /// let busy = |error: &Option<LockError>| error.is_none();
+    /// let every_5ms_for_50ms =
+    ///     Schedule::fixed(Duration::from_millis(5)).up_to(Duration::from_millis(50));
+    ///
+    /// let attempt = every_5ms_for_50ms.retry_while(try_backup, busy).await;
+    /// assert!(matches!(attempt, Err(None)), "busy for the whole schedule");
+    ///
+    /// held.release().await?;
+    /// let guard = every_5ms_for_50ms.retry_while(try_backup, busy).await;
+    /// assert!(guard.is_ok());
+    /// # Ok::<(), LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn retry_while<T, E, F, Fut, P>(
+        &self,
+        mut attempt: F,
+        mut retry_if: P,
+    ) -> Result<T, E>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        P: FnMut(&E) -> bool,
     {
         let clock = self.clock();
         let mut run = self.start(clock.now());
         loop {
             let error = match attempt().await {
                 Ok(value) => return Ok(value),
-                Err(error) => error,
+                Err(error) if retry_if(&error) => error,
+                Err(error) => return Err(error),
             };
             match run.next(clock.now()) {
                 None => return Err(error),

@@ -89,6 +89,28 @@ pub enum ExitStatus {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ScopeClosed;
 
+/// `success`, `failure`, or `interrupted: ` and the reason.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::ExitStatus;
+///
+/// assert_eq!(ExitStatus::Success.to_string(), "success");
+/// assert_eq!(ExitStatus::Failure.to_string(), "failure");
+/// let stopped = ExitStatus::Interrupted("user pressed stop".into());
+/// assert_eq!(stopped.to_string(), "interrupted: user pressed stop");
+/// ```
+impl fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitStatus::Success => f.write_str("success"),
+            ExitStatus::Failure => f.write_str("failure"),
+            ExitStatus::Interrupted(reason) => write!(f, "interrupted: {reason}"),
+        }
+    }
+}
+
 impl fmt::Display for ScopeClosed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("scope closed")

@@ -42,6 +42,28 @@ fn the_first_reason_wins_and_later_aborts_report_false() {
 }
 
 #[test]
+fn abort_with_takes_an_error_type_directly_and_the_work_gets_it_back() {
+    let controller = AbortController::new();
+    assert!(controller.abort_with(Shutdown(7)));
+    assert!(!controller.abort_with(Shutdown(8)), "the first reason wins");
+    let work = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+        .with_signal(&controller.signal());
+    let error = futures::executor::block_on(work).unwrap_err();
+    assert_eq!(error.reason().downcast_ref::<Shutdown>().unwrap().0, 7);
+    assert_eq!(error.to_string(), "interrupted: shutdown #7");
+}
+
+#[test]
+fn abort_still_takes_text() {
+    let controller = AbortController::new();
+    assert!(controller.abort("plain text"));
+    assert_eq!(
+        controller.signal().reason().unwrap().to_string(),
+        "plain text"
+    );
+}
+
+#[test]
 fn the_callers_reason_object_reaches_the_interrupted_scoped() {
     let controller = AbortController::new();
     let reason = AbortReason::new(Shutdown(7));

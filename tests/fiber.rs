@@ -313,3 +313,16 @@ fn exit_tells_how_the_fiber_ended() {
     assert!(!panicked.is_success() && !panicked.is_interrupted());
     assert_eq!(panicked.success(), None);
 }
+
+#[test]
+fn exit_displays_how_the_fiber_ended() {
+    assert_eq!(Exit::Success("done").to_string(), "success: done");
+    assert_eq!(
+        Exit::<u8>::Interrupted("stop".into()).to_string(),
+        "interrupted: stop"
+    );
+    assert_eq!(
+        Exit::<u8>::Panicked("boom".into()).to_string(),
+        "panicked: boom"
+    );
+}

@@ -67,6 +67,52 @@ fn retry_returns_the_first_ok() {
 }
 
 #[test]
+fn retry_while_returns_an_error_the_predicate_refuses_at_once() {
+    let attempts = Counter::new();
+    let result: Result<(), &str> = block_on(Schedule::recurs(10).retry_while(
+        || {
+            let n = attempts.bump();
+            async move { Err(if n < 3 { "busy" } else { "forbidden" }) }
+        },
+        |error| *error == "busy",
+    ));
+    assert_eq!(result, Err("forbidden"));
+    assert_eq!(attempts.get(), 3);
+}
+
+#[test]
+fn retry_while_retries_accepted_errors_until_the_schedule_is_done() {
+    let attempts = Counter::new();
+    let result: Result<(), usize> = block_on(Schedule::recurs(2).retry_while(
+        || {
+            let n = attempts.bump();
+            async move { Err(n) }
+        },
+        |_| true,
+    ));
+    assert_eq!(result, Err(3));
+}
+
+#[test]
+fn retry_while_returns_the_first_ok() {
+    let attempts = Counter::new();
+    let result: Result<usize, &str> = block_on(Schedule::recurs(10).retry_while(
+        || {
+            let n = attempts.bump();
+            async move {
+                if n == 2 {
+                    Ok(n)
+                } else {
+                    Err("busy")
+                }
+            }
+        },
+        |_| true,
+    ));
+    assert_eq!(result, Ok(2));
+}
+
+#[test]
 fn repeat_with_recurs_3_runs_4_times_and_returns_the_last_value() {
     let runs = Counter::new();
     let result: Result<usize, ()> = block_on(Schedule::recurs(3).repeat(|| {

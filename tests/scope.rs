@@ -76,6 +76,14 @@ fn every_finalizer_is_told_failure() {
 }
 
 #[test]
+fn exit_status_displays_how_the_scope_ended() {
+    assert_eq!(ExitStatus::Success.to_string(), "success");
+    assert_eq!(ExitStatus::Failure.to_string(), "failure");
+    let status = ExitStatus::Interrupted(AbortReason::from("caller's reason"));
+    assert_eq!(status.to_string(), "interrupted: caller's reason");
+}
+
+#[test]
 fn every_finalizer_is_told_the_callers_interruption_reason() {
     let statuses = Statuses::new();
     let scope = Scope::new();
