@@ -417,7 +417,8 @@ impl AbortSignal {
         AbortSignal { inner: None }
     }
 
-    /// A signal that aborts with a [`TimedOut`] reason once `after` has passed (real time).
+    /// A signal that aborts with a [`TimedOut`] reason once `after` has passed (real time,
+    /// measured from this call on the monotonic clock).
     ///
     /// The timer runs on the default spawner (with the `tokio` feature, the tokio runtime this is
     /// called on, if any; otherwise smol's global executor), so this works under any executor.
@@ -435,6 +436,33 @@ impl AbortSignal {
     /// # });
     /// ```
     pub fn timeout(after: Duration) -> Self {
+        AbortSignal::timeout_on(Arc::new(SystemClock), after)
+    }
+
+    /// A signal that aborts with a [`TimedOut`] reason once `after` has passed on `clock`,
+    /// counted from this call on its monotonic time line: with a [`TestClock`](crate::TestClock),
+    /// when the test advances it that far.
+    ///
+    /// The timer runs on the default spawner, as for [`timeout`](AbortSignal::timeout).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use leasehold::{AbortSignal, TestClock, TimedOut};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let clock = TestClock::new();
+    /// let signal = AbortSignal::timeout_on(Arc::new(clock.clone()), Duration::from_secs(30));
+    /// clock.advance(Duration::from_secs(29));
+    /// assert!(!signal.is_aborted());
+    /// clock.advance(Duration::from_secs(1));
+    /// let reason = signal.aborted().await;
+    /// assert!(reason.downcast_ref::<TimedOut>().is_some());
+    /// # });
+    /// ```
+    pub fn timeout_on(clock: Arc<dyn Clock>, after: Duration) -> Self {
         let dropped = Arc::new(Event::new());
         // Listen before the signal exists, so that its drop cannot be missed.
         let gone = dropped.listen();
@@ -446,10 +474,11 @@ impl AbortSignal {
             dropped: Some(dropped),
         });
         let weak = Arc::downgrade(&inner);
+        // Started here, not when the task first runs: the time counts from this call.
+        let timer = clock.sleep(after);
         default_spawner().spawn(Box::pin(async move {
             // The timer task ends when the signal is dropped, so many short-lived timeouts do
             // not leave as many sleeping tasks behind.
-            let timer = SystemClock.sleep(after);
             if let futures::future::Either::Left(_) = futures::future::select(timer, gone).await {
                 if let Some(inner) = weak.upgrade() {
                     inner.abort(AbortReason::new(TimedOut));

@@ -2,7 +2,8 @@
 //!
 //! A schedule is a tree of [`Kind`] nodes. Driving it is a pure step function
 //! ([`ScheduleRun::next`]): given the time a run ended, it says how long to wait before the next
-//! run, or that there is none. `retry` and `repeat` are thin loops around it with a [`Clock`], so
+//! run, or that there is none. Those times are monotonic ([`Clock::monotonic`]): wall time can be
+//! stepped back and forth, which would stretch or cut short `up_to` and move `fixed`'s grid. `retry` and `repeat` are thin loops around it with a [`Clock`], so
 //! all the arithmetic is tested without time passing.
 
 use std::collections::hash_map::RandomState;
@@ -221,7 +222,8 @@ impl Schedule {
         self.combine(other, Kind::Intersect)
     }
 
-    /// Sleeps and reads time on `clock` (default: [`SystemClock`]).
+    /// Sleeps and reads time on `clock` (default: [`SystemClock`]), on its monotonic time line
+    /// ([`Clock::monotonic`]), so that a step of the wall clock changes no decision.
     ///
     /// # Examples
     ///
@@ -241,7 +243,8 @@ impl Schedule {
         }
     }
 
-    /// Starts stepping the schedule by hand; `at` is when the first run starts.
+    /// Starts stepping the schedule by hand; `at` is when the first run starts, on any time line
+    /// that only moves forward (`retry` and `repeat` use [`Clock::monotonic`]).
     ///
     /// [`retry`](Schedule::retry) and [`repeat`](Schedule::repeat) use this; it is public for
     /// loops of your own and for tests.
@@ -362,14 +365,14 @@ impl Schedule {
         P: FnMut(&E) -> bool,
     {
         let clock = self.clock();
-        let mut run = self.start(clock.now());
+        let mut run = self.start(clock.monotonic());
         loop {
             let error = match attempt().await {
                 Ok(value) => return Ok(value),
                 Err(error) if retry_if(&error) => error,
                 Err(error) => return Err(error),
             };
-            match run.next(clock.now()) {
+            match run.next(clock.monotonic()) {
                 None => return Err(error),
                 Some(delay) => {
                     drop(error);
@@ -409,10 +412,10 @@ impl Schedule {
         Fut: Future<Output = Result<T, E>>,
     {
         let clock = self.clock();
-        let mut run = self.start(clock.now());
+        let mut run = self.start(clock.monotonic());
         loop {
             let value = action().await?;
-            match run.next(clock.now()) {
+            match run.next(clock.monotonic()) {
                 None => return Ok(value),
                 Some(delay) => {
                     drop(value);

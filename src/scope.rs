@@ -42,12 +42,14 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use event_listener::{Event, EventListener};
 use futures::future::{BoxFuture, FusedFuture};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
+use crate::clock::{Clock, SystemClock};
 use crate::spawn::{default_spawner, Spawner};
 use crate::sync::{lock, wait_for, CompleteOnDrop, Completion};
 
@@ -737,6 +739,9 @@ struct ScopedInner<T, E> {
     /// the reason, whenever this future happens to be polled.
     signal: Option<AbortSignal>,
     listener: Option<EventListener>,
+    /// Timeouts not yet started: each becomes an attached signal on the first poll, so that it
+    /// counts from when the work starts, not from when it was built.
+    timeouts: Vec<(Arc<dyn Clock>, Duration)>,
     interrupted: fn(Interrupted) -> E,
     /// `None`: the parent's spawner, or the default one.
     spawner: Option<Arc<dyn Spawner>>,
@@ -809,6 +814,7 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
                 phase: Phase::Init(Box::new(move |scope| Box::pin(body(scope)))),
                 signal: None,
                 listener: None,
+                timeouts: Vec::new(),
                 interrupted: E::from,
                 spawner: None,
                 inherit: true,
@@ -834,12 +840,7 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
     /// # });
     /// ```
     pub fn with_signal(mut self, signal: &AbortSignal) -> Self {
-        let combined = match self.inner.signal.take() {
-            None => signal.clone(),
-            Some(attached) => AbortSignal::any([attached, signal.clone()]),
-        };
-        self.inner.signal = Some(combined);
-        self.inner.listener = None;
+        self.inner.attach(signal.clone());
         self
     }
 
@@ -884,9 +885,69 @@ impl<T, E> Scoped<T, E> {
         self.inner.spawner = Some(spawner);
         self
     }
+
+    /// Interrupts with a [`TimedOut`](crate::TimedOut) reason unless it has resolved once
+    /// `after` has passed (real time), counted from its first poll.
+    ///
+    /// The clean-up runs as for any interruption, and the `Scoped` resolves only after it.
+    /// Several timeouts and signals may be attached: the first to fire gives the reason.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{Interrupted, Scoped, TimedOut};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let slow = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+    ///     .timeout(Duration::from_millis(10));
+    /// let error = slow.await.unwrap_err();
+    /// assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+    /// # });
+    /// ```
+    pub fn timeout(self, after: Duration) -> Self {
+        self.timeout_on(Arc::new(SystemClock), after)
+    }
+
+    /// [`timeout`](Scoped::timeout) measured on `clock`'s monotonic time line: with a
+    /// [`TestClock`](crate::TestClock), once the test has advanced it that far past the first
+    /// poll.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use futures::FutureExt;
+    /// use leasehold::{Interrupted, Scoped, TestClock, TimedOut};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let clock = TestClock::new();
+    /// let mut slow = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+    ///     .timeout_on(Arc::new(clock.clone()), Duration::from_secs(60));
+    /// assert!((&mut slow).now_or_never().is_none()); // started: the minute counts from here
+    /// clock.advance(Duration::from_secs(60));
+    /// let error = slow.await.unwrap_err();
+    /// assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+    /// # });
+    /// ```
+    pub fn timeout_on(mut self, clock: Arc<dyn Clock>, after: Duration) -> Self {
+        self.inner.timeouts.push((clock, after));
+        self
+    }
 }
 
 impl<T, E> ScopedInner<T, E> {
+    /// Adds `signal` to those that interrupt this unit.
+    fn attach(&mut self, signal: AbortSignal) {
+        let combined = match self.signal.take() {
+            None => signal,
+            Some(attached) => AbortSignal::any([attached, signal]),
+        };
+        self.signal = Some(combined);
+        self.listener = None;
+    }
+
     /// The reason of the first attached signal to abort; otherwise arranges to be woken when one
     /// does.
     fn check_signals(&mut self, cx: &mut Context<'_>) -> Option<AbortReason> {
@@ -942,6 +1003,9 @@ impl<T, E> Future for Scoped<T, E> {
             }
             match &mut this.phase {
                 Phase::Init(_) => {
+                    for (clock, after) in std::mem::take(&mut this.timeouts) {
+                        this.attach(AbortSignal::timeout_on(clock, after));
+                    }
                     if let Some(reason) = this.check_signals(cx) {
                         this.phase = Phase::Done;
                         return Poll::Ready(Err((this.interrupted)(Interrupted::new(reason))));
@@ -1056,7 +1120,10 @@ impl<T, E> fmt::Debug for Scoped<T, E> {
         };
         f.debug_struct("Scoped")
             .field("phase", &phase)
-            .field("interruptible", &self.inner.signal.is_some())
+            .field(
+                "interruptible",
+                &(self.inner.signal.is_some() || !self.inner.timeouts.is_empty()),
+            )
             .finish()
     }
 }

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use common::{on_every_executor, poll_once, GENEROUS};
 use futures::FutureExt;
 use leasehold::{
-    AbortController, AbortReason, AbortSignal, Clock, Interrupted, Scoped, SystemClock, TimedOut,
+    AbortController, AbortReason, AbortSignal, Clock, Interrupted, Scoped, SystemClock, TestClock,
+    TimedOut,
 };
 
 #[derive(Debug)]
@@ -129,6 +130,33 @@ fn timeout_aborts_with_a_timed_out_reason() {
         assert!(started.elapsed() >= Duration::from_millis(10));
         assert!(signal.reason().unwrap().ptr_eq(&reason));
     });
+}
+
+#[test]
+fn a_test_clock_drives_timeout_on() {
+    on_every_executor(|| async {
+        let clock = TestClock::new();
+        let signal = AbortSignal::timeout_on(Arc::new(clock.clone()), Duration::from_secs(30));
+        assert_eq!(clock.sleepers(), 1, "the timer counts from the call");
+        clock.advance(Duration::from_secs(29));
+        assert_eq!(clock.sleepers(), 1, "the timer still sleeps at 29 s");
+        assert!(!signal.is_aborted());
+        clock.advance(Duration::from_secs(1));
+        let reason = signal.aborted().await;
+        assert!(reason.downcast_ref::<TimedOut>().is_some(), "{reason:?}");
+    });
+}
+
+#[test]
+fn timeout_on_ignores_a_step_of_the_wall_clock() {
+    let clock = TestClock::new();
+    let signal = AbortSignal::timeout_on(Arc::new(clock.clone()), Duration::from_secs(30));
+    clock.set_wall_time(clock.now() + Duration::from_secs(3600));
+    assert_eq!(clock.sleepers(), 1, "an hour's step forward fired no timer");
+    assert!(!signal.is_aborted());
+    clock.advance(Duration::from_secs(30));
+    let reason = futures::executor::block_on(signal.aborted());
+    assert!(reason.downcast_ref::<TimedOut>().is_some());
 }
 
 #[test]

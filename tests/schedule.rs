@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{on_every_executor, poll_once, Counter};
 use futures::executor::block_on;
-use leasehold::{Schedule, TestClock};
+use leasehold::{Clock, Schedule, TestClock};
 
 fn s(secs: u64) -> Duration {
     Duration::from_secs(secs)
@@ -207,6 +207,54 @@ fn retry_measures_elapsed_time_on_the_schedules_clock() {
         clock.advance(s(1));
     }
     assert_eq!(poll_once(&mut retry), Poll::Ready(Err(3)));
+}
+
+/// When (in whole seconds of monotonic time) each run of `schedule`, driven by `repeat` on a
+/// test clock that ticks a second at a time, started. With `step_wall`, the wall time is stepped
+/// an hour forward and back again, over and over, while the runs and the sleeps go on.
+fn run_starts(schedule: Schedule, step_wall: bool) -> Vec<u64> {
+    let clock = TestClock::new();
+    let schedule = schedule.with_clock(Arc::new(clock.clone()));
+    let starts = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (run_clock, run_starts) = (clock.clone(), starts.clone());
+    let mut repeat = Box::pin(schedule.repeat(move || {
+        let at = run_clock.monotonic().as_secs();
+        run_starts.lock().unwrap().push(at);
+        async { Ok::<_, ()>(()) }
+    }));
+    let hour = s(3600);
+    for tick in 0..1000 {
+        if poll_once(&mut repeat).is_ready() {
+            drop(repeat);
+            return starts.lock().unwrap().clone();
+        }
+        clock.advance(s(1));
+        if step_wall {
+            match tick % 4 {
+                1 => clock.set_wall_time(clock.now() + hour),
+                3 => clock.set_wall_time(clock.now() - hour),
+                _ => {}
+            }
+        }
+    }
+    panic!("the schedule never ended: {:?}", starts.lock().unwrap());
+}
+
+#[test]
+fn stepping_the_wall_clock_changes_no_decision_of_up_to() {
+    let schedule = Schedule::spaced(s(10)).up_to(s(35));
+    assert_eq!(run_starts(schedule.clone(), false), [0, 10, 20, 30, 40]);
+    assert_eq!(run_starts(schedule, true), [0, 10, 20, 30, 40]);
+}
+
+#[test]
+fn stepping_the_wall_clock_changes_no_decision_of_fixed() {
+    let schedule = Schedule::fixed(s(10)).intersect(Schedule::recurs(6));
+    assert_eq!(
+        run_starts(schedule.clone(), false),
+        [0, 10, 20, 30, 40, 50, 60]
+    );
+    assert_eq!(run_starts(schedule, true), [0, 10, 20, 30, 40, 50, 60]);
 }
 
 #[test]

@@ -16,7 +16,7 @@ use futures::future::{self, BoxFuture, Either};
 use futures::FutureExt;
 use leasehold::{
     scoped, AbortController, AbortReason, Clock, Dropped, Exit, ExitStatus, Interrupted, Release,
-    Scope, ScopeClosed, Scoped, TestClock,
+    Scope, ScopeClosed, Scoped, TestClock, TimedOut,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -658,6 +658,81 @@ fn a_panicking_body_still_waits_for_the_children_it_drops() {
 // ---------------------------------------------------------------------------------------------
 // Scoped: interruption
 // ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_test_clock_drives_a_scoped_timeout_and_the_cleanup_runs_first() {
+    on_every_executor(|| async {
+        let clock = TestClock::new();
+        let statuses = Statuses::new();
+        let body_statuses = statuses.clone();
+        let mut work = Box::pin(
+            Scoped::<(), Interrupted>::new(move |scope| async move {
+                record_status(&scope, &body_statuses);
+                future::pending().await
+            })
+            .timeout_on(Arc::new(clock.clone()), Duration::from_secs(60)),
+        );
+        assert!(poll_once(&mut work).is_pending());
+        clock.advance(Duration::from_secs(59));
+        assert_eq!(clock.sleepers(), 1, "the timer still sleeps at 59 s");
+        clock.advance(Duration::from_secs(1));
+        let error = work.await.unwrap_err();
+        assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+        assert!(interrupted_by(&statuses.only(), error.reason()));
+    });
+}
+
+#[test]
+fn a_scoped_timeout_counts_from_the_first_poll_not_from_when_it_was_built() {
+    let clock = TestClock::new();
+    let mut work = Box::pin(
+        Scoped::<(), Interrupted>::new(|_| future::pending())
+            .timeout_on(Arc::new(clock.clone()), Duration::from_secs(60)),
+    );
+    assert_eq!(clock.sleepers(), 0, "no timer before the first poll");
+    clock.advance(Duration::from_secs(600));
+    assert!(poll_once(&mut work).is_pending());
+    assert_eq!(clock.sleepers(), 1, "the minute starts now");
+    clock.advance(Duration::from_secs(60));
+    let error = block_on(work).unwrap_err();
+    assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+}
+
+#[test]
+fn a_scoped_that_finishes_before_its_timeout_keeps_its_value() {
+    let clock = TestClock::new();
+    let work = Scoped::<u32, Interrupted>::new(|_| async { Ok(7) })
+        .timeout_on(Arc::new(clock.clone()), Duration::from_secs(1));
+    assert_eq!(block_on(work).unwrap(), 7);
+}
+
+#[test]
+fn a_scoped_timeout_on_the_system_clock_interrupts_with_timed_out() {
+    on_every_executor(|| async {
+        let started = std::time::Instant::now();
+        let work = Scoped::<(), Interrupted>::new(|_| future::pending())
+            .timeout(Duration::from_millis(10));
+        let error = work.await.unwrap_err();
+        assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+        assert!(started.elapsed() >= Duration::from_millis(10));
+    });
+}
+
+#[test]
+fn the_first_of_a_timeout_and_a_signal_gives_the_reason() {
+    let clock = TestClock::new();
+    let stop = AbortController::new();
+    let mut work = Box::pin(
+        Scoped::<(), Interrupted>::new(|_| future::pending())
+            .timeout_on(Arc::new(clock.clone()), Duration::from_secs(60))
+            .with_signal(&stop.signal()),
+    );
+    assert!(poll_once(&mut work).is_pending());
+    stop.abort("stopped first");
+    clock.advance(Duration::from_secs(60));
+    let error = block_on(work).unwrap_err();
+    assert_eq!(error.reason().to_string(), "stopped first");
+}
 
 #[test]
 fn an_already_aborted_signal_means_the_body_never_runs() {
