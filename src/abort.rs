@@ -16,15 +16,14 @@
 use std::error::Error;
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
-
-use event_listener::{Event, EventListener};
 
 use crate::clock::{Clock, SystemClock};
 use crate::spawn::default_spawner;
-use crate::sync::{lock, wait_for};
+// loom's under `--cfg leasehold_loom`, for the model tests (`Arc` stays std's: loom's has no
+// `Weak`).
+use crate::sync::{lock, wait_for, AtomicBool, Event, EventListener, Mutex, Ordering};
 
 /// Why a unit of work was interrupted: the caller's own error object, shared.
 ///

@@ -44,14 +44,15 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use event_listener::{Event, EventListener};
+use event_listener::Event;
 use futures::future::{BoxFuture, FusedFuture};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
 use crate::clock::{Clock, SystemClock};
 use crate::spawn::{default_spawner, Spawner};
-use crate::sync::{lock, wait_for, CompleteOnDrop, Completion};
+// The signal's listener: the model's stand-in under `--cfg leasehold_loom`.
+use crate::sync::{lock, wait_for, CompleteOnDrop, Completion, EventListener};
 
 /// How a scope ended; every finalizer is told.
 ///
