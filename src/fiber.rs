@@ -148,9 +148,9 @@ where
     (Prepared { shared, task }, controller, done)
 }
 
-thread_local! {
+crate::sync::const_thread_local! {
     /// The fiber whose task this thread is polling, if any (see [`current`]).
-    static CURRENT: Cell<Option<usize>> = const { Cell::new(None) };
+    static CURRENT: Cell<Option<usize>> = Cell::new(None);
 }
 
 /// The fiber whose task this thread is polling: the address of its completion flag, which is

@@ -2,9 +2,10 @@
 //!
 //! A schedule is a tree of [`Kind`] nodes. Driving it is a pure step function
 //! ([`ScheduleRun::next`]): given the time a run ended, it says how long to wait before the next
-//! run, or that there is none. Those times are monotonic ([`Clock::monotonic`]): wall time can be
-//! stepped back and forth, which would stretch or cut short `up_to` and move `fixed`'s grid. `retry` and `repeat` are thin loops around it with a [`Clock`], so
-//! all the arithmetic is tested without time passing.
+//! run, or that there is none. `retry` and `repeat` are thin loops around it with a [`Clock`],
+//! so all the arithmetic is tested without time passing. They give it monotonic times
+//! ([`Clock::monotonic`]): wall time can be stepped back and forth, which would stretch or cut
+//! short `up_to` and move `fixed`'s grid.
 
 use std::collections::hash_map::RandomState;
 use std::fmt;

@@ -40,19 +40,18 @@ use std::fmt;
 use std::future::Future;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use event_listener::Event;
 use futures::future::{BoxFuture, FusedFuture};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
 use crate::clock::{Clock, SystemClock};
 use crate::spawn::{default_spawner, Spawner};
-// The signal's listener: the model's stand-in under `--cfg leasehold_loom`.
-use crate::sync::{lock, wait_for, CompleteOnDrop, Completion, EventListener};
+// loom's (and the model's stand-in event) under `--cfg leasehold_loom`, for the model tests.
+use crate::sync::{lock, wait_for, CompleteOnDrop, Completion, Event, EventListener, Mutex};
 
 /// How a scope ended; every finalizer is told.
 ///
@@ -685,11 +684,11 @@ pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     }
 }
 
-thread_local! {
+crate::sync::const_thread_local! {
     /// The scope of the `Scoped` whose body this thread is polling, if any.
-    static AMBIENT: RefCell<Option<Scope>> = const { RefCell::new(None) };
+    static AMBIENT: RefCell<Option<Scope>> = RefCell::new(None);
     /// The scopes whose close this thread is running, innermost last (by address).
-    static CLOSING: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    static CLOSING: RefCell<Vec<usize>> = RefCell::new(Vec::new());
 }
 
 /// Makes `scope` the ambient parent while `f` runs (restored even if `f` panics).

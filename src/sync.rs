@@ -1,13 +1,12 @@
 //! Small helpers shared by the primitives, and the one place that chooses where their atomics
 //! come from.
 //!
-//! Under `--cfg leasehold_loom` (the model tests in `tests/loom.rs`), the atomics, mutexes, `Arc`
-//! and wakers that the semaphore and the abort signal use are loom's, so that loom explores every
-//! interleaving of them; otherwise they are the standard library's (and `futures`' waker).
-//! The abort signal's `Event` is then a small stand-in on loom's mutex: `event-listener` wakes its
-//! listeners under a lock of its own that loom cannot see, and a switch of model threads there
-//! hangs the model. The other modules keep the standard types (loom cannot stand in for their
-//! thread-locals).
+//! Under `--cfg leasehold_loom` (the model tests in `tests/loom.rs`), the atomics, mutexes, `Arc`,
+//! wakers and thread-locals of the semaphore, the abort signal and the scope's close are loom's,
+//! so that loom explores every interleaving of them; otherwise they are the standard library's
+//! (and `futures`' waker). Their `Event` is then a small stand-in on loom's mutex: event-listener
+//! wakes its listeners under a lock of its own that loom cannot see, and a switch of model threads
+//! there hangs the model. The lock manager keeps the standard types.
 
 #[cfg(not(leasehold_loom))]
 pub(crate) use event_listener::{Event, EventListener};
@@ -81,6 +80,19 @@ impl<T> Lockable for loom::sync::Mutex<T> {
     }
 }
 
+/// `thread_local!` with `const` initializers: the standard library's, or loom's (whose macro
+/// takes no `const` block) under `--cfg leasehold_loom`, since loom's threads share one system
+/// thread and so the standard thread-locals.
+macro_rules! const_thread_local {
+    ($($(#[$attr:meta])* static $name:ident: $t:ty = $init:expr;)*) => {
+        #[cfg(not(leasehold_loom))]
+        std::thread_local! { $($(#[$attr])* static $name: $t = const { $init };)* }
+        #[cfg(leasehold_loom)]
+        loom::thread_local! { $($(#[$attr])* static $name: $t = $init;)* }
+    };
+}
+pub(crate) use const_thread_local;
+
 /// loom's waker slot, under the name and methods of `futures`' [`AtomicWaker`].
 #[cfg(leasehold_loom)]
 #[derive(Debug, Default)]
@@ -102,20 +114,29 @@ impl AtomicWaker {
 }
 
 /// A one-shot "finished" flag that can be awaited.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Completion {
-    done: std::sync::atomic::AtomicBool,
-    event: event_listener::Event,
+    done: AtomicBool,
+    event: Event,
+}
+
+impl Default for Completion {
+    fn default() -> Self {
+        Completion {
+            done: AtomicBool::new(false),
+            event: Event::new(),
+        }
+    }
 }
 
 impl Completion {
     pub(crate) fn complete(&self) {
-        self.done.store(true, std::sync::atomic::Ordering::Release);
+        self.done.store(true, Ordering::Release);
         self.event.notify(usize::MAX);
     }
 
     pub(crate) fn is_done(&self) -> bool {
-        self.done.load(std::sync::atomic::Ordering::Acquire)
+        self.done.load(Ordering::Acquire)
     }
 
     pub(crate) async fn wait(&self) {

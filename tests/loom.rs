@@ -1,9 +1,9 @@
-//! Model checks, with loom, of the atomics that the semaphore and the abort signal rely on.
+//! Model checks, with loom, of the semaphore, the abort signal and a scope's handed-off close.
 //!
 //! Run with `RUSTFLAGS="--cfg leasehold_loom" cargo test --release --test loom` (in a target
 //! directory of its own, so that the normal build is not thrown away). Under that cfg the library
-//! takes its atomics, mutexes, `Arc` and wakers from loom (see `src/sync.rs`), so every
-//! interleaving of the threads below that differs in those operations is explored, up to the
+//! takes its atomics, mutexes, `Arc`, wakers and thread-locals from loom (see `src/sync.rs`), so
+//! every interleaving of the threads below that differs in those operations is explored, up to the
 //! preemption bound (`LOOM_MAX_PREEMPTIONS`, 3 unless set). A lost wake-up shows as a deadlock,
 //! a semaphore state that is never freed as a leak, and a broken invariant as a failed assertion.
 #![cfg(leasehold_loom)]
@@ -13,8 +13,9 @@ use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
+use futures::future::BoxFuture;
 use futures::task::noop_waker_ref;
-use leasehold::{AbortController, AbortSignal, Semaphore};
+use leasehold::{AbortController, AbortSignal, ExitStatus, Scope, Semaphore, Spawner};
 use loom::future::block_on;
 use loom::thread;
 
@@ -184,4 +185,63 @@ fn abort_racing_any_reaches_the_combined_signal() {
         assert_eq!(combiner.join().unwrap(), "a");
         drop(b);
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scope
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn scope_a_close_dropped_half_way_is_finished_by_the_spawner_running_every_finalizer_once() {
+    model(
+        "scope_a_close_dropped_half_way_is_finished_by_the_spawner_running_every_finalizer_once",
+        || {
+            // The spawner: a model thread per piece of background work, joined at the end.
+            let spawned = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let to_spawner = spawned.clone();
+            let spawner: std::sync::Arc<dyn Spawner> =
+                std::sync::Arc::new(move |work: BoxFuture<'static, ()>| {
+                    let handle = thread::spawn(move || block_on(work));
+                    to_spawner.lock().unwrap().push(handle);
+                });
+            let scope = Scope::with_spawner(spawner);
+            let runs: std::sync::Arc<[AtomicUsize; 2]> = std::sync::Arc::default();
+            let last = runs.clone();
+            scope.add_finalizer(move |_| async move {
+                last[0].fetch_add(1, Ordering::SeqCst);
+            });
+            // Runs first, and waits for the gate: a close polled once stops half-way here,
+            // unless the gate opened before.
+            let gate = AbortController::new();
+            let (first, gate_signal) = (runs.clone(), gate.signal());
+            scope.add_finalizer(move |_| async move {
+                gate_signal.aborted().await;
+                first[1].fetch_add(1, Ordering::SeqCst);
+            });
+            let opener = thread::spawn(move || {
+                gate.abort("open");
+            });
+            {
+                let mut close = pin!(scope.close(ExitStatus::Success));
+                let mut cx = Context::from_waker(noop_waker_ref());
+                let _ = close.as_mut().poll(&mut cx);
+            } // The caller gives up: the rest of the close goes to the spawner.
+            opener.join().unwrap();
+            let handles = std::mem::take(&mut *spawned.lock().unwrap());
+            for handle in handles {
+                handle.join().unwrap();
+            }
+            assert!(scope.is_closed());
+            assert_eq!(
+                runs[0].load(Ordering::SeqCst),
+                1,
+                "the last finalizer ran once"
+            );
+            assert_eq!(
+                runs[1].load(Ordering::SeqCst),
+                1,
+                "the first finalizer ran once"
+            );
+        },
+    );
 }
