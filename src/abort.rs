@@ -16,15 +16,14 @@
 use std::error::Error;
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
-
-use event_listener::{Event, EventListener};
 
 use crate::clock::{Clock, SystemClock};
 use crate::spawn::default_spawner;
-use crate::sync::{lock, wait_for};
+// loom's under `--cfg leasehold_loom`, for the model tests (`Arc` stays std's: loom's has no
+// `Weak`).
+use crate::sync::{lock, wait_for, AtomicBool, Event, EventListener, Mutex, Ordering};
 
 /// Why a unit of work was interrupted: the caller's own error object, shared.
 ///
@@ -326,8 +325,47 @@ impl AbortController {
     }
 
     /// Aborts with `reason`; the first reason wins. Returns whether this call aborted it.
+    ///
+    /// Takes text (`&str`, `String`) or an [`AbortReason`]; for an error type of your own, use
+    /// [`abort_with`](AbortController::abort_with).
     pub fn abort(&self, reason: impl Into<AbortReason>) -> bool {
         self.inner.abort(reason.into())
+    }
+
+    /// Aborts with an error of your own as the reason; the first reason wins. Returns whether
+    /// this call aborted it. The interrupted work can downcast the reason back to `E`.
+    ///
+    /// (A generic `abort` cannot take both text and any error type: the standard library may
+    /// one day implement `Error` for `&str`, so the two conversions would overlap.)
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{AbortController, Interrupted, Scoped};
+    ///
+    /// #[derive(Debug)]
+    /// struct UserCancelled {
+    ///     user: &'static str,
+    /// }
+    /// impl std::fmt::Display for UserCancelled {
+    ///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+    ///         write!(f, "cancelled by {}", self.user)
+    ///     }
+    /// }
+    /// impl std::error::Error for UserCancelled {}
+    ///
+    /// # futures::executor::block_on(async {
+    /// let controller = AbortController::new();
+    /// assert!(controller.abort_with(UserCancelled { user: "ada" }));
+    /// let work = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+    ///     .with_signal(&controller.signal());
+    /// let error = work.await.unwrap_err();
+    /// let reason = error.reason().downcast_ref::<UserCancelled>().unwrap();
+    /// assert_eq!(reason.user, "ada");
+    /// # });
+    /// ```
+    pub fn abort_with<E: Error + Send + Sync + 'static>(&self, error: E) -> bool {
+        self.inner.abort(AbortReason::new(error))
     }
 
     /// A second handle on the same controller, for the crate's own bookkeeping.
@@ -378,7 +416,8 @@ impl AbortSignal {
         AbortSignal { inner: None }
     }
 
-    /// A signal that aborts with a [`TimedOut`] reason once `after` has passed (real time).
+    /// A signal that aborts with a [`TimedOut`] reason once `after` has passed (real time,
+    /// measured from this call on the monotonic clock).
     ///
     /// The timer runs on the default spawner (with the `tokio` feature, the tokio runtime this is
     /// called on, if any; otherwise smol's global executor), so this works under any executor.
@@ -396,6 +435,33 @@ impl AbortSignal {
     /// # });
     /// ```
     pub fn timeout(after: Duration) -> Self {
+        AbortSignal::timeout_on(Arc::new(SystemClock), after)
+    }
+
+    /// A signal that aborts with a [`TimedOut`] reason once `after` has passed on `clock`,
+    /// counted from this call on its monotonic time line: with a [`TestClock`](crate::TestClock),
+    /// when the test advances it that far.
+    ///
+    /// The timer runs on the default spawner, as for [`timeout`](AbortSignal::timeout).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use leasehold::{AbortSignal, TestClock, TimedOut};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let clock = TestClock::new();
+    /// let signal = AbortSignal::timeout_on(Arc::new(clock.clone()), Duration::from_secs(30));
+    /// clock.advance(Duration::from_secs(29));
+    /// assert!(!signal.is_aborted());
+    /// clock.advance(Duration::from_secs(1));
+    /// let reason = signal.aborted().await;
+    /// assert!(reason.downcast_ref::<TimedOut>().is_some());
+    /// # });
+    /// ```
+    pub fn timeout_on(clock: Arc<dyn Clock>, after: Duration) -> Self {
         let dropped = Arc::new(Event::new());
         // Listen before the signal exists, so that its drop cannot be missed.
         let gone = dropped.listen();
@@ -407,10 +473,11 @@ impl AbortSignal {
             dropped: Some(dropped),
         });
         let weak = Arc::downgrade(&inner);
+        // Started here, not when the task first runs: the time counts from this call.
+        let timer = clock.sleep(after);
         default_spawner().spawn(Box::pin(async move {
             // The timer task ends when the signal is dropped, so many short-lived timeouts do
             // not leave as many sleeping tasks behind.
-            let timer = SystemClock.sleep(after);
             if let futures::future::Either::Left(_) = futures::future::select(timer, gone).await {
                 if let Some(inner) = weak.upgrade() {
                     inner.abort(AbortReason::new(TimedOut));

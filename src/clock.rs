@@ -1,29 +1,76 @@
 //! Where time comes from: the system clock, or a test clock that moves only when told.
+//!
+//! A clock has two time lines. Wall time ([`Clock::now`]) is shared by processes and judges
+//! leases; it may be stepped (by NTP, or when a suspended machine wakes). Monotonic time
+//! ([`Clock::monotonic`]) only moves forward, at the rate of real time: schedules, timeouts and
+//! sleeps are measured on it, so a step of the wall clock never changes when they fire.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::OnceLock;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::future::BoxFuture;
 
 use crate::sync::lock;
 
-/// A source of time: wall-clock time for leases, and sleeping for schedules and heartbeats.
+/// A source of time: wall-clock time for leases, monotonic time and sleeping for schedules,
+/// timeouts and heartbeats.
 ///
-/// Times are durations since the Unix epoch so that several processes agree on lease expiry.
+/// Wall times are durations since the Unix epoch so that several processes agree on lease
+/// expiry.
+///
+/// # Examples
+///
+/// A clock of your own needs only `now` and `sleep`; it should also give `monotonic` if its
+/// wall time can be stepped.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use futures::future::BoxFuture;
+/// use leasehold::{Clock, SystemClock};
+///
+/// /// The system clock, seen from a process whose wall clock runs an hour ahead.
+/// struct AnHourAhead;
+/// impl Clock for AnHourAhead {
+///     fn now(&self) -> Duration {
+///         SystemClock.now() + Duration::from_secs(3600)
+///     }
+///     fn monotonic(&self) -> Duration {
+///         SystemClock.monotonic()
+///     }
+///     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+///         SystemClock.sleep(duration)
+///     }
+/// }
+/// assert!(AnHourAhead.now() > SystemClock.now());
+/// ```
 pub trait Clock: Send + Sync + 'static {
-    /// Wall-clock time since the Unix epoch (shared by processes for lease expiry).
+    /// Wall-clock time since the Unix epoch (shared by processes for lease expiry). It may jump
+    /// either way when the system clock is stepped.
     fn now(&self) -> Duration;
-    /// A future that resolves once `duration` has passed on this clock.
+
+    /// Monotonic time since an arbitrary origin fixed for the life of the clock: it never goes
+    /// back and is not moved by steps of the wall clock. Only differences between readings mean
+    /// anything. Schedules and timeouts are measured on it.
+    ///
+    /// The default is [`now`](Clock::now), which keeps clocks written before this method
+    /// existed working as they did; a clock whose wall time can be stepped should override it.
+    fn monotonic(&self) -> Duration {
+        self.now()
+    }
+
+    /// A future that resolves once `duration` has passed on this clock's monotonic time line.
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()>;
 }
 
-/// Real time: `SystemTime` for `now`, the `async-io` timer for `sleep` (it runs its own driver
-/// thread, so it works under any executor).
+/// Real time: `SystemTime` for `now`, `Instant` for `monotonic`, the `async-io` timer for
+/// `sleep` (it runs its own driver thread, so it works under any executor, and waits on
+/// monotonic time).
 ///
 /// # Examples
 ///
@@ -32,9 +79,9 @@ pub trait Clock: Send + Sync + 'static {
 /// use leasehold::{Clock, SystemClock};
 ///
 /// # futures::executor::block_on(async {
-/// let before = SystemClock.now();
+/// let before = SystemClock.monotonic();
 /// SystemClock.sleep(Duration::from_millis(2)).await;
-/// assert!(SystemClock.now() > before);
+/// assert!(SystemClock.monotonic() - before >= Duration::from_millis(2));
 /// # });
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
@@ -47,6 +94,12 @@ impl Clock for SystemClock {
             .unwrap_or(Duration::ZERO)
     }
 
+    fn monotonic(&self) -> Duration {
+        // One origin for the whole process, so that readings from any `SystemClock` compare.
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        ORIGIN.get_or_init(Instant::now).elapsed()
+    }
+
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         let timer = smol::Timer::after(duration);
         Box::pin(async move {
@@ -56,7 +109,9 @@ impl Clock for SystemClock {
 }
 
 /// A clock for tests: it starts at a fixed epoch (2024-01-01 00:00:00 UTC) and moves only when
-/// [`advance`](TestClock::advance) is called, which wakes every sleeper whose deadline has come.
+/// [`advance`](TestClock::advance) is called, which moves wall and monotonic time together and
+/// wakes every sleeper whose deadline has come. [`set_wall_time`](TestClock::set_wall_time)
+/// steps the wall time alone, either way, as NTP would.
 ///
 /// Clones share one time line.
 ///
@@ -82,8 +137,9 @@ pub struct TestClock {
 
 struct TestClockState {
     now: Duration,
+    monotonic: Duration,
     next_id: u64,
-    // Keyed by (deadline, id) so that `advance` takes the due sleepers from the front.
+    // Keyed by (monotonic deadline, id) so that `advance` takes the due sleepers from the front.
     sleepers: BTreeMap<(Duration, u64), Option<Waker>>,
 }
 
@@ -96,25 +152,67 @@ impl TestClock {
         TestClock {
             inner: Arc::new(Mutex::new(TestClockState {
                 now: TEST_EPOCH,
+                monotonic: Duration::ZERO,
                 next_id: 0,
                 sleepers: BTreeMap::new(),
             })),
         }
     }
 
-    /// Moves time forward and wakes every sleeper whose deadline has come.
+    /// Moves wall and monotonic time forward and wakes every sleeper whose deadline has come.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{Clock, TestClock};
+    ///
+    /// let clock = TestClock::new();
+    /// let (wall, monotonic) = (clock.now(), clock.monotonic());
+    /// clock.advance(Duration::from_secs(5));
+    /// assert_eq!(clock.now() - wall, Duration::from_secs(5));
+    /// assert_eq!(clock.monotonic() - monotonic, Duration::from_secs(5));
+    /// ```
     pub fn advance(&self, by: Duration) {
         let due: Vec<Waker> = {
             let mut state = lock(&self.inner);
             state.now += by;
-            let now = state.now;
-            let later = state.sleepers.split_off(&(now, u64::MAX));
+            state.monotonic += by;
+            let monotonic = state.monotonic;
+            let later = state.sleepers.split_off(&(monotonic, u64::MAX));
             let due = std::mem::replace(&mut state.sleepers, later);
             due.into_values().flatten().collect()
         };
         for waker in due {
             waker.wake();
         }
+    }
+
+    /// Steps the wall time alone to `since_epoch`, forward or back, as NTP (or a machine waking
+    /// from suspend) would. Monotonic time does not move and no sleeper wakes: schedules,
+    /// timeouts and sleeps carry on as if nothing happened, while leases judged by wall time
+    /// see the jump.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use futures::FutureExt;
+    /// use leasehold::{Clock, TestClock};
+    ///
+    /// let clock = TestClock::new();
+    /// let hour = Duration::from_secs(3600);
+    /// let (wall, monotonic) = (clock.now(), clock.monotonic());
+    /// let mut nap = clock.sleep(Duration::from_secs(1));
+    /// clock.set_wall_time(wall + hour);
+    /// assert_eq!(clock.now(), wall + hour);
+    /// assert_eq!(clock.monotonic(), monotonic);
+    /// assert!((&mut nap).now_or_never().is_none(), "no sleeper woke");
+    /// clock.set_wall_time(wall - hour);
+    /// assert_eq!(clock.now(), wall - hour);
+    /// ```
+    pub fn set_wall_time(&self, since_epoch: Duration) {
+        lock(&self.inner).now = since_epoch;
     }
 
     /// How many sleeps are waiting for time to move: lets a test wait until a task has reached
@@ -135,6 +233,7 @@ impl fmt::Debug for TestClock {
         let state = lock(&self.inner);
         f.debug_struct("TestClock")
             .field("now", &state.now)
+            .field("monotonic", &state.monotonic)
             .field("sleepers", &state.sleepers.len())
             .finish()
     }
@@ -145,11 +244,16 @@ impl Clock for TestClock {
         lock(&self.inner).now
     }
 
+    /// Starts at zero; moved only by [`advance`](TestClock::advance).
+    fn monotonic(&self) -> Duration {
+        lock(&self.inner).monotonic
+    }
+
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         let key = {
             let mut state = lock(&self.inner);
             state.next_id += 1;
-            let key = (state.now + duration, state.next_id);
+            let key = (state.monotonic.saturating_add(duration), state.next_id);
             if duration > Duration::ZERO {
                 state.sleepers.insert(key, None);
             }

@@ -1,9 +1,12 @@
 //! Fibers: spawned units of work that can be joined or interrupted.
 
+use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use futures::FutureExt;
 
@@ -32,7 +35,8 @@ pub enum Exit<T> {
     Success(T),
     /// The fiber was interrupted for this reason (the caller's object), after its clean-up ran.
     Interrupted(AbortReason),
-    /// The fiber's future panicked with this message (its clean-up still ran).
+    /// The fiber's future, or one of its finalizers, panicked with this message (its clean-up
+    /// still ran to the end).
     Panicked(String),
 }
 
@@ -52,6 +56,27 @@ impl<T> Exit<T> {
         match self {
             Exit::Success(value) => Some(value),
             _ => None,
+        }
+    }
+}
+
+/// `success: ` and the value, `interrupted: ` and the reason, or `panicked: ` and the message.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::Exit;
+///
+/// assert_eq!(Exit::Success(42).to_string(), "success: 42");
+/// assert_eq!(Exit::<u8>::Interrupted("enough".into()).to_string(), "interrupted: enough");
+/// assert_eq!(Exit::<u8>::Panicked("boom".into()).to_string(), "panicked: boom");
+/// ```
+impl<T: fmt::Display> fmt::Display for Exit<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exit::Success(value) => write!(f, "success: {value}"),
+            Exit::Interrupted(reason) => write!(f, "interrupted: {reason}"),
+            Exit::Panicked(message) => write!(f, "panicked: {message}"),
         }
     }
 }
@@ -108,6 +133,7 @@ where
         .with_spawner(spawner.clone())
         .detached();
     let task_shared = shared.clone();
+    let id = Arc::as_ptr(&done) as usize;
     let task = Box::pin(async move {
         // Completes the fiber even if the executor drops this task before it finishes.
         let _complete = CompleteOnDrop(task_shared.done.clone());
@@ -118,7 +144,41 @@ where
         };
         *lock(&task_shared.exit) = Some(exit);
     });
+    let task = Box::pin(AsFiber { id, task });
     (Prepared { shared, task }, controller, done)
+}
+
+crate::sync::const_thread_local! {
+    /// The fiber whose task this thread is polling, if any (see [`current`]).
+    static CURRENT: Cell<Option<usize>> = Cell::new(None);
+}
+
+/// The fiber whose task this thread is polling: the address of its completion flag, which is
+/// how the scope it was forked into knows it among its children. A scope's close uses it to
+/// leave alone the fiber that asked for the close (the scope's invariant 7).
+pub(crate) fn current() -> Option<usize> {
+    CURRENT.with(Cell::get)
+}
+
+/// A fiber's task, marked as the current fiber while it is polled.
+struct AsFiber {
+    id: usize,
+    task: futures::future::BoxFuture<'static, ()>,
+}
+
+impl Future for AsFiber {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        struct Restore(Option<usize>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                CURRENT.with(|current| current.set(self.0));
+            }
+        }
+        let _restore = Restore(CURRENT.with(|current| current.replace(Some(self.id))));
+        self.task.as_mut().poll(cx)
+    }
 }
 
 impl<T> Prepared<T> {

@@ -2,8 +2,10 @@
 //!
 //! A schedule is a tree of [`Kind`] nodes. Driving it is a pure step function
 //! ([`ScheduleRun::next`]): given the time a run ended, it says how long to wait before the next
-//! run, or that there is none. `retry` and `repeat` are thin loops around it with a [`Clock`], so
-//! all the arithmetic is tested without time passing.
+//! run, or that there is none. `retry` and `repeat` are thin loops around it with a [`Clock`],
+//! so all the arithmetic is tested without time passing. They give it monotonic times
+//! ([`Clock::monotonic`]): wall time can be stepped back and forth, which would stretch or cut
+//! short `up_to` and move `fixed`'s grid.
 
 use std::collections::hash_map::RandomState;
 use std::fmt;
@@ -221,7 +223,8 @@ impl Schedule {
         self.combine(other, Kind::Intersect)
     }
 
-    /// Sleeps and reads time on `clock` (default: [`SystemClock`]).
+    /// Sleeps and reads time on `clock` (default: [`SystemClock`]), on its monotonic time line
+    /// ([`Clock::monotonic`]), so that a step of the wall clock changes no decision.
     ///
     /// # Examples
     ///
@@ -241,7 +244,8 @@ impl Schedule {
         }
     }
 
-    /// Starts stepping the schedule by hand; `at` is when the first run starts.
+    /// Starts stepping the schedule by hand; `at` is when the first run starts, on any time line
+    /// that only moves forward (`retry` and `repeat` use [`Clock::monotonic`]).
     ///
     /// [`retry`](Schedule::retry) and [`repeat`](Schedule::repeat) use this; it is public for
     /// loops of your own and for tests.
@@ -284,19 +288,92 @@ impl Schedule {
     /// assert_eq!(result, Err(4));
     /// # });
     /// ```
-    pub async fn retry<T, E, F, Fut>(&self, mut attempt: F) -> Result<T, E>
+    pub async fn retry<T, E, F, Fut>(&self, attempt: F) -> Result<T, E>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
+        self.retry_while(attempt, |_| true).await
+    }
+
+    /// As [`retry`](Schedule::retry), but only errors for which `retry_if` holds are retried;
+    /// others return at once.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`retry`](Schedule::retry): dropping it drops the attempt in progress or the sleep.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::Schedule;
+    ///
+    /// # futures::executor::block_on(async {
+    /// let mut attempts = 0;
+    /// let result: Result<(), &str> = Schedule::recurs(5)
+    ///     .retry_while(
+    ///         || {
+    ///             attempts += 1;
+    ///             let error = if attempts < 3 { "busy" } else { "forbidden" };
+    ///             async move { Err(error) }
+    ///         },
+    ///         |error| *error == "busy",
+    ///     )
+    ///     .await;
+    /// assert_eq!((result, attempts), (Err("forbidden"), 3));
+    /// # });
+    /// ```
+    ///
+    /// Retrying [`try_acquire`](crate::LockManager::try_acquire) on a fixed spacing. A busy lock
+    /// is `Ok(None)`, not an error, so a plain `retry` would stop after the first attempt: turn
+    /// "busy" into an error of its own (here `None`), and retry only that one, so that a storage
+    /// error returns at once.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{LockError, LockManager, LockRequest, Schedule};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::open_in_memory()?;
+    /// let held = locks.exclusive("repo/photos", "prune").await?;
+    ///
+    /// // Err(Some(error)): storage failed; Err(None): still busy.
+    /// let try_backup = || async {
+    ///     let request = LockRequest::shared("repo/photos", "backup");
+    ///     locks.try_acquire(request).await.map_err(Some)?.ok_or(None)
+    /// };
+    /// let busy = |error: &Option<LockError>| error.is_none();
+    /// let every_5ms_for_50ms =
+    ///     Schedule::fixed(Duration::from_millis(5)).up_to(Duration::from_millis(50));
+    ///
+    /// let attempt = every_5ms_for_50ms.retry_while(try_backup, busy).await;
+    /// assert!(matches!(attempt, Err(None)), "busy for the whole schedule");
+    ///
+    /// held.release().await?;
+    /// let guard = every_5ms_for_50ms.retry_while(try_backup, busy).await;
+    /// assert!(guard.is_ok());
+    /// # Ok::<(), LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn retry_while<T, E, F, Fut, P>(
+        &self,
+        mut attempt: F,
+        mut retry_if: P,
+    ) -> Result<T, E>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        P: FnMut(&E) -> bool,
+    {
         let clock = self.clock();
-        let mut run = self.start(clock.now());
+        let mut run = self.start(clock.monotonic());
         loop {
             let error = match attempt().await {
                 Ok(value) => return Ok(value),
-                Err(error) => error,
+                Err(error) if retry_if(&error) => error,
+                Err(error) => return Err(error),
             };
-            match run.next(clock.now()) {
+            match run.next(clock.monotonic()) {
                 None => return Err(error),
                 Some(delay) => {
                     drop(error);
@@ -336,10 +413,10 @@ impl Schedule {
         Fut: Future<Output = Result<T, E>>,
     {
         let clock = self.clock();
-        let mut run = self.start(clock.now());
+        let mut run = self.start(clock.monotonic());
         loop {
             let value = action().await?;
-            match run.next(clock.now()) {
+            match run.next(clock.monotonic()) {
                 None => return Ok(value),
                 Some(delay) => {
                     drop(value);

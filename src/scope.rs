@@ -20,6 +20,16 @@
 //!    the one given with `with_spawner`, else its parent's, else the default (with the `tokio`
 //!    feature, the runtime it is polled on; otherwise smol's). Fibers run on their scope's
 //!    spawner, and so does every clean-up a scope hands off.
+//! 6. A finalizer that panics does not stop the others. The first finalizer panic is kept and
+//!    given back to whoever awaits the close it started ([`Scope::close`], or the `Scoped` that
+//!    owns the scope), once every other finalizer has run: a `Scoped` whose body ended with a
+//!    value, an error or an interruption resumes that panic instead (a body's own panic comes
+//!    first), so a fiber ends `Exit::Panicked`. Panics that nobody can be given (later ones, or
+//!    those of a close that was handed to the spawner) are logged with `tracing` at error.
+//! 7. As in Effect's `forkIn`, a close started from inside one of the scope's own fibers neither
+//!    interrupts nor awaits that fiber (it would otherwise wait for itself, or cut off the fiber
+//!    that asked for the close): the fiber goes on once the close has finished, and keeps its
+//!    value. The scope's other fibers are interrupted and awaited as usual.
 //!
 //! Lock order: a scope's `state` lock is never held across an await or a call into user code.
 
@@ -30,16 +40,18 @@ use std::fmt;
 use std::future::Future;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
-use event_listener::{Event, EventListener};
 use futures::future::{BoxFuture, FusedFuture};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
+use crate::clock::{Clock, SystemClock};
 use crate::spawn::{default_spawner, Spawner};
-use crate::sync::{lock, wait_for, CompleteOnDrop, Completion};
+// loom's (and the model's stand-in event) under `--cfg leasehold_loom`, for the model tests.
+use crate::sync::{lock, wait_for, CompleteOnDrop, Completion, Event, EventListener, Mutex};
 
 /// How a scope ended; every finalizer is told.
 ///
@@ -79,6 +91,28 @@ pub enum ExitStatus {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ScopeClosed;
 
+/// `success`, `failure`, or `interrupted: ` and the reason.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::ExitStatus;
+///
+/// assert_eq!(ExitStatus::Success.to_string(), "success");
+/// assert_eq!(ExitStatus::Failure.to_string(), "failure");
+/// let stopped = ExitStatus::Interrupted("user pressed stop".into());
+/// assert_eq!(stopped.to_string(), "interrupted: user pressed stop");
+/// ```
+impl fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitStatus::Success => f.write_str("success"),
+            ExitStatus::Failure => f.write_str("failure"),
+            ExitStatus::Interrupted(reason) => write!(f, "interrupted: {reason}"),
+        }
+    }
+}
+
 impl fmt::Display for ScopeClosed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("scope closed")
@@ -115,10 +149,21 @@ pub trait Release: Send + 'static {
 
 type Finalizer = Box<dyn FnOnce(ExitStatus) -> BoxFuture<'static, ()> + Send>;
 
+/// A panic's payload, as caught and resumed.
+type Panic = Box<dyn Any + Send>;
+
 /// A child that a closing scope interrupts (when it can be) and awaits.
 struct Child {
     interrupt: Option<AbortController>,
     done: Arc<Completion>,
+}
+
+impl Child {
+    /// Which child this is: for a fiber, the same number as [`crate::fiber::current`] gives
+    /// inside it.
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.done) as usize
+    }
 }
 
 struct ScopeState {
@@ -229,9 +274,8 @@ impl Scope {
         if state.done {
             let status = state.status.clone().unwrap_or(ExitStatus::Success);
             drop(state);
-            self.inner
-                .spawner
-                .spawn(Box::pin(run_finalizer(finalizer, status)));
+            let run = run_finalizer(finalizer, status).map(Result::err);
+            self.inner.spawner.spawn(unattended(Box::pin(run)));
         } else {
             state.finalizers.push(finalizer);
         }
@@ -320,18 +364,45 @@ impl Scope {
     ///
     /// Idempotent: the first status wins; later calls wait for the first close to finish. Called
     /// from inside the close itself (by one of the scope's own finalizers), it returns at once,
-    /// since waiting would wait for itself.
+    /// since waiting would wait for itself. Called from inside one of the scope's own fibers, it
+    /// neither interrupts nor awaits that fiber (as Effect's `forkIn`): the fiber goes on, with
+    /// its value, once the rest of the close has finished.
+    ///
+    /// # Panics
+    ///
+    /// If a finalizer panicked, the call that started the close resumes the first such panic,
+    /// after every other finalizer has run. Later calls, which only wait, do not.
     ///
     /// # Cancel safety
     ///
     /// Dropping this future before it completes does not abandon the close: the rest of it runs
-    /// in the background on the scope's spawner.
+    /// in the background on the scope's spawner (a finalizer panic is then logged).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::panic::AssertUnwindSafe;
+    /// use futures::FutureExt;
+    /// use leasehold::{ExitStatus, Scope};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let scope = Scope::new();
+    /// scope.add_finalizer(|_| async { /* still runs */ });
+    /// scope.add_finalizer(|_| async { panic!("the finalizer died") });
+    /// let close = AssertUnwindSafe(scope.close(ExitStatus::Success)).catch_unwind();
+    /// let panic = close.await.unwrap_err();
+    /// assert_eq!(panic.downcast_ref::<&str>(), Some(&"the finalizer died"));
+    /// # });
+    /// ```
     pub async fn close(&self, status: ExitStatus) {
-        self.close_owned(status).await
+        if let Some(panic) = self.close_owned(status).await {
+            resume_unwind(panic)
+        }
     }
 
-    /// [`close`](Scope::close) as a `'static` future.
-    pub(crate) fn close_owned(&self, status: ExitStatus) -> BoxFuture<'static, ()> {
+    /// [`close`](Scope::close) as a `'static` future; gives back the first finalizer panic
+    /// instead of resuming it.
+    pub(crate) fn close_owned(&self, status: ExitStatus) -> BoxFuture<'static, Option<Panic>> {
         let started = {
             let mut state = lock(&self.inner.state);
             if state.status.is_none() {
@@ -342,18 +413,23 @@ impl Scope {
             }
         };
         if started {
+            // A close started by one of this scope's own fibers must not wait for that fiber.
+            let closer = crate::fiber::current();
             Box::pin(Closing {
-                work: Some(Box::pin(run_close(self.inner.clone(), status))),
+                work: Some(Box::pin(run_close(self.inner.clone(), status, closer))),
                 scope: self.clone(),
                 handed_off: false,
             })
         } else if self.is_closing_here() {
             // Called from inside this scope's own close (say, by one of its finalizers): waiting
             // for the close to finish would wait for itself.
-            Box::pin(std::future::ready(()))
+            Box::pin(std::future::ready(None))
         } else {
             let inner = self.inner.clone();
-            Box::pin(async move { wait_closed(&inner).await })
+            Box::pin(async move {
+                wait_closed(&inner).await;
+                None
+            })
         }
     }
 
@@ -400,13 +476,20 @@ impl Scope {
     }
 
     /// Takes over the unfinished close of a child that was dropped while first polled here.
-    fn adopt_close(&self, close: BoxFuture<'static, ()>) {
+    fn adopt_close(&self, close: BoxFuture<'static, Option<Panic>>) {
         if self.unwinding().is_some() {
             // The parent is unwinding and will close right after dropping its body: awaiting the
-            // child's close among its finalizers keeps "inner before outer".
-            self.push_finalizer(Box::new(move |_| close));
+            // child's close among its finalizers keeps "inner before outer", and a finalizer
+            // panic of the child's becomes one of the parent's, surfaced by its close.
+            self.push_finalizer(Box::new(move |_| {
+                Box::pin(async move {
+                    if let Some(panic) = close.await {
+                        resume_unwind(panic)
+                    }
+                })
+            }));
         } else {
-            self.track(close);
+            self.track(unattended(close));
         }
     }
 }
@@ -446,7 +529,7 @@ impl Drop for ScopeInner {
             orphan_state.children = std::mem::take(&mut state.children);
         }
         let close = orphan.close_owned(ExitStatus::Interrupted(AbortReason::new(Dropped)));
-        self.spawner.spawn(close);
+        self.spawner.spawn(unattended(close));
     }
 }
 
@@ -457,8 +540,15 @@ fn status_reason(status: Option<&ExitStatus>) -> AbortReason {
     }
 }
 
-async fn run_close(inner: Arc<ScopeInner>, status: ExitStatus) {
+/// The close itself (invariants 1, 6 and 7). `closer` is the fiber that started it, if it is
+/// one: as a child of this scope it is neither interrupted nor awaited.
+async fn run_close(
+    inner: Arc<ScopeInner>,
+    status: ExitStatus,
+    closer: Option<usize>,
+) -> Option<Panic> {
     let reason = status_reason(Some(&status));
+    let mut first_panic = None;
     loop {
         enum Next {
             Children(Vec<Child>),
@@ -477,7 +567,8 @@ async fn run_close(inner: Arc<ScopeInner>, status: ExitStatus) {
             }
         };
         match next {
-            Next::Children(children) => {
+            Next::Children(mut children) => {
+                children.retain(|child| Some(child.id()) != closer);
                 for child in &children {
                     if let Some(controller) = &child.interrupt {
                         controller.abort(reason.clone());
@@ -487,25 +578,44 @@ async fn run_close(inner: Arc<ScopeInner>, status: ExitStatus) {
                     child.done.wait().await;
                 }
             }
-            Next::Finalizer(finalizer) => run_finalizer(finalizer, status.clone()).await,
+            Next::Finalizer(finalizer) => {
+                if let Err(panic) = run_finalizer(finalizer, status.clone()).await {
+                    match first_panic {
+                        None => first_panic = Some(panic),
+                        Some(_) => log_panic(&panic, "a further scope finalizer panicked"),
+                    }
+                }
+            }
             Next::Done => {
                 inner.closed.notify(usize::MAX);
-                return;
+                return first_panic;
             }
         }
     }
 }
 
-async fn run_finalizer(finalizer: Finalizer, status: ExitStatus) {
-    let outcome = AssertUnwindSafe(async move { finalizer(status).await })
+/// Runs one finalizer to completion; a panic is caught so that the others still run.
+async fn run_finalizer(finalizer: Finalizer, status: ExitStatus) -> Result<(), Panic> {
+    AssertUnwindSafe(async move { finalizer(status).await })
         .catch_unwind()
-        .await;
-    if let Err(payload) = outcome {
-        tracing::error!(
-            panic = %panic_message(&*payload),
-            "a scope finalizer panicked; the remaining finalizers still run"
-        );
-    }
+        .await
+}
+
+/// A close (or a finalizer) that runs in the background, where nobody can be given its panic:
+/// the panic is logged instead.
+fn unattended(close: BoxFuture<'static, Option<Panic>>) -> BoxFuture<'static, ()> {
+    Box::pin(async move {
+        if let Some(panic) = close.await {
+            log_panic(
+                &panic,
+                "a scope finalizer panicked in a close that nobody awaits",
+            );
+        }
+    })
+}
+
+fn log_panic(panic: &Panic, what: &'static str) {
+    tracing::error!(panic = %panic_message(&**panic), "{what}");
 }
 
 async fn wait_closed(inner: &ScopeInner) {
@@ -514,19 +624,19 @@ async fn wait_closed(inner: &ScopeInner) {
 
 /// The close work, owned by the caller that started it; handed to the spawner if dropped.
 struct Closing {
-    work: Option<BoxFuture<'static, ()>>,
+    work: Option<BoxFuture<'static, Option<Panic>>>,
     scope: Scope,
     /// Already the spawner's: if the spawner drops it too, there is nowhere left to go.
     handed_off: bool,
 }
 
 impl Future for Closing {
-    type Output = ();
+    type Output = Option<Panic>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Panic>> {
         let this = &mut *self;
         let Some(work) = this.work.as_mut() else {
-            return Poll::Ready(());
+            return Poll::Ready(None);
         };
         // While the finalizers run, the closing scope is their ambient parent (so a `Scoped`
         // started by a finalizer belongs to it), and a `close` of it from inside returns at once.
@@ -537,9 +647,9 @@ impl Future for Closing {
             poll
         });
         match poll {
-            Ok(Poll::Ready(())) => {
+            Ok(Poll::Ready(panic)) => {
                 this.work = None;
-                Poll::Ready(())
+                Poll::Ready(panic)
             }
             Ok(Poll::Pending) => Poll::Pending,
             Err(payload) => resume_unwind(payload),
@@ -555,11 +665,11 @@ impl Drop for Closing {
         if let Some(work) = self.work.take() {
             // Still wrapped, so that the rest of the close keeps its ambient parent and its
             // "closing here" mark.
-            self.scope.inner.spawner.spawn(Box::pin(Closing {
+            self.scope.inner.spawner.spawn(unattended(Box::pin(Closing {
                 work: Some(work),
                 scope: self.scope.clone(),
                 handed_off: true,
-            }));
+            })));
         }
     }
 }
@@ -574,11 +684,11 @@ pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     }
 }
 
-thread_local! {
+crate::sync::const_thread_local! {
     /// The scope of the `Scoped` whose body this thread is polling, if any.
-    static AMBIENT: RefCell<Option<Scope>> = const { RefCell::new(None) };
+    static AMBIENT: RefCell<Option<Scope>> = RefCell::new(None);
     /// The scopes whose close this thread is running, innermost last (by address).
-    static CLOSING: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    static CLOSING: RefCell<Vec<usize>> = RefCell::new(Vec::new());
 }
 
 /// Makes `scope` the ambient parent while `f` runs (restored even if `f` panics).
@@ -611,7 +721,7 @@ enum Phase<T, E> {
     Init(Body<T, E>),
     Running(BoxFuture<'static, Result<T, E>>),
     Closing {
-        close: BoxFuture<'static, ()>,
+        close: BoxFuture<'static, Option<Panic>>,
         outcome: Outcome<T, E>,
     },
     Done,
@@ -620,7 +730,7 @@ enum Phase<T, E> {
 enum Outcome<T, E> {
     Value(Result<T, E>),
     Interrupted(AbortReason),
-    Panicked(Box<dyn Any + Send>),
+    Panicked(Panic),
 }
 
 struct ScopedInner<T, E> {
@@ -629,6 +739,9 @@ struct ScopedInner<T, E> {
     /// the reason, whenever this future happens to be polled.
     signal: Option<AbortSignal>,
     listener: Option<EventListener>,
+    /// Timeouts not yet started: each becomes an attached signal on the first poll, so that it
+    /// counts from when the work starts, not from when it was built.
+    timeouts: Vec<(Arc<dyn Clock>, Duration)>,
     interrupted: fn(Interrupted) -> E,
     /// `None`: the parent's spawner, or the default one.
     spawner: Option<Arc<dyn Spawner>>,
@@ -701,6 +814,7 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
                 phase: Phase::Init(Box::new(move |scope| Box::pin(body(scope)))),
                 signal: None,
                 listener: None,
+                timeouts: Vec::new(),
                 interrupted: E::from,
                 spawner: None,
                 inherit: true,
@@ -726,12 +840,7 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
     /// # });
     /// ```
     pub fn with_signal(mut self, signal: &AbortSignal) -> Self {
-        let combined = match self.inner.signal.take() {
-            None => signal.clone(),
-            Some(attached) => AbortSignal::any([attached, signal.clone()]),
-        };
-        self.inner.signal = Some(combined);
-        self.inner.listener = None;
+        self.inner.attach(signal.clone());
         self
     }
 
@@ -776,9 +885,69 @@ impl<T, E> Scoped<T, E> {
         self.inner.spawner = Some(spawner);
         self
     }
+
+    /// Interrupts with a [`TimedOut`](crate::TimedOut) reason unless it has resolved once
+    /// `after` has passed (real time), counted from its first poll.
+    ///
+    /// The clean-up runs as for any interruption, and the `Scoped` resolves only after it.
+    /// Several timeouts and signals may be attached: the first to fire gives the reason.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{Interrupted, Scoped, TimedOut};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let slow = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+    ///     .timeout(Duration::from_millis(10));
+    /// let error = slow.await.unwrap_err();
+    /// assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+    /// # });
+    /// ```
+    pub fn timeout(self, after: Duration) -> Self {
+        self.timeout_on(Arc::new(SystemClock), after)
+    }
+
+    /// [`timeout`](Scoped::timeout) measured on `clock`'s monotonic time line: with a
+    /// [`TestClock`](crate::TestClock), once the test has advanced it that far past the first
+    /// poll.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use futures::FutureExt;
+    /// use leasehold::{Interrupted, Scoped, TestClock, TimedOut};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let clock = TestClock::new();
+    /// let mut slow = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+    ///     .timeout_on(Arc::new(clock.clone()), Duration::from_secs(60));
+    /// assert!((&mut slow).now_or_never().is_none()); // started: the minute counts from here
+    /// clock.advance(Duration::from_secs(60));
+    /// let error = slow.await.unwrap_err();
+    /// assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+    /// # });
+    /// ```
+    pub fn timeout_on(mut self, clock: Arc<dyn Clock>, after: Duration) -> Self {
+        self.inner.timeouts.push((clock, after));
+        self
+    }
 }
 
 impl<T, E> ScopedInner<T, E> {
+    /// Adds `signal` to those that interrupt this unit.
+    fn attach(&mut self, signal: AbortSignal) {
+        let combined = match self.signal.take() {
+            None => signal,
+            Some(attached) => AbortSignal::any([attached, signal]),
+        };
+        self.signal = Some(combined);
+        self.listener = None;
+    }
+
     /// The reason of the first attached signal to abort; otherwise arranges to be woken when one
     /// does.
     fn check_signals(&mut self, cx: &mut Context<'_>) -> Option<AbortReason> {
@@ -834,6 +1003,9 @@ impl<T, E> Future for Scoped<T, E> {
             }
             match &mut this.phase {
                 Phase::Init(_) => {
+                    for (clock, after) in std::mem::take(&mut this.timeouts) {
+                        this.attach(AbortSignal::timeout_on(clock, after));
+                    }
                     if let Some(reason) = this.check_signals(cx) {
                         this.phase = Phase::Done;
                         return Poll::Ready(Err((this.interrupted)(Interrupted::new(reason))));
@@ -872,20 +1044,27 @@ impl<T, E> Future for Scoped<T, E> {
                     this.phase = Phase::Closing { close, outcome };
                 }
                 Phase::Closing { close, .. } => {
-                    if close.as_mut().poll(cx).is_pending() {
+                    let Poll::Ready(finalizer_panic) = close.as_mut().poll(cx) else {
                         return Poll::Pending;
-                    }
+                    };
                     let Phase::Closing { outcome, .. } =
                         std::mem::replace(&mut this.phase, Phase::Done)
                     else {
                         unreachable!("matched Closing above")
                     };
-                    return Poll::Ready(match outcome {
-                        Outcome::Value(result) => result,
-                        Outcome::Interrupted(reason) => {
+                    // Invariant 6: a finalizer's panic is not lost; the body's own came first.
+                    return Poll::Ready(match (outcome, finalizer_panic) {
+                        (Outcome::Panicked(payload), later) => {
+                            if let Some(later) = later {
+                                log_panic(&later, "a scope finalizer panicked after its body did");
+                            }
+                            resume_unwind(payload)
+                        }
+                        (_, Some(panic)) => resume_unwind(panic),
+                        (Outcome::Value(result), None) => result,
+                        (Outcome::Interrupted(reason), None) => {
                             Err((this.interrupted)(Interrupted::new(reason)))
                         }
-                        Outcome::Panicked(payload) => resume_unwind(payload),
                     });
                 }
                 Phase::Done => panic!("`Scoped` polled after it resolved"),
@@ -917,7 +1096,7 @@ impl<T, E> Drop for ScopedInner<T, E> {
         };
         match &self.parent {
             Some(parent) => parent.adopt_close(close),
-            None => self.scope().spawner().spawn(close),
+            None => self.scope().spawner().spawn(unattended(close)),
         }
     }
 }
@@ -941,7 +1120,10 @@ impl<T, E> fmt::Debug for Scoped<T, E> {
         };
         f.debug_struct("Scoped")
             .field("phase", &phase)
-            .field("interruptible", &self.inner.signal.is_some())
+            .field(
+                "interruptible",
+                &(self.inner.signal.is_some() || !self.inner.timeouts.is_empty()),
+            )
             .finish()
     }
 }

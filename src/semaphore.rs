@@ -55,15 +55,13 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::ptr::NonNull;
-use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use futures::future::BoxFuture;
-use futures::task::AtomicWaker;
 
 use crate::scope::Release;
-use crate::sync::lock;
+// loom's under `--cfg leasehold_loom`, for the model tests.
+use crate::sync::{fence, lock, Arc, AtomicBool, AtomicUsize, AtomicWaker, Mutex, Ordering};
 
 /// The top bit of `state`: the queue is not empty.
 const QUEUED: usize = 1 << (usize::BITS - 1);
@@ -76,6 +74,10 @@ struct Inner {
     capacity: usize,
     state: AtomicUsize,
     queue: Mutex<VecDeque<Arc<Waiter>>>,
+    /// Under loom, a value it watches for leaks: a model run in which `Inner` is never freed
+    /// fails (invariant 4).
+    #[cfg(leasehold_loom)]
+    _leak_check: loom::alloc::Track<()>,
 }
 
 struct Waiter {
@@ -301,6 +303,8 @@ impl Semaphore {
             capacity: permits,
             state: AtomicUsize::new(permits),
             queue: Mutex::new(VecDeque::new()),
+            #[cfg(leasehold_loom)]
+            _leak_check: loom::alloc::Track::new(()),
         });
         Semaphore {
             handle: Arc::new(Handle {

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use common::{on_every_executor, poll_once, GENEROUS};
 use futures::FutureExt;
 use leasehold::{
-    AbortController, AbortReason, AbortSignal, Clock, Interrupted, Scoped, SystemClock, TimedOut,
+    AbortController, AbortReason, AbortSignal, Clock, Interrupted, Scoped, SystemClock, TestClock,
+    TimedOut,
 };
 
 #[derive(Debug)]
@@ -39,6 +40,28 @@ fn the_first_reason_wins_and_later_aborts_report_false() {
     let reason = signal.reason().expect("aborted");
     assert!(reason.ptr_eq(&first));
     assert!(!reason.ptr_eq(&second));
+}
+
+#[test]
+fn abort_with_takes_an_error_type_directly_and_the_work_gets_it_back() {
+    let controller = AbortController::new();
+    assert!(controller.abort_with(Shutdown(7)));
+    assert!(!controller.abort_with(Shutdown(8)), "the first reason wins");
+    let work = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+        .with_signal(&controller.signal());
+    let error = futures::executor::block_on(work).unwrap_err();
+    assert_eq!(error.reason().downcast_ref::<Shutdown>().unwrap().0, 7);
+    assert_eq!(error.to_string(), "interrupted: shutdown #7");
+}
+
+#[test]
+fn abort_still_takes_text() {
+    let controller = AbortController::new();
+    assert!(controller.abort("plain text"));
+    assert_eq!(
+        controller.signal().reason().unwrap().to_string(),
+        "plain text"
+    );
 }
 
 #[test]
@@ -107,6 +130,33 @@ fn timeout_aborts_with_a_timed_out_reason() {
         assert!(started.elapsed() >= Duration::from_millis(10));
         assert!(signal.reason().unwrap().ptr_eq(&reason));
     });
+}
+
+#[test]
+fn a_test_clock_drives_timeout_on() {
+    on_every_executor(|| async {
+        let clock = TestClock::new();
+        let signal = AbortSignal::timeout_on(Arc::new(clock.clone()), Duration::from_secs(30));
+        assert_eq!(clock.sleepers(), 1, "the timer counts from the call");
+        clock.advance(Duration::from_secs(29));
+        assert_eq!(clock.sleepers(), 1, "the timer still sleeps at 29 s");
+        assert!(!signal.is_aborted());
+        clock.advance(Duration::from_secs(1));
+        let reason = signal.aborted().await;
+        assert!(reason.downcast_ref::<TimedOut>().is_some(), "{reason:?}");
+    });
+}
+
+#[test]
+fn timeout_on_ignores_a_step_of_the_wall_clock() {
+    let clock = TestClock::new();
+    let signal = AbortSignal::timeout_on(Arc::new(clock.clone()), Duration::from_secs(30));
+    clock.set_wall_time(clock.now() + Duration::from_secs(3600));
+    assert_eq!(clock.sleepers(), 1, "an hour's step forward fired no timer");
+    assert!(!signal.is_aborted());
+    clock.advance(Duration::from_secs(30));
+    let reason = futures::executor::block_on(signal.aborted());
+    assert!(reason.downcast_ref::<TimedOut>().is_some());
 }
 
 #[test]

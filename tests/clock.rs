@@ -147,3 +147,61 @@ fn a_system_clock_sleep_lasts_at_least_its_duration_on_every_executor() {
         assert!(started.elapsed() >= Duration::from_millis(15));
     });
 }
+
+#[test]
+fn the_system_clocks_monotonic_time_moves_with_instant() {
+    let started = Instant::now();
+    let first = SystemClock.monotonic();
+    std::thread::sleep(Duration::from_millis(5));
+    let second = SystemClock.monotonic();
+    assert!(second - first >= Duration::from_millis(5));
+    assert!(second - first <= started.elapsed());
+}
+
+#[test]
+fn advance_moves_wall_and_monotonic_time_together() {
+    let clock = TestClock::new();
+    assert_eq!(clock.monotonic(), Duration::ZERO);
+    clock.advance(secs(90));
+    assert_eq!(clock.monotonic(), secs(90));
+    assert_eq!(clock.now(), TEST_EPOCH + secs(90));
+}
+
+#[test]
+fn stepping_the_wall_time_moves_neither_monotonic_time_nor_sleepers() {
+    let clock = TestClock::new();
+    let hour = secs(3600);
+    let mut nap = clock.sleep(secs(10));
+    assert!(poll_once(&mut nap).is_pending());
+
+    clock.set_wall_time(TEST_EPOCH + hour);
+    assert_eq!(clock.now(), TEST_EPOCH + hour);
+    assert_eq!(clock.monotonic(), Duration::ZERO);
+    assert!(
+        poll_once(&mut nap).is_pending(),
+        "a forward step wakes no sleeper"
+    );
+
+    clock.set_wall_time(TEST_EPOCH - hour);
+    assert_eq!(clock.now(), TEST_EPOCH - hour);
+    clock.advance(secs(10));
+    assert_eq!(clock.now(), TEST_EPOCH - hour + secs(10));
+    assert!(
+        poll_once(&mut nap).is_ready(),
+        "the sleep keeps its monotonic deadline"
+    );
+}
+
+#[test]
+fn a_clock_written_without_monotonic_still_compiles_and_uses_its_wall_time() {
+    struct Stopped;
+    impl Clock for Stopped {
+        fn now(&self) -> Duration {
+            TEST_EPOCH
+        }
+        fn sleep(&self, _: Duration) -> futures::future::BoxFuture<'static, ()> {
+            Box::pin(std::future::pending())
+        }
+    }
+    assert_eq!(Stopped.monotonic(), TEST_EPOCH);
+}

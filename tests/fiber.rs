@@ -11,7 +11,8 @@ use common::{
 use futures::executor::block_on;
 use futures::future::{self, BoxFuture};
 use leasehold::{
-    fork_daemon, scoped, AbortReason, Clock, Exit, Interrupted, Scope, Scoped, TestClock,
+    fork_daemon, scoped, AbortReason, Clock, Exit, ExitStatus, Interrupted, Scope, Scoped,
+    TestClock,
 };
 
 /// A fiber body: a `Scoped` with a slow finalizer named `name`, which sets `started` and then
@@ -199,6 +200,56 @@ fn a_panic_gives_exit_panicked_with_the_message_after_the_cleanup() {
 }
 
 #[test]
+fn a_fiber_whose_finalizer_panics_ends_panicked() {
+    // The reproduction from the issue: the value does not hide the finalizer's panic.
+    let fiber = fork_daemon(scoped::<u32, Interrupted, _, _>(|scope| async move {
+        scope.add_finalizer(|_| async { panic!("the finalizer died") });
+        Ok(42)
+    }));
+    let exit = block_on(fiber.join());
+    assert!(!exit.is_success());
+    assert!(
+        matches!(&exit, Exit::Panicked(message) if message == "the finalizer died"),
+        "{exit:?}"
+    );
+}
+
+#[test]
+fn a_fiber_that_closes_its_own_scope_is_not_interrupted_and_keeps_its_value() {
+    // As Effect's forkIn: the close started by the fiber neither interrupts nor awaits it.
+    on_every_executor(|| async {
+        let log = Log::new();
+        let scope = Scope::new();
+        let sibling_started = Flag::new();
+        let sibling = scope.fork(wait_forever_with_cleanup(
+            log.clone(),
+            "sibling",
+            sibling_started.clone(),
+        ));
+        within(GENEROUS, "the sibling started", || sibling_started.is_set()).await;
+        let finalizer_log = log.clone();
+        scope.add_finalizer(move |_| async move { finalizer_log.push("scope finalizer") });
+        let (closer_scope, closer_log) = (scope.clone(), log.clone());
+        let closer = scope.fork(async move {
+            closer_scope.close(ExitStatus::Success).await;
+            closer_log.push("the closer went on");
+            42
+        });
+        assert!(matches!(closer.join().await, Exit::Success(42)));
+        assert!(sibling.join().await.is_interrupted());
+        assert_eq!(
+            log.entries(),
+            [
+                "sibling start",
+                "sibling end",
+                "scope finalizer",
+                "the closer went on"
+            ]
+        );
+    });
+}
+
+#[test]
 fn a_plain_panicking_future_gives_exit_panicked() {
     let fiber = fork_daemon(async {
         panic!("plain panic");
@@ -261,4 +312,17 @@ fn exit_tells_how_the_fiber_ended() {
     let panicked: Exit<u8> = Exit::Panicked("boom".into());
     assert!(!panicked.is_success() && !panicked.is_interrupted());
     assert_eq!(panicked.success(), None);
+}
+
+#[test]
+fn exit_displays_how_the_fiber_ended() {
+    assert_eq!(Exit::Success("done").to_string(), "success: done");
+    assert_eq!(
+        Exit::<u8>::Interrupted("stop".into()).to_string(),
+        "interrupted: stop"
+    );
+    assert_eq!(
+        Exit::<u8>::Panicked("boom".into()).to_string(),
+        "panicked: boom"
+    );
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{on_every_executor, poll_once, Counter};
 use futures::executor::block_on;
-use leasehold::{Schedule, TestClock};
+use leasehold::{Clock, Schedule, TestClock};
 
 fn s(secs: u64) -> Duration {
     Duration::from_secs(secs)
@@ -64,6 +64,52 @@ fn retry_returns_the_first_ok() {
     }));
     assert_eq!(result, Ok("third time lucky"));
     assert_eq!(attempts.get(), 3);
+}
+
+#[test]
+fn retry_while_returns_an_error_the_predicate_refuses_at_once() {
+    let attempts = Counter::new();
+    let result: Result<(), &str> = block_on(Schedule::recurs(10).retry_while(
+        || {
+            let n = attempts.bump();
+            async move { Err(if n < 3 { "busy" } else { "forbidden" }) }
+        },
+        |error| *error == "busy",
+    ));
+    assert_eq!(result, Err("forbidden"));
+    assert_eq!(attempts.get(), 3);
+}
+
+#[test]
+fn retry_while_retries_accepted_errors_until_the_schedule_is_done() {
+    let attempts = Counter::new();
+    let result: Result<(), usize> = block_on(Schedule::recurs(2).retry_while(
+        || {
+            let n = attempts.bump();
+            async move { Err(n) }
+        },
+        |_| true,
+    ));
+    assert_eq!(result, Err(3));
+}
+
+#[test]
+fn retry_while_returns_the_first_ok() {
+    let attempts = Counter::new();
+    let result: Result<usize, &str> = block_on(Schedule::recurs(10).retry_while(
+        || {
+            let n = attempts.bump();
+            async move {
+                if n == 2 {
+                    Ok(n)
+                } else {
+                    Err("busy")
+                }
+            }
+        },
+        |_| true,
+    ));
+    assert_eq!(result, Ok(2));
 }
 
 #[test]
@@ -161,6 +207,54 @@ fn retry_measures_elapsed_time_on_the_schedules_clock() {
         clock.advance(s(1));
     }
     assert_eq!(poll_once(&mut retry), Poll::Ready(Err(3)));
+}
+
+/// When (in whole seconds of monotonic time) each run of `schedule`, driven by `repeat` on a
+/// test clock that ticks a second at a time, started. With `step_wall`, the wall time is stepped
+/// an hour forward and back again, over and over, while the runs and the sleeps go on.
+fn run_starts(schedule: Schedule, step_wall: bool) -> Vec<u64> {
+    let clock = TestClock::new();
+    let schedule = schedule.with_clock(Arc::new(clock.clone()));
+    let starts = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (run_clock, run_starts) = (clock.clone(), starts.clone());
+    let mut repeat = Box::pin(schedule.repeat(move || {
+        let at = run_clock.monotonic().as_secs();
+        run_starts.lock().unwrap().push(at);
+        async { Ok::<_, ()>(()) }
+    }));
+    let hour = s(3600);
+    for tick in 0..1000 {
+        if poll_once(&mut repeat).is_ready() {
+            drop(repeat);
+            return starts.lock().unwrap().clone();
+        }
+        clock.advance(s(1));
+        if step_wall {
+            match tick % 4 {
+                1 => clock.set_wall_time(clock.now() + hour),
+                3 => clock.set_wall_time(clock.now() - hour),
+                _ => {}
+            }
+        }
+    }
+    panic!("the schedule never ended: {:?}", starts.lock().unwrap());
+}
+
+#[test]
+fn stepping_the_wall_clock_changes_no_decision_of_up_to() {
+    let schedule = Schedule::spaced(s(10)).up_to(s(35));
+    assert_eq!(run_starts(schedule.clone(), false), [0, 10, 20, 30, 40]);
+    assert_eq!(run_starts(schedule, true), [0, 10, 20, 30, 40]);
+}
+
+#[test]
+fn stepping_the_wall_clock_changes_no_decision_of_fixed() {
+    let schedule = Schedule::fixed(s(10)).intersect(Schedule::recurs(6));
+    assert_eq!(
+        run_starts(schedule.clone(), false),
+        [0, 10, 20, 30, 40, 50, 60]
+    );
+    assert_eq!(run_starts(schedule, true), [0, 10, 20, 30, 40, 50, 60]);
 }
 
 #[test]

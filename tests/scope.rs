@@ -16,7 +16,7 @@ use futures::future::{self, BoxFuture, Either};
 use futures::FutureExt;
 use leasehold::{
     scoped, AbortController, AbortReason, Clock, Dropped, Exit, ExitStatus, Interrupted, Release,
-    Scope, ScopeClosed, Scoped, TestClock,
+    Scope, ScopeClosed, Scoped, TestClock, TimedOut,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -76,6 +76,14 @@ fn every_finalizer_is_told_failure() {
 }
 
 #[test]
+fn exit_status_displays_how_the_scope_ended() {
+    assert_eq!(ExitStatus::Success.to_string(), "success");
+    assert_eq!(ExitStatus::Failure.to_string(), "failure");
+    let status = ExitStatus::Interrupted(AbortReason::from("caller's reason"));
+    assert_eq!(status.to_string(), "interrupted: caller's reason");
+}
+
+#[test]
 fn every_finalizer_is_told_the_callers_interruption_reason() {
     let statuses = Statuses::new();
     let scope = Scope::new();
@@ -105,8 +113,121 @@ fn a_panicking_finalizer_does_not_stop_the_others() {
     let last = log.clone();
     scope.add_finalizer(move |_| async move { last.push("last") });
 
-    block_on(scope.close(ExitStatus::Success));
+    let close = AssertUnwindSafe(scope.close(ExitStatus::Success)).catch_unwind();
+    assert!(block_on(close).is_err(), "the finalizer panic is surfaced");
     assert_eq!(log.entries(), ["last", "first"]);
+}
+
+#[test]
+fn close_resumes_the_first_finalizer_panic_after_every_other_finalizer_ran() {
+    let log = Log::new();
+    let scope = Scope::new();
+    let first = log.clone();
+    scope.add_finalizer(move |_| async move { first.push("added first, runs last") });
+    scope.add_finalizer(|_| async { panic!("runs second") });
+    scope.add_finalizer(|_| async { panic!("runs first") });
+
+    let close = AssertUnwindSafe(scope.close(ExitStatus::Success)).catch_unwind();
+    let payload = block_on(close).unwrap_err();
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"runs first"));
+    assert_eq!(log.entries(), ["added first, runs last"]);
+    assert!(scope.is_closed());
+}
+
+#[test]
+fn only_the_close_that_started_it_is_given_the_finalizer_panic() {
+    let scope = Scope::new();
+    let gate = Flag::new();
+    let finalizer_gate = gate.clone();
+    scope.add_finalizer(move |_| async move {
+        within(GENEROUS, "the gate opened", || finalizer_gate.is_set()).await;
+        panic!("the finalizer died");
+    });
+    let starter = scope.clone();
+    let started = std::thread::spawn(move || {
+        block_on(AssertUnwindSafe(starter.close(ExitStatus::Success)).catch_unwind()).is_err()
+    });
+    within_blocking(GENEROUS, "the close started", || scope.is_closed());
+    let waiter = scope.clone();
+    let waited = std::thread::spawn(move || block_on(waiter.close(ExitStatus::Failure)));
+    gate.set();
+    assert!(started.join().unwrap(), "the starter is given the panic");
+    waited
+        .join()
+        .expect("a close that only waits does not panic");
+}
+
+#[test]
+fn a_scoped_whose_finalizer_panics_resumes_that_panic_once_its_scope_is_closed() {
+    let log = Log::new();
+    let body_log = log.clone();
+    let work = Scoped::<u32, Interrupted>::new(move |scope| async move {
+        slow_finalizer(&scope, &body_log, "after the panic", SLOW);
+        scope.add_finalizer(|_| async { panic!("the finalizer died") });
+        Ok(42)
+    });
+    let payload = block_on(AssertUnwindSafe(work).catch_unwind()).unwrap_err();
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"the finalizer died"));
+    assert_eq!(
+        log.entries(),
+        ["after the panic start", "after the panic end"]
+    );
+}
+
+#[test]
+fn a_finalizer_panic_wins_over_an_error_and_over_an_interruption() {
+    let failed = Scoped::<(), Interrupted>::new(|scope| async move {
+        scope.add_finalizer(|_| async { panic!("died after an error") });
+        Err(Interrupted::new("an error of the body".into()))
+    });
+    let payload = block_on(AssertUnwindSafe(failed).catch_unwind()).unwrap_err();
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"died after an error"));
+
+    let stop = Arc::new(AbortController::new());
+    let stop_now = stop.clone();
+    let interrupted = Scoped::<(), Interrupted>::new(move |scope| async move {
+        scope.add_finalizer(|_| async { panic!("died after an interruption") });
+        stop_now.abort("stop");
+        yield_now().await;
+        future::pending().await
+    })
+    .with_signal(&stop.signal());
+    let payload = block_on(AssertUnwindSafe(interrupted).catch_unwind()).unwrap_err();
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"died after an interruption")
+    );
+}
+
+#[test]
+fn a_panicking_body_wins_over_a_panicking_finalizer() {
+    let work = Scoped::<(), Interrupted>::new(|scope| async move {
+        scope.add_finalizer(|_| async { panic!("the finalizer died") });
+        panic!("the body died");
+    });
+    let payload = block_on(AssertUnwindSafe(work).catch_unwind()).unwrap_err();
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"the body died"));
+}
+
+#[test]
+fn a_nested_scopeds_finalizer_panic_surfaces_through_its_interrupted_parent() {
+    let stop = AbortController::new();
+    let parent = Scoped::<(), Interrupted>::new(|_| async move {
+        Scoped::<(), Interrupted>::new(|child| async move {
+            child.add_finalizer(|_| async { panic!("the child's finalizer died") });
+            future::pending().await
+        })
+        .await
+    })
+    .with_signal(&stop.signal());
+    let mut parent = Box::pin(AssertUnwindSafe(parent).catch_unwind());
+    assert!(poll_once(&mut parent).is_pending(), "the child started");
+    stop.abort("stop");
+    let payload = block_on(parent).unwrap_err();
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"the child's finalizer died")
+    );
 }
 
 #[test]
@@ -537,6 +658,81 @@ fn a_panicking_body_still_waits_for_the_children_it_drops() {
 // ---------------------------------------------------------------------------------------------
 // Scoped: interruption
 // ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_test_clock_drives_a_scoped_timeout_and_the_cleanup_runs_first() {
+    on_every_executor(|| async {
+        let clock = TestClock::new();
+        let statuses = Statuses::new();
+        let body_statuses = statuses.clone();
+        let mut work = Box::pin(
+            Scoped::<(), Interrupted>::new(move |scope| async move {
+                record_status(&scope, &body_statuses);
+                future::pending().await
+            })
+            .timeout_on(Arc::new(clock.clone()), Duration::from_secs(60)),
+        );
+        assert!(poll_once(&mut work).is_pending());
+        clock.advance(Duration::from_secs(59));
+        assert_eq!(clock.sleepers(), 1, "the timer still sleeps at 59 s");
+        clock.advance(Duration::from_secs(1));
+        let error = work.await.unwrap_err();
+        assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+        assert!(interrupted_by(&statuses.only(), error.reason()));
+    });
+}
+
+#[test]
+fn a_scoped_timeout_counts_from_the_first_poll_not_from_when_it_was_built() {
+    let clock = TestClock::new();
+    let mut work = Box::pin(
+        Scoped::<(), Interrupted>::new(|_| future::pending())
+            .timeout_on(Arc::new(clock.clone()), Duration::from_secs(60)),
+    );
+    assert_eq!(clock.sleepers(), 0, "no timer before the first poll");
+    clock.advance(Duration::from_secs(600));
+    assert!(poll_once(&mut work).is_pending());
+    assert_eq!(clock.sleepers(), 1, "the minute starts now");
+    clock.advance(Duration::from_secs(60));
+    let error = block_on(work).unwrap_err();
+    assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+}
+
+#[test]
+fn a_scoped_that_finishes_before_its_timeout_keeps_its_value() {
+    let clock = TestClock::new();
+    let work = Scoped::<u32, Interrupted>::new(|_| async { Ok(7) })
+        .timeout_on(Arc::new(clock.clone()), Duration::from_secs(1));
+    assert_eq!(block_on(work).unwrap(), 7);
+}
+
+#[test]
+fn a_scoped_timeout_on_the_system_clock_interrupts_with_timed_out() {
+    on_every_executor(|| async {
+        let started = std::time::Instant::now();
+        let work = Scoped::<(), Interrupted>::new(|_| future::pending())
+            .timeout(Duration::from_millis(10));
+        let error = work.await.unwrap_err();
+        assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+        assert!(started.elapsed() >= Duration::from_millis(10));
+    });
+}
+
+#[test]
+fn the_first_of_a_timeout_and_a_signal_gives_the_reason() {
+    let clock = TestClock::new();
+    let stop = AbortController::new();
+    let mut work = Box::pin(
+        Scoped::<(), Interrupted>::new(|_| future::pending())
+            .timeout_on(Arc::new(clock.clone()), Duration::from_secs(60))
+            .with_signal(&stop.signal()),
+    );
+    assert!(poll_once(&mut work).is_pending());
+    stop.abort("stopped first");
+    clock.advance(Duration::from_secs(60));
+    let error = block_on(work).unwrap_err();
+    assert_eq!(error.reason().to_string(), "stopped first");
+}
 
 #[test]
 fn an_already_aborted_signal_means_the_body_never_runs() {
