@@ -515,6 +515,9 @@ impl World {
         // Key -> the managers that commands of this burst changed it through.
         let mut touched: HashMap<String, HashSet<usize>> = HashMap::new();
         let mut sent: Vec<Sent> = Vec::new();
+        // The keys of each `many` of the burst: it takes all or none of them, so its outcome on
+        // one key depends on the others.
+        let mut manys: Vec<Vec<String>> = Vec::new();
         let mut tries: Vec<Try> = Vec::new();
         let mut interrupted: Vec<(Request, AbortReason)> = Vec::new();
         for action in actions {
@@ -559,6 +562,7 @@ impl World {
                     touch(&mut touched, &new.wants, owner);
                     let takes_rows = match policy {
                         Policy::Unqueued => {
+                            manys.push(new.wants.iter().map(|(key, _)| key.clone()).collect());
                             if new.wants.iter().any(|(key, _)| uncertain.contains(key)) {
                                 uncertain.extend(new.wants.iter().map(|(key, _)| key.clone()));
                             }
@@ -647,11 +651,29 @@ impl World {
         for new in sent {
             self.requests.push(new.into_request());
         }
+        // Keys whose state a `try_acquire` cannot be sure of: those another manager's commands
+        // change, concurrently; and then every key of a `many` that names one of them.
+        let mut open: HashSet<String> = touched
+            .iter()
+            .filter(|(_, owners)| owners.len() > 1)
+            .map(|(key, _)| key.clone())
+            .collect();
+        loop {
+            let before = open.len();
+            for keys in &manys {
+                if keys.iter().any(|key| open.contains(key)) {
+                    open.extend(keys.iter().cloned());
+                }
+            }
+            if open.len() == before {
+                break;
+            }
+        }
         for attempt in &mut tries {
             let others = touched
                 .get(&attempt.key)
                 .is_some_and(|owners| owners.iter().any(|&o| o != attempt.owner));
-            if others {
+            if others || open.contains(&attempt.key) {
                 attempt.expected = None;
             }
         }
