@@ -34,8 +34,10 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::grant::RowView;
 use super::protocol::Command;
-use super::storage::{Deleted, OwnedRequest, Result, Row, Storage};
-use super::{LockError, LockRequest, Mode};
+use super::storage::{
+    mode_code, mode_of, sql_ticket, ticket_of, Deleted, OwnedRequest, Result, Row, Storage,
+};
+use super::{LockError, LockRequest};
 
 /// The schema version this build writes and understands.
 pub(crate) const SCHEMA_VERSION: i32 = 1;
@@ -403,29 +405,6 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
     transaction.commit().map_err(|e| storage_error(doing, &e))
 }
 
-fn mode_code(mode: Mode) -> i16 {
-    match mode {
-        Mode::Shared => 0,
-        Mode::Exclusive => 1,
-    }
-}
-
-fn mode_of(code: i16) -> Mode {
-    if code == 0 {
-        Mode::Shared
-    } else {
-        Mode::Exclusive
-    }
-}
-
-fn ticket_of(value: i64) -> u64 {
-    u64::try_from(value).unwrap_or(0)
-}
-
-fn sql_ticket(ticket: u64) -> i64 {
-    i64::try_from(ticket).unwrap_or(i64::MAX)
-}
-
 fn row_view(row: &postgres::Row, key: Option<&str>) -> RowView {
     let (key, first) = match key {
         Some(key) => (key.to_owned(), 0),
@@ -433,7 +412,7 @@ fn row_view(row: &postgres::Row, key: Option<&str>) -> RowView {
     };
     RowView {
         key,
-        mode: mode_of(row.get(first)),
+        mode: mode_of(i64::from(row.get::<_, i16>(first))),
         ticket: ticket_of(row.get(first + 1)),
         held: row.get(first + 2),
     }
@@ -662,7 +641,7 @@ impl Storage for Postgres {
                 let acquired_at: Option<i64> = row.get(7);
                 Row {
                     key: row.get(0),
-                    mode: mode_of(row.get(1)),
+                    mode: mode_of(i64::from(row.get::<_, i16>(1))),
                     operation: row.get(2),
                     owner: row.get(3),
                     ticket: ticket_of(row.get(4)),

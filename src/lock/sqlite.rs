@@ -15,8 +15,10 @@ use std::time::Duration;
 use sqlite::{Connection, OpenFlags, State, Statement};
 
 use super::grant::RowView;
-use super::storage::{micros, Deleted, OwnedRequest, Result, Row, Storage};
-use super::{LockError, LockRequest, Mode};
+use super::storage::{
+    micros, mode_code, mode_of, sql_ticket, ticket_of, Deleted, OwnedRequest, Result, Row, Storage,
+};
+use super::{LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
 
 /// The schema version this build writes and understands.
@@ -29,29 +31,6 @@ const SQLITE_LOCKED: isize = 6;
 /// own busy handler waits up to `BUSY_TIMEOUT_MS` per try.
 const BUSY_GIVE_UP: Duration = Duration::from_secs(60);
 const BUSY_TIMEOUT_MS: usize = 5_000;
-
-fn mode_code(mode: Mode) -> i64 {
-    match mode {
-        Mode::Shared => 0,
-        Mode::Exclusive => 1,
-    }
-}
-
-fn mode_of(code: i64) -> Mode {
-    if code == 0 {
-        Mode::Shared
-    } else {
-        Mode::Exclusive
-    }
-}
-
-fn ticket_of(value: i64) -> u64 {
-    u64::try_from(value).unwrap_or(0)
-}
-
-fn sql_ticket(ticket: u64) -> i64 {
-    i64::try_from(ticket).unwrap_or(i64::MAX)
-}
 
 /// A storage error with the SQLite code and what was being done.
 pub(crate) fn storage_error(doing: &str, error: &sqlite::Error) -> LockError {
@@ -475,7 +454,7 @@ impl Storage for Db<'_> {
         for request in requests {
             statement.reset().map_err(|e| storage_error(doing, &e))?;
             bind(doing, &mut statement, 1, request.key.as_str())?;
-            bind(doing, &mut statement, 2, mode_code(request.mode))?;
+            bind(doing, &mut statement, 2, i64::from(mode_code(request.mode)))?;
             bind(doing, &mut statement, 3, request.operation.as_str())?;
             bind(doing, &mut statement, 4, owner)?;
             bind(doing, &mut statement, 5, ticket)?;

@@ -123,3 +123,29 @@ pub(crate) fn micros(time: Duration) -> i64 {
 pub(crate) fn from_micros(micros: i64) -> Duration {
     Duration::from_micros(u64::try_from(micros).unwrap_or(0))
 }
+
+/// How a mode is stored: 0 shared, 1 exclusive.
+pub(crate) fn mode_code(mode: Mode) -> i16 {
+    match mode {
+        Mode::Shared => 0,
+        Mode::Exclusive => 1,
+    }
+}
+
+/// The mode stored as `code`.
+pub(crate) fn mode_of(code: i64) -> Mode {
+    if code == 0 {
+        Mode::Shared
+    } else {
+        Mode::Exclusive
+    }
+}
+
+/// A ticket as stored (a signed 64-bit integer, which both databases have) and back.
+pub(crate) fn ticket_of(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+pub(crate) fn sql_ticket(ticket: u64) -> i64 {
+    i64::try_from(ticket).unwrap_or(i64::MAX)
+}
