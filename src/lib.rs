@@ -74,9 +74,9 @@
 //! # When not to use it
 //!
 //! If your tasks share memory in one process and need no async clean-up, `async-lock` or tokio's
-//! `sync` module are simpler and faster. If your processes span several machines, a lock service
-//! (etcd, ZooKeeper, PostgreSQL advisory locks) is the right tool: SQLite coordinates processes
-//! on one machine only.
+//! `sync` module are simpler and faster. SQLite coordinates processes on one machine only; if
+//! yours span several, switch the lock manager to PostgreSQL (feature `postgres`,
+//! `LockManager::connect`), or use a lock service (etcd, ZooKeeper) if you run one already.
 //!
 //! # Examples
 //!

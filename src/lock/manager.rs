@@ -19,7 +19,9 @@ use super::{grant, heartbeat};
 use super::{EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, StorageStats};
 
 /// Shared/exclusive lease locks keyed by strings, kept in one SQLite file so that several
-/// processes on one machine coordinate through it.
+/// processes on one machine coordinate through it, or (feature `postgres`,
+/// `LockManager::connect`) in one PostgreSQL schema, for processes on several
+/// machines.
 ///
 /// One `LockManager` is one owner (normally one per process). Clones share the owner; two
 /// `open` calls are two owners. Every acquisition is a [`Scoped`] future: attach an

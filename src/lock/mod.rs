@@ -1,4 +1,5 @@
-//! The lease lock manager: shared/exclusive locks keyed by strings, kept as rows in SQLite.
+//! The lease lock manager: shared/exclusive locks keyed by strings, kept as rows in SQLite (one
+//! machine) or PostgreSQL (several).
 //!
 //! Layout, from the user's side down:
 //!
