@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::types::ToSql;
-use postgres::{Client, Config, NoTls, Statement};
+use postgres::{Client, Config, NoTls, SimpleQueryMessage, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::grant::RowView;
@@ -131,6 +131,8 @@ pub(crate) struct Postgres {
     last_attempt: Option<Instant>,
     /// The server's time less this process's monotonic time, as of the last reading (micros).
     offset: i64,
+    /// Whether the open transaction freed or promoted rows, to announce with its commit.
+    announcing: bool,
     started: Instant,
 }
 
@@ -149,6 +151,7 @@ impl Postgres {
             statements: HashMap::new(),
             last_attempt: None,
             offset: 0,
+            announcing: false,
             started: Instant::now(),
         };
         storage.client()?;
@@ -428,39 +431,53 @@ impl Storage for Postgres {
         Ok(rows[0].get(0))
     }
 
+    /// One round trip: the transaction, its decision lock, and the server's time once it
+    /// holds the lock. (The schema name is validated, so it can stand in the text.)
     fn begin(&mut self) -> Result<i64> {
-        self.simple("starting a write transaction", "BEGIN")?;
-        let schema = self.schema.clone();
-        self.execute(
-            "decision lock",
-            "SELECT pg_advisory_xact_lock($1, hashtext($2))",
-            &[&LOCK_CLASS, &schema],
-        )?;
-        let now = self.server_now()?;
+        self.announcing = false;
+        let sql = format!(
+            "BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, hashtext('{}'));
+             SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+            self.schema.replace('\'', "''")
+        );
+        let messages = self.with("starting a write transaction", |client| {
+            client.simple_query(&sql)
+        })?;
+        let now = messages
+            .iter()
+            .rev()
+            .find_map(|message| match message {
+                SimpleQueryMessage::Row(row) => row.get(0).and_then(|text| text.parse().ok()),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                LockError::Storage("while starting a write transaction: no server time".into())
+            })?;
         self.offset = now - self.monotonic();
         Ok(now)
     }
 
+    /// Sent with the commit, in its round trip.
     fn announce(&mut self) -> Result<()> {
-        self.execute(
-            "counting a change",
-            "UPDATE {s}.meta SET changes = changes + 1",
-            &[],
-        )?;
-        let channel = channel(&self.schema);
-        self.execute(
-            "announcing a change",
-            "SELECT pg_notify($1, '')",
-            &[&channel],
-        )?;
+        self.announcing = true;
         Ok(())
     }
 
     fn commit(&mut self) -> Result<()> {
-        self.simple("committing", "COMMIT")
+        let sql = if std::mem::take(&mut self.announcing) {
+            format!(
+                "UPDATE {}.meta SET changes = changes + 1; SELECT pg_notify('{}', ''); COMMIT",
+                quote(&self.schema),
+                channel(&self.schema)
+            )
+        } else {
+            "COMMIT".to_owned()
+        };
+        self.simple("committing", &sql)
     }
 
     fn rollback(&mut self) {
+        self.announcing = false;
         if let Some(client) = self.client.as_mut() {
             let _ = client.batch_execute("ROLLBACK");
         }
