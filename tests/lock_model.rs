@@ -703,14 +703,7 @@ impl World {
                 );
             }
             if let Some(guard) = granted {
-                self.requests.push(Request {
-                    name,
-                    owner,
-                    wants: vec![(key, mode)],
-                    policy: Policy::Single,
-                    ticket: None,
-                    state: State::Held(guard),
-                });
+                self.hold(name, owner, key, mode, guard);
             }
         }
         for (mut request, reason) in interrupted {
@@ -770,15 +763,20 @@ impl World {
             );
         }
         if let Some(guard) = granted {
-            self.requests.push(Request {
-                name,
-                owner,
-                wants: vec![(key, mode)],
-                policy: Policy::Single,
-                ticket: None,
-                state: State::Held(guard),
-            });
+            self.hold(name, owner, key, mode, guard);
         }
+    }
+
+    /// Records the guard a `try_acquire` returned.
+    fn hold(&mut self, name: String, owner: usize, key: String, mode: Mode, guard: Guard) {
+        self.requests.push(Request {
+            name,
+            owner,
+            wants: vec![(key, mode)],
+            policy: Policy::Single,
+            ticket: None,
+            state: State::Held(guard),
+        });
     }
 
     async fn release(&mut self, pick: usize) {
