@@ -840,28 +840,37 @@ fn an_acquisition_dropped_right_after_it_was_sent_leaves_no_row() {
     });
 }
 
+/// How many of 1,000 back-to-back `try_acquire`s of "k" are refused, each sent right after
+/// `before` (which may drop something of "k") and each guard dropped at once; nothing else
+/// holds "k", so the answer must be 0. Leaves nothing behind.
+async fn refused_after(locks: &LockManager, before: impl Fn()) -> usize {
+    let mut refused = 0;
+    for _ in 0..1000 {
+        before();
+        match locks
+            .try_acquire(LockRequest::exclusive("k", "a"))
+            .await
+            .unwrap()
+        {
+            Some(guard) => drop(guard),
+            None => refused += 1,
+        }
+    }
+    assert!(locks.inspect(None).await.unwrap().is_empty());
+    refused
+}
+
 /// Every command sees what every command sent before it did, whatever batch they share: a
 /// `try_acquire` right after a guard was dropped finds the lock free.
 #[test]
 fn a_try_acquire_right_after_a_dropped_guard_is_never_refused() {
     stores::on_every_store(|store| async move {
         let locks = store.open().await;
-        let mut refused = 0;
-        for _ in 0..1000 {
-            match locks
-                .try_acquire(LockRequest::exclusive("k", "a"))
-                .await
-                .unwrap()
-            {
-                Some(guard) => drop(guard),
-                None => refused += 1,
-            }
-        }
+        let refused = refused_after(&locks, || {}).await;
         assert_eq!(
             refused, 0,
             "refused {refused} of 1000 with nothing else holding k"
         );
-        assert!(locks.inspect(None).await.unwrap().is_empty());
     });
 }
 
@@ -871,24 +880,14 @@ fn a_try_acquire_right_after_a_dropped_guard_is_never_refused() {
 fn a_try_acquire_right_after_a_dropped_acquisition_is_never_refused() {
     stores::on_every_store(|store| async move {
         let locks = store.open().await;
-        let mut refused = 0;
-        for _ in 0..1000 {
+        let refused = refused_after(&locks, || {
             let mut pending = locks.exclusive("k", "dropped");
             let _ = futures::FutureExt::now_or_never(&mut pending);
-            drop(pending);
-            match locks
-                .try_acquire(LockRequest::exclusive("k", "a"))
-                .await
-                .unwrap()
-            {
-                Some(guard) => drop(guard),
-                None => refused += 1,
-            }
-        }
+        })
+        .await;
         assert_eq!(
             refused, 0,
             "refused {refused} of 1000 with nothing else holding k"
         );
-        assert!(locks.inspect(None).await.unwrap().is_empty());
     });
 }
