@@ -586,10 +586,15 @@ impl<S: Storage> Worker<S> {
             // started it, which would try again, start a wait again: a loop of writes.)
             self.common.changed.notify(usize::MAX);
         }
-        // Judged by the time now: a promotion above may have waited for the write lock.
+        // Own rows are judged by the time now: a promotion above may have waited for the write
+        // lock. The next deadline is looked for from the time the queues were judged by: a
+        // foreign lease that ran out since was not seen to run out, and must make the next tick
+        // look again. (Looked for from `now`, it would be skipped, and with no other commit to
+        // see, the waiter it blocked would wait for ever.)
+        let judged = now;
         let now = self.now();
         self.check_own_rows(now)?;
-        self.next_deadline = self.storage.next_foreign_expiry(&self.common.owner, now)?;
+        self.next_deadline = self.storage.next_foreign_expiry(&self.common.owner, judged)?;
         Ok(())
     }
 
