@@ -810,6 +810,27 @@ mod tests {
     }
 
     #[test]
+    fn announcements_name_their_keys_or_say_that_something_changed() {
+        let keys = [
+            key_hash("a"),
+            key_hash("b,c"),
+            key_hash(&"x".repeat(10_000)),
+        ];
+        assert_eq!(parse_payload(&payload(&keys)), Some(keys.to_vec()));
+        assert_eq!(parse_payload(""), Some(Vec::new()));
+        let many: Vec<i64> = (0..2_000).collect();
+        assert_eq!(payload(&many), "*");
+        assert_eq!(parse_payload("*"), None);
+    }
+
+    #[test]
+    fn key_locks_depend_on_the_schema_and_the_key() {
+        assert_eq!(key_lock("s", "k"), key_lock("s", "k"));
+        assert_ne!(key_lock("s", "k"), key_lock("t", "k"));
+        assert_ne!(key_lock("s", "k"), key_lock("s", "j"));
+    }
+
+    #[test]
     fn schema_names_that_could_inject_sql_are_refused() {
         assert!(valid_schema("leasehold"));
         assert!(valid_schema("app_locks_2"));

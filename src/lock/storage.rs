@@ -215,3 +215,30 @@ pub(crate) fn ticket_of(value: i64) -> u64 {
 pub(crate) fn sql_ticket(ticket: u64) -> i64 {
     i64::try_from(ticket).unwrap_or(i64::MAX)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_keys_of_a_request_survive_being_stored_whatever_they_hold() {
+        let keys = ["a", "", "b:c", "12:x", "ключ", "x,y\n"];
+        let requests: Vec<LockRequest> = keys
+            .iter()
+            .map(|key| LockRequest::shared(*key, "op"))
+            .collect();
+        let stored = encode_keys(&requests).unwrap();
+        assert_eq!(decode_keys(&stored), keys);
+        assert_eq!(encode_keys(&requests[..1]), None);
+        assert!(decode_keys("garbage").is_empty());
+        assert!(decode_keys("5:ab").is_empty());
+    }
+
+    #[test]
+    fn key_hashes_are_stable() {
+        // FNV-1a of the empty input is its offset basis, whatever the version or process.
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(key_hash("k"), key_hash("k"));
+        assert_ne!(key_hash("k"), key_hash("j"));
+    }
+}

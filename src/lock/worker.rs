@@ -26,7 +26,7 @@
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
@@ -333,16 +333,6 @@ impl<S: Storage> Worker<S> {
                 Look::Pending => first.min(*deadline),
             };
         }
-    }
-
-    /// The keys this owner waits on: its queued requests', and those that requests without a
-    /// queue position were refused on.
-    fn watched(&self) -> BTreeSet<String> {
-        let mut keys = self.refused.clone();
-        for waiting in self.waits.values() {
-            keys.extend(waiting.keys.iter().cloned());
-        }
-        keys
     }
 
     /// The keys a batch decides on: those of its requests, and for a shutdown every key this
@@ -763,34 +753,33 @@ impl<S: Storage> Worker<S> {
         let changes = self.storage.changes()?;
         Counters::bump(&self.counters().change_checks);
         let now = self.now();
-        let watched = self.watched();
-        self.deadlines.retain(|key, _| watched.contains(key));
-        let mut keys: BTreeSet<String> = match &changes {
-            _ if std::mem::take(&mut self.look_all) => watched.clone(),
-            Changes::Unknown => watched.clone(),
-            Changes::Keys(hashes) => watched
-                .iter()
-                .filter(|key| hashes.contains(&key_hash(key)))
-                .cloned()
-                .collect(),
-            Changes::Nothing => BTreeSet::new(),
+        let look_all = std::mem::take(&mut self.look_all);
+        let queued: BTreeSet<&String> = self.waits.values().flat_map(|w| w.keys.iter()).collect();
+        let refused = &self.refused;
+        self.deadlines
+            .retain(|key, _| queued.contains(key) || refused.contains(key));
+        // Keys on which another owner's lease has run out since they were read.
+        let due = |key: &String| self.deadlines.get(key).is_none_or(|&at| at <= now);
+        let refused_freed = changes != Changes::Nothing || refused.iter().any(due);
+        let keys: BTreeSet<String> = match &changes {
+            _ if look_all => queued.into_iter().cloned().collect(),
+            Changes::Unknown => queued.into_iter().cloned().collect(),
+            Changes::Keys(hashes) => {
+                let hashes: HashSet<i64> = hashes.iter().copied().collect();
+                queued
+                    .into_iter()
+                    .filter(|key| hashes.contains(&key_hash(key)) || due(key))
+                    .cloned()
+                    .collect()
+            }
+            Changes::Nothing => queued.into_iter().filter(|key| due(key)).cloned().collect(),
         };
-        // Keys never read, and keys on which another owner's lease has run out since.
-        keys.extend(
-            watched
-                .iter()
-                .filter(|key| self.deadlines.get(*key).is_none_or(|&at| at <= now))
-                .cloned(),
-        );
-        let refused_freed =
-            changes != Changes::Nothing || keys.iter().any(|key| self.refused.contains(key));
         if refused_freed && !self.refused.is_empty() {
             // Requests without a queue position have no rows to promote: their callers try
             // again, and are refused (and watched) again if still blocked.
             self.refused.clear();
             self.common.changed.notify(usize::MAX);
         }
-        keys.retain(|key| self.waits.values().any(|w| w.keys.contains(key)));
         if keys.is_empty() {
             return Ok(());
         }
