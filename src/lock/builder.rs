@@ -256,6 +256,7 @@ impl LockManagerBuilder {
         let store = Some(format!("{} schema {schema:?}", target.describe()));
         let (opened, connected) = futures::channel::oneshot::channel();
         let starting = self.launch(store, move |common, commands, poke| {
+            let target = target.bound_by(common.heartbeat);
             match super::postgres::Postgres::connect(target, schema, poke) {
                 Ok(storage) => {
                     let _ = opened.send(Ok(()));

@@ -100,6 +100,28 @@ impl Target {
     pub(crate) fn describe(&self) -> String {
         describe(&self.config)
     }
+
+    /// Bounds every wait on the server by `heartbeat`, so that a stuck statement or lock fails
+    /// (and is retried) before a lease could run out unseen: `statement_timeout` and
+    /// `lock_timeout` at half a heartbeat (at least a second, so that a busy server is not
+    /// taken for a stuck one), added to any options the URL gave; and TCP keepalives, so that a
+    /// server that vanished is noticed within about a heartbeat.
+    pub(crate) fn bound_by(mut self, heartbeat: Duration) -> Target {
+        let limit = (heartbeat / 2).max(Duration::from_secs(1)).as_millis();
+        let ours = format!("-c statement_timeout={limit} -c lock_timeout={limit}");
+        let options = match self.config.get_options() {
+            Some(given) if !given.is_empty() => format!("{given} {ours}"),
+            _ => ours,
+        };
+        self.config.options(&options);
+        let idle = heartbeat.max(Duration::from_secs(1));
+        self.config
+            .keepalives(true)
+            .keepalives_idle(idle)
+            .keepalives_interval((idle / 4).max(Duration::from_secs(1)))
+            .keepalives_retries(3);
+        self
+    }
 }
 
 /// Parses a libpq connection string or URL, with its TLS settings (see `postgres_tls.rs`).

@@ -108,6 +108,9 @@ pub(crate) struct Worker<S> {
     pass: BTreeSet<String>,
     /// Look at every watched key at the next tick, changed or not.
     look_all: bool,
+    /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
+    /// deleted (if there) by the next transaction.
+    doubtful: Vec<Written>,
     /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
     /// live on, renewed with this owner's others.
     failed_removals: Vec<u64>,
@@ -129,6 +132,7 @@ impl<S: Storage> Worker<S> {
             deleted: false,
             pass: BTreeSet::new(),
             look_all: false,
+            doubtful: Vec::new(),
             failed_removals: Vec::new(),
         }
     }
@@ -398,10 +402,17 @@ impl<S: Storage> Worker<S> {
                 self.after_commit(&freed);
             }
             Err(error) => {
-                // Rolled back: the ids recorded for this batch's acquisitions point at nothing.
+                // Rolled back, most likely: the ids recorded for this batch's acquisitions point
+                // at nothing. But a failure of the commit itself (a connection cut as it was
+                // sent) cannot tell whether it committed: their rows are deleted, if there, by
+                // the next transaction, so that a retried acquisition is never there twice, and
+                // no row lives on, renewed by this owner's heartbeats, for a caller who was told
+                // it failed.
                 for write in &writes {
                     if let Write::Acquire { request, .. } = write {
-                        self.requests.remove(request);
+                        if let Some(written) = self.requests.remove(request) {
+                            self.doubtful.push(written);
+                        }
                     }
                 }
                 self.retry_alone(writes, error);
@@ -440,10 +451,34 @@ impl<S: Storage> Worker<S> {
     ) -> Result<(T, Freed), LockError> {
         // The keys a look asked for; `body` adds those whose rows it deletes.
         let mut pass = std::mem::take(&mut self.pass);
-        let now = self.storage.begin(keys)?;
+        let doubtful = std::mem::take(&mut self.doubtful);
+        let mut locked = keys.to_vec();
+        if !doubtful.is_empty() {
+            locked.extend(doubtful.iter().flat_map(|w| w.keys.iter().cloned()));
+            locked.sort();
+            locked.dedup();
+        }
+        let keys = locked.as_slice();
+        let now = match self.storage.begin(keys) {
+            Ok(now) => now,
+            Err(error) => {
+                self.doubtful = doubtful;
+                return Err(error);
+            }
+        };
         Counters::bump(&self.counters().write_transactions);
         self.deleted = false;
         let result = (|| {
+            let owner = self.common.owner.clone();
+            for written in &doubtful {
+                for key in &written.keys {
+                    let deleted = self.storage.delete_row(&owner, key, written.ticket, now)?;
+                    if deleted != Deleted::Missing {
+                        self.deleted = true;
+                        pass.insert(key.clone());
+                    }
+                }
+            }
             let value = body(self, now)?;
             let mut freed = Freed {
                 any: self.deleted,
@@ -470,6 +505,7 @@ impl<S: Storage> Worker<S> {
         if result.is_err() {
             self.pass.clear();
             self.storage.rollback();
+            self.doubtful.extend(doubtful);
         }
         result
     }
