@@ -286,13 +286,20 @@ impl LockManagerBuilder {
         // not run one of its own there.
         let (opened, result) = std::sync::mpsc::channel();
         let store = path.map(|path| canonical(path).display().to_string());
-        let starting = self.launch(store, move |common, commands, _| {
+        let starting = self.launch(store, move |common, commands, poke| {
             // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
             match sqlite::connect(open_path.as_deref(), file_mode) {
                 Ok(conn) => {
                     let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
                     let _ = opened.send(Ok(()));
                     let db = Db::new(&conn, common.clock.clone(), file);
+                    #[cfg(unix)]
+                    let db = db.with_doorbell(open_path.as_deref().and_then(|path| {
+                        let path = canonical(path);
+                        super::doorbell::Doorbell::open(&path, &common.owner, file_mode, poke)
+                    }));
+                    #[cfg(not(unix))]
+                    let _ = poke;
                     Worker::new(db, common, commands).run();
                 }
                 Err(error) => {

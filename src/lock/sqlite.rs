@@ -177,6 +177,10 @@ pub(crate) struct Db<'c> {
     /// `PRAGMA data_version` and the change log's last entry as of the last `changes`.
     seen_version: Option<i64>,
     seen_seq: Option<i64>,
+    /// Wakes other processes' managers after a commit that announced something.
+    #[cfg(unix)]
+    doorbell: Option<super::doorbell::Doorbell>,
+    ring: bool,
 }
 
 /// A cached statement, reset when dropped so that it never holds a read transaction open.
@@ -218,7 +222,17 @@ impl<'c> Db<'c> {
             file,
             seen_version: None,
             seen_seq: None,
+            #[cfg(unix)]
+            doorbell: None,
+            ring: false,
         }
+    }
+
+    /// Rings other processes' managers through `doorbell` after commits that free or promote.
+    #[cfg(unix)]
+    pub(crate) fn with_doorbell(mut self, doorbell: Option<super::doorbell::Doorbell>) -> Self {
+        self.doorbell = doorbell;
+        self
     }
 
     /// The change log's entries after `seq`, in order.
@@ -384,11 +398,28 @@ impl Storage for Db<'_> {
     }
 
     fn commit(&mut self) -> Result<()> {
-        self.run_retrying_busy("committing", "COMMIT")
+        self.run_retrying_busy("committing", "COMMIT")?;
+        if std::mem::take(&mut self.ring) {
+            #[cfg(unix)]
+            if let Some(doorbell) = &mut self.doorbell {
+                doorbell.ring();
+            }
+        }
+        Ok(())
     }
 
     fn rollback(&mut self) {
+        self.ring = false;
         let _ = self.conn.execute("ROLLBACK");
+    }
+
+    fn waiting(&mut self, waiting: bool) {
+        #[cfg(unix)]
+        if let Some(doorbell) = &mut self.doorbell {
+            doorbell.set_waiting(waiting);
+        }
+        #[cfg(not(unix))]
+        let _ = waiting;
     }
 
     /// `PRAGMA data_version` (a read that writes nothing) tells whether another connection
@@ -430,6 +461,7 @@ impl Storage for Db<'_> {
     /// promoting pass judged it), unless it has no queue position, and those look again on any
     /// commit.
     fn announce(&mut self, _freed: &[String], promoted: &[String]) -> Result<()> {
+        self.ring = true;
         let doing = "writing the change log";
         let mut statement = self.prepare(doing, "INSERT INTO changes (key_hash) VALUES (?)")?;
         for key in promoted {

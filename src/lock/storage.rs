@@ -53,6 +53,10 @@ pub(crate) trait Storage {
     fn announce(&mut self, freed: &[String], promoted: &[String]) -> Result<()>;
     /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
     fn rollback(&mut self);
+    /// Whether this owner has waiters, so that other managers' announcements should reach it
+    /// at once. Said inside the transaction that decides to wait, before its commit, and again
+    /// once nothing waits. A backend that wakes managers some other way ignores it.
+    fn waiting(&mut self, _waiting: bool) {}
 
     /// Appends the live rows on `keys`, in key and ticket order. A write transaction deletes the
     /// lapsed rows of a key (`delete_expired`) before it reads the key to decide: a row it

@@ -108,6 +108,8 @@ pub(crate) struct Worker<S> {
     pass: BTreeSet<String>,
     /// Look at every watched key at the next tick, changed or not.
     look_all: bool,
+    /// Whether storage was last told that this owner has waiters (`Storage::waiting`).
+    marked_waiting: bool,
     /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
     /// deleted (if there) by the next transaction.
     doubtful: Vec<Written>,
@@ -132,6 +134,7 @@ impl<S: Storage> Worker<S> {
             deleted: false,
             pass: BTreeSet::new(),
             look_all: false,
+            marked_waiting: false,
             doubtful: Vec::new(),
             failed_removals: Vec::new(),
         }
@@ -191,6 +194,9 @@ impl<S: Storage> Worker<S> {
             }
             if self.has_waiters() && (self.poked || self.last_look.elapsed() >= self.common.poll) {
                 self.look_for_changes();
+            }
+            if !self.has_waiters() {
+                self.mark_waiting(false);
             }
         }
     }
@@ -302,6 +308,8 @@ impl<S: Storage> Worker<S> {
     /// until the caller is woken. (An error answers "not known": the write transaction then
     /// decides.)
     fn refused_by_a_read(&mut self, requests: &[LockRequest]) -> bool {
+        // Said before the read: a release committed after it will wake this owner.
+        self.mark_waiting(true);
         let now = self.now();
         let keys = keys_of(requests);
         let mut rows = Vec::new();
@@ -314,6 +322,14 @@ impl<S: Storage> Worker<S> {
             self.refused.extend(keys);
         }
         refused
+    }
+
+    /// Tells storage whether this owner has waiters, when that changes.
+    fn mark_waiting(&mut self, waiting: bool) {
+        if waiting != self.marked_waiting {
+            self.marked_waiting = waiting;
+            self.storage.waiting(waiting);
+        }
     }
 
     /// Remembers, for each of `keys` (whose live rows are `rows`), when the first other owner's
@@ -578,7 +594,9 @@ impl<S: Storage> Worker<S> {
                 let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
                 let granted = grantable_now(wanted, &rows);
                 if !granted {
-                    // It waits, queued or not: until another owner's row here runs out.
+                    // It waits, queued or not: until another owner's row here runs out, or
+                    // another owner, committing after this transaction, wakes it.
+                    self.mark_waiting(true);
                     self.watch(&keys, &rows, Look::Pending);
                 }
                 if !granted && !queue {
