@@ -9,7 +9,8 @@
 //! - `handle.rs`: what a handle is made of (the command sender, and what the worker, the
 //!   heartbeats and the guards share); `reply.rs`: awaiting the worker's replies;
 //! - the worker and its policy: `protocol.rs` (the commands handles send it, and its replies),
-//!   `worker.rs` (the storage thread that orders and batches commands), `grant.rs` (the grant rule, pure), `heartbeat.rs` (lease renewal),
+//!   `worker.rs` (the storage thread that orders and batches commands), `watch.rs` (what an
+//!   owner waits for, and when to look again), `grant.rs` (the grant rule, pure), `heartbeat.rs` (lease renewal),
 //!   `siblings.rs` (wake-ups between managers of one process);
 //! - storage: `storage.rs` (the trait the worker needs of a backend, and the rows it gets
 //!   back), `sqlite.rs` (schema, migrations, one method per statement), `doorbell.rs` (wake-ups
@@ -35,6 +36,7 @@ mod siblings;
 mod sqlite;
 mod storage;
 mod types;
+mod watch;
 mod worker;
 
 pub use self::builder::LockManagerBuilder;

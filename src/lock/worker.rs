@@ -26,7 +26,7 @@
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
@@ -35,7 +35,8 @@ use std::time::Instant;
 use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
 use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
-use super::storage::{key_hash, micros, Changes, Deleted, OwnedRequest, Storage};
+use super::storage::{micros, Changes, Deleted, OwnedRequest, Storage};
+use super::watch::{first_foreign_expiries, Look, Waits};
 use super::{Common, LockError, LockRequest};
 use crate::sync::lock;
 
@@ -48,19 +49,6 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 /// What the worker remembers of a request whose rows it wrote.
 struct Written {
     ticket: u64,
-    keys: Vec<String>,
-}
-
-/// Whether a read of keys was a look on behalf of this owner's waits (see `Worker::watch`).
-#[derive(Clone, Copy)]
-enum Look {
-    Done,
-    Pending,
-}
-
-/// A queued request of this owner.
-struct Waiting {
-    slot: Arc<WaitSlot>,
     keys: Vec<String>,
 }
 
@@ -90,14 +78,8 @@ pub(crate) struct Worker<S> {
     rx: Receiver<Command>,
     /// Request id -> its ticket and keys, for every request of this owner that has rows.
     requests: HashMap<u64, Written>,
-    /// Ticket -> slot and keys, for this owner's queued requests.
-    waits: HashMap<u64, Waiting>,
-    /// Keys on which requests without a queue position were refused since their callers were
-    /// last woken: watched as queued requests' keys are.
-    refused: BTreeSet<String>,
-    /// Per watched key, when the first live row of another owner on it runs out (`i64::MAX`:
-    /// none), as of the last read of the key.
-    deadlines: HashMap<String, i64>,
+    /// This owner's queued requests, and the keys it watches (see `watch.rs`).
+    waits: Waits,
     last_look: Instant,
     poked: bool,
     last_renewal: Option<i64>,
@@ -125,9 +107,7 @@ impl<S: Storage> Worker<S> {
             common,
             rx,
             requests: HashMap::new(),
-            waits: HashMap::new(),
-            refused: BTreeSet::new(),
-            deadlines: HashMap::new(),
+            waits: Waits::default(),
             last_look: Instant::now(),
             poked: false,
             last_renewal: None,
@@ -319,7 +299,7 @@ impl<S: Storage> Worker<S> {
         let refused = !grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &rows);
         if refused {
             self.watch(&keys, &rows, Look::Pending);
-            self.refused.extend(keys);
+            self.waits.refuse(&keys);
         }
         refused
     }
@@ -334,24 +314,9 @@ impl<S: Storage> Worker<S> {
 
     /// Remembers, for each of `keys` (whose live rows are `rows`), when the first other owner's
     /// row on it runs out: that is when the key may be freed without anyone writing.
-    ///
-    /// A look, which reads the key for this owner's waits and promotes what it can, sets the
-    /// deadline (`Look::Done`). Any other read only brings it forward (`Look::Pending`): a key
-    /// whose deadline has passed must be looked at, even if by now the rows that blocked a
-    /// wait there are gone (deleted as lapsed by someone who had no reason to promote it).
     fn watch(&mut self, keys: &[String], rows: &[RowView], look: Look) {
-        for key in keys {
-            let first = rows
-                .iter()
-                .filter(|row| &row.key == key && row.owner != self.common.owner)
-                .map(|row| row.expires_at)
-                .min()
-                .unwrap_or(i64::MAX);
-            let deadline = self.deadlines.entry(key.clone()).or_insert(first);
-            *deadline = match look {
-                Look::Done => first,
-                Look::Pending => first.min(*deadline),
-            };
+        for (key, at) in first_foreign_expiries(&self.common.owner, keys, rows) {
+            self.waits.note(key, at, look);
         }
     }
 
@@ -600,7 +565,7 @@ impl<S: Storage> Worker<S> {
                     self.watch(&keys, &rows, Look::Pending);
                 }
                 if !granted && !queue {
-                    self.refused.extend(keys);
+                    self.waits.refuse(&keys);
                     return Ok(Decided::NotNow);
                 }
                 let ticket = self.storage.next_ticket()?;
@@ -658,14 +623,7 @@ impl<S: Storage> Worker<S> {
                 Decided::Queued(ticket),
             ) => {
                 let slot = Arc::new(WaitSlot::default());
-                let keys = keys_of(&requests);
-                self.waits.insert(
-                    ticket,
-                    Waiting {
-                        slot: slot.clone(),
-                        keys,
-                    },
-                );
+                self.waits.insert(ticket, slot.clone(), keys_of(&requests));
                 let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
             }
             (Write::Acquire { reply, .. }, _) => {
@@ -673,7 +631,7 @@ impl<S: Storage> Worker<S> {
             }
             (Write::Remove { request, reply }, decided) => {
                 if let Some(Written { ticket, .. }) = self.requests.remove(&request) {
-                    self.waits.remove(&ticket);
+                    self.waits.remove(ticket);
                 }
                 if let Some(reply) = reply {
                     let _ = reply.send(Ok(matches!(decided, Decided::Removed(true))));
@@ -692,8 +650,8 @@ impl<S: Storage> Worker<S> {
             }
             (Write::Shutdown { reply }, _) => {
                 self.requests.clear();
-                for (_, waiting) in self.waits.drain() {
-                    waiting.slot.set(SlotState::Shutdown);
+                for slot in self.waits.drain() {
+                    slot.set(SlotState::Shutdown);
                 }
                 lock(&self.common.guards).shut_down();
                 // Waiters without a queue position wake, try again, and find the manager shut.
@@ -709,8 +667,8 @@ impl<S: Storage> Worker<S> {
         // This owner's rows were promoted with this owner's lease (see `Db::promote`).
         let expires_at = self.local(freed.at + micros(self.common.lease));
         for ticket in &freed.promoted {
-            if let Some(waiting) = self.waits.remove(ticket) {
-                waiting.slot.set(SlotState::Granted(expires_at));
+            if let Some(slot) = self.waits.remove(*ticket) {
+                slot.set(SlotState::Granted(expires_at));
             }
         }
         if freed.any {
@@ -741,20 +699,18 @@ impl<S: Storage> Worker<S> {
         }
         let ahead = self.storage.ahead_of(&*self.common.clock);
         let mut settled = Vec::new();
-        for (&ticket, waiting) in &self.waits {
+        for (ticket, slot) in self.waits.all() {
             if let Some(held) = find_request(ticket, true) {
                 // Promoted by another manager, with this owner's lease from its clock.
-                waiting
-                    .slot
-                    .set(SlotState::Granted(held.expires_at - ahead));
+                slot.set(SlotState::Granted(held.expires_at - ahead));
                 settled.push(ticket);
             } else if find(ticket, false) == 0 {
-                waiting.slot.set(SlotState::Expired);
+                slot.set(SlotState::Expired);
                 settled.push(ticket);
             }
         }
         for ticket in settled {
-            self.waits.remove(&ticket);
+            self.waits.remove(ticket);
             if find(ticket, false) == 0 && find(ticket, true) == 0 {
                 self.requests.retain(|_, written| written.ticket != ticket);
             }
@@ -767,28 +723,29 @@ impl<S: Storage> Worker<S> {
     /// their waits as they commit); one whose row there is gone ran out.
     fn settle_waits(&mut self, keys: &BTreeSet<String>, rows: &[RowView]) {
         let ahead = self.storage.ahead_of(&*self.common.clock);
-        let mut settled = Vec::new();
-        for (&ticket, waiting) in &self.waits {
-            let Some(key) = waiting.keys.iter().find(|key| keys.contains(*key)) else {
-                continue;
-            };
-            match rows
-                .iter()
-                .find(|row| &row.key == key && row.ticket == ticket)
-            {
-                Some(row) if row.held => {
-                    waiting.slot.set(SlotState::Granted(row.expires_at - ahead));
-                    settled.push(ticket);
-                }
-                Some(_) => {}
-                None => {
-                    waiting.slot.set(SlotState::Expired);
-                    settled.push(ticket);
+        let seen: HashMap<(&str, u64), &RowView> = rows
+            .iter()
+            .filter(|row| row.owner == self.common.owner)
+            .map(|row| ((row.key.as_str(), row.ticket), row))
+            .collect();
+        let mut settled = BTreeSet::new();
+        for key in keys {
+            for (ticket, slot) in self.waits.on(key) {
+                match seen.get(&(key.as_str(), ticket)) {
+                    Some(row) if row.held => {
+                        slot.set(SlotState::Granted(row.expires_at - ahead));
+                        settled.insert(ticket);
+                    }
+                    Some(_) => {}
+                    None => {
+                        slot.set(SlotState::Expired);
+                        settled.insert(ticket);
+                    }
                 }
             }
         }
         for ticket in settled {
-            self.waits.remove(&ticket);
+            self.waits.remove(ticket);
         }
     }
 
@@ -808,30 +765,19 @@ impl<S: Storage> Worker<S> {
         Counters::bump(&self.counters().change_checks);
         let now = self.now();
         let look_all = std::mem::take(&mut self.look_all);
-        let queued: BTreeSet<&String> = self.waits.values().flat_map(|w| w.keys.iter()).collect();
-        let refused = &self.refused;
-        self.deadlines
-            .retain(|key, _| queued.contains(key) || refused.contains(key));
         // Keys on which another owner's lease has run out since they were read.
-        let due = |key: &String| self.deadlines.get(key).is_none_or(|&at| at <= now);
-        let refused_freed = changes != Changes::Nothing || refused.iter().any(due);
-        let keys: BTreeSet<String> = match &changes {
-            _ if look_all => queued.into_iter().cloned().collect(),
-            Changes::Unknown => queued.into_iter().cloned().collect(),
-            Changes::Keys(hashes) => {
-                let hashes: HashSet<i64> = hashes.iter().copied().collect();
-                queued
-                    .into_iter()
-                    .filter(|key| hashes.contains(&key_hash(key)) || due(key))
-                    .cloned()
-                    .collect()
-            }
-            Changes::Nothing => queued.into_iter().filter(|key| due(key)).cloned().collect(),
+        let (due, refused_due) = self.waits.due(now);
+        let mut keys: BTreeSet<String> = match &changes {
+            _ if look_all => self.waits.queued_keys().cloned().collect(),
+            Changes::Unknown => self.waits.queued_keys().cloned().collect(),
+            Changes::Keys(hashes) => self.waits.named(hashes),
+            Changes::Nothing => BTreeSet::new(),
         };
-        if refused_freed && !self.refused.is_empty() {
+        keys.extend(due);
+        if (changes != Changes::Nothing || refused_due) && self.waits.any_refused() {
             // Requests without a queue position have no rows to promote: their callers try
             // again, and are refused (and watched) again if still blocked.
-            self.refused.clear();
+            self.waits.take_refused();
             self.common.changed.notify(usize::MAX);
         }
         if keys.is_empty() {
@@ -889,8 +835,8 @@ impl<S> Drop for Worker<S> {
     /// However the worker stops (shutdown, every handle gone, or a panic), no waiter is left
     /// waiting for it.
     fn drop(&mut self) {
-        for (_, waiting) in self.waits.drain() {
-            waiting.slot.set(SlotState::Shutdown);
+        for slot in self.waits.drain() {
+            slot.set(SlotState::Shutdown);
         }
         self.common.changed.notify(usize::MAX);
     }
