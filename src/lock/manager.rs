@@ -487,7 +487,7 @@ async fn acquire_in_scope(
         let grant = match policy {
             Policy::Queue => {
                 // No later than the row's lease starts: the heartbeat counts from here.
-                let sent_at = shared.common.clock.now();
+                let sent_at = shared.common.clock.monotonic();
                 match shared.acquire(id, &requests, true).await? {
                     Acquired::Granted(grant) => grant,
                     Acquired::Queued(ticket, slot) => {
