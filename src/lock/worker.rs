@@ -15,9 +15,11 @@
 //!    written until they are deleted. The caller sends `Remove` by that id, so it is right
 //!    whether the acquisition was granted, queued or promoted; and since commands are handled in
 //!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows.
-//! 4. While this owner has waiters, the worker looks for other connections' commits every `poll`
-//!    with `PRAGMA data_version` (a read). Only when something changed, or a foreign lease ran
-//!    out, does it read the queues, and only when a waiter is grantable does it write.
+//! 4. While this owner has waiters, the worker looks for other connections' commits with
+//!    `PRAGMA data_version` (a read), when the poll's schedule says, on the monotonic time of the
+//!    manager's clock (and at once when a sibling manager pokes it). Only when something
+//!    changed, or a foreign lease ran out, does it read the queues, and only when a waiter is
+//!    grantable does it write.
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
@@ -25,25 +27,36 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::grant::{grantable_now, promotable};
 use super::handle::Counters;
 use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
 use super::storage::{micros, Deleted, OwnedRequest, Storage};
 use super::{Common, LockError, LockRequest};
+use crate::schedule::ScheduleRun;
 use crate::sync::lock;
 
 /// At most this many commands go into one transaction.
 const MAX_BATCH: usize = 256;
 
 /// How long the worker keeps looking for the next command before it blocks.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
+const SPIN: Duration = Duration::from_micros(100);
 
 /// What the worker remembers of a request whose rows it wrote.
 struct Written {
     ticket: u64,
     keys: Vec<String>,
+}
+
+/// The change poll's next look.
+enum NextLook {
+    /// No waiter: no look. The schedule starts over when a wait begins.
+    Idle,
+    /// At this time (the clock's monotonic time).
+    At(Duration),
+    /// The schedule is done: no look until the next wait begins (or a poke).
+    Over,
 }
 
 /// What a transaction freed, for waking waiters once it has committed.
@@ -76,7 +89,9 @@ pub(crate) struct Worker<S> {
     waits: HashMap<u64, Arc<WaitSlot>>,
     last_data_version: Option<i64>,
     next_deadline: Option<i64>,
-    last_look: Instant,
+    /// The change poll's schedule, and when it says to look next.
+    poll: ScheduleRun,
+    next_look: NextLook,
     poked: bool,
     last_renewal: Option<i64>,
     /// Whether the current transaction deleted a row of this owner.
@@ -90,6 +105,7 @@ pub(crate) struct Worker<S> {
 
 impl<S: Storage> Worker<S> {
     pub(crate) fn new(storage: S, common: Arc<Common>, rx: Receiver<Command>) -> Self {
+        let poll = common.poll.start(Duration::ZERO);
         Worker {
             storage,
             common,
@@ -98,7 +114,8 @@ impl<S: Storage> Worker<S> {
             waits: HashMap::new(),
             last_data_version: None,
             next_deadline: None,
-            last_look: Instant::now(),
+            poll,
+            next_look: NextLook::Idle,
             poked: false,
             last_renewal: None,
             deleted: false,
@@ -130,11 +147,15 @@ impl<S: Storage> Worker<S> {
                 Some(received) => received,
                 None => {
                     self.common.replies.worker_sleeps();
-                    let received = if self.has_waiters() {
-                        let left = self.common.poll.saturating_sub(self.last_look.elapsed());
-                        self.rx.recv_timeout(left)
-                    } else {
-                        self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                    // Blocks in real time for as long as the clock says is left, then reads the
+                    // clock again: on the system clock that is the moment of the look, and a
+                    // clock moved by hand (`TestClock`) is seen to move within one delay.
+                    let received = match self.next_look() {
+                        Some(at) => {
+                            let left = at.saturating_sub(self.common.clock.monotonic());
+                            self.rx.recv_timeout(left)
+                        }
+                        None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
                     };
                     self.common.replies.worker_wakes();
                     received
@@ -159,10 +180,40 @@ impl<S: Storage> Worker<S> {
                     return;
                 }
             }
-            if self.has_waiters() && (self.poked || self.last_look.elapsed() >= self.common.poll) {
+            if self.look_due() {
                 self.look_for_changes();
+                self.next_look = match self.poll.next_at(self.common.clock.monotonic()) {
+                    Some(at) => NextLook::At(at),
+                    None => NextLook::Over,
+                };
             }
         }
+    }
+
+    /// When the poll looks next, if it looks at all: only while this owner has waiters. When a
+    /// wait begins after none, the poll's schedule starts over, with a look at once.
+    fn next_look(&mut self) -> Option<Duration> {
+        if !self.has_waiters() {
+            self.next_look = NextLook::Idle;
+            return None;
+        }
+        if let NextLook::Idle = self.next_look {
+            let now = self.common.clock.monotonic();
+            self.poll.reset(now);
+            self.next_look = NextLook::At(now);
+        }
+        match self.next_look {
+            NextLook::At(at) => Some(at),
+            NextLook::Idle | NextLook::Over => None,
+        }
+    }
+
+    /// Whether to look for other processes' changes now: while this owner has waiters, when the
+    /// poll's time has come or another manager of this process poked.
+    fn look_due(&mut self) -> bool {
+        let next = self.next_look();
+        self.has_waiters()
+            && (self.poked || next.is_some_and(|at| self.common.clock.monotonic() >= at))
     }
 
     /// Right after a batch, callers often send again at once (release after acquire, the next
@@ -550,7 +601,6 @@ impl<S: Storage> Worker<S> {
     /// The poll: a cheap read to see whether anyone else committed (or a foreign lease ran out),
     /// then, only if so, a look at the queues and a promotion if one is due.
     fn look_for_changes(&mut self) {
-        self.last_look = Instant::now();
         let poked = std::mem::take(&mut self.poked);
         if let Err(error) = self.try_look(poked) {
             tracing::warn!(%error, "looking for other processes' changes failed; will retry");
