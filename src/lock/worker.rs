@@ -27,14 +27,15 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::grant::{grantable_now, promotable};
 use super::handle::Counters;
 use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
 use super::storage::{micros, Deleted, OwnedRequest, Storage};
 use super::{Common, LockError, LockRequest};
-use crate::schedule::ScheduleRun;
+use crate::clock::{Clock, SystemClock};
+use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
 /// At most this many commands go into one transaction.
@@ -42,6 +43,11 @@ const MAX_BATCH: usize = 256;
 
 /// How long the worker keeps looking for the next command before it blocks.
 const SPIN: Duration = Duration::from_micros(100);
+
+/// When the worker looks for the next command again before it blocks: at once, for [`SPIN`].
+fn spin_schedule() -> Schedule {
+    Schedule::spaced(Duration::ZERO).up_to(SPIN)
+}
 
 /// What the worker remembers of a request whose rows it wrote.
 struct Written {
@@ -92,6 +98,8 @@ pub(crate) struct Worker<S> {
     /// The change poll's schedule, and when it says to look next.
     poll: ScheduleRun,
     next_look: NextLook,
+    /// Looking for the next command before blocking ([`spin_schedule`]), on real time.
+    spin: ScheduleRun,
     poked: bool,
     last_renewal: Option<i64>,
     /// Whether the current transaction deleted a row of this owner.
@@ -116,6 +124,7 @@ impl<S: Storage> Worker<S> {
             next_deadline: None,
             poll,
             next_look: NextLook::Idle,
+            spin: spin_schedule().start(Duration::ZERO),
             poked: false,
             last_renewal: None,
             deleted: false,
@@ -220,16 +229,18 @@ impl<S: Storage> Worker<S> {
     /// request of a busy task). Waking a blocked thread costs tens of microseconds on small
     /// virtual machines, more than a transaction, so look for a while before blocking. This
     /// spends the worker's own time, never a caller's.
-    fn spin(&self) -> Option<Result<Command, RecvTimeoutError>> {
-        let until = Instant::now() + SPIN;
+    fn spin(&mut self) -> Option<Result<Command, RecvTimeoutError>> {
+        self.spin.reset(SystemClock.monotonic());
         loop {
             match self.rx.try_recv() {
                 Ok(command) => return Some(Ok(command)),
                 Err(TryRecvError::Disconnected) => {
                     return Some(Err(RecvTimeoutError::Disconnected))
                 }
-                Err(TryRecvError::Empty) if Instant::now() < until => std::thread::yield_now(),
-                Err(TryRecvError::Empty) => return None,
+                Err(TryRecvError::Empty) => match self.spin.next(SystemClock.monotonic()) {
+                    Some(_) => std::thread::yield_now(),
+                    None => return None,
+                },
             }
         }
     }
