@@ -299,10 +299,7 @@ fn the_change_poll_follows_its_schedule_on_the_managers_clock() {
             locks.inspect(Some("k")).await.unwrap().len() == 2
         })
         .await;
-        within(5_000, "a look at once when the wait began", || async {
-            locks.stats().change_checks >= 1
-        })
-        .await;
+        // The first look comes one delay after the manager started (it had not looked yet).
         settle(&locks).await;
         for delay in [100, 200, 400, 800] {
             let checks = locks.stats().change_checks;

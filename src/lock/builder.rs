@@ -110,8 +110,9 @@ impl LockManagerBuilder {
     /// thread looks for other processes' changes (a read-only check; only when something
     /// changed does it read the queues). Default `Schedule::fixed(10 ms)`.
     ///
-    /// The poll is one per manager however many tasks wait. Its schedule starts over when a
-    /// wait begins after none (with a look at once), and each look is one run of it. It is
+    /// The poll is one per manager however many tasks wait. Each look is one run of its
+    /// schedule; when a wait begins after none, the schedule starts over from the last look (so
+    /// the first look comes one delay after that, at once if it was long ago). It is
     /// stepped on the monotonic time of the manager's [`clock`](LockManagerBuilder::clock)
     /// (a clock given to the schedule itself with [`Schedule::with_clock`] is not used), so
     /// with a [`TestClock`](crate::TestClock) the poll follows the test's time. A schedule that

@@ -57,7 +57,7 @@ struct Written {
 
 /// The change poll's next look.
 enum NextLook {
-    /// No waiter: no look. The schedule starts over when a wait begins.
+    /// No waiter: no look. The schedule starts over from the last look when a wait begins.
     Idle,
     /// At this time (the clock's monotonic time).
     At(Duration),
@@ -95,9 +95,11 @@ pub(crate) struct Worker<S> {
     waits: HashMap<u64, Arc<WaitSlot>>,
     last_data_version: Option<i64>,
     next_deadline: Option<i64>,
-    /// The change poll's schedule, and when it says to look next.
+    /// The change poll's schedule, when it says to look next, and when the last look ended
+    /// (the clock's monotonic time).
     poll: ScheduleRun,
     next_look: NextLook,
+    last_look: Duration,
     /// Looking for the next command before blocking ([`spin_schedule`]), on real time.
     spin: ScheduleRun,
     poked: bool,
@@ -113,7 +115,8 @@ pub(crate) struct Worker<S> {
 
 impl<S: Storage> Worker<S> {
     pub(crate) fn new(storage: S, common: Arc<Common>, rx: Receiver<Command>) -> Self {
-        let poll = common.poll.start(Duration::ZERO);
+        let last_look = common.clock.monotonic();
+        let poll = common.poll.start(last_look);
         Worker {
             storage,
             common,
@@ -124,6 +127,7 @@ impl<S: Storage> Worker<S> {
             next_deadline: None,
             poll,
             next_look: NextLook::Idle,
+            last_look,
             spin: spin_schedule().start(Duration::ZERO),
             poked: false,
             last_renewal: None,
@@ -191,25 +195,31 @@ impl<S: Storage> Worker<S> {
             }
             if self.look_due() {
                 self.look_for_changes();
-                self.next_look = match self.poll.next_at(self.common.clock.monotonic()) {
-                    Some(at) => NextLook::At(at),
-                    None => NextLook::Over,
-                };
+                self.last_look = self.common.clock.monotonic();
+                self.next_look = self.look_after(self.last_look);
             }
         }
     }
 
+    /// The poll's next look after a look (or the start of the schedule) at `ended_at`.
+    fn look_after(&mut self, ended_at: Duration) -> NextLook {
+        match self.poll.next_at(ended_at) {
+            Some(at) => NextLook::At(at),
+            None => NextLook::Over,
+        }
+    }
+
     /// When the poll looks next, if it looks at all: only while this owner has waiters. When a
-    /// wait begins after none, the poll's schedule starts over, with a look at once.
+    /// wait begins after none, the poll's schedule starts over from the last look, so that the
+    /// first look comes one delay after it (at once if that was long ago).
     fn next_look(&mut self) -> Option<Duration> {
         if !self.has_waiters() {
             self.next_look = NextLook::Idle;
             return None;
         }
         if let NextLook::Idle = self.next_look {
-            let now = self.common.clock.monotonic();
-            self.poll.reset(now);
-            self.next_look = NextLook::At(now);
+            self.poll.reset(self.last_look);
+            self.next_look = self.look_after(self.last_look);
         }
         match self.next_look {
             NextLook::At(at) => Some(at),
