@@ -115,7 +115,9 @@ impl LockManagerBuilder {
     /// the first look comes one delay after that, at once if it was long ago). It is
     /// stepped on the monotonic time of the manager's [`clock`](LockManagerBuilder::clock)
     /// (a clock given to the schedule itself with [`Schedule::with_clock`] is not used), so
-    /// with a [`TestClock`](crate::TestClock) the poll follows the test's time. A schedule that
+    /// with a [`TestClock`](crate::TestClock) the poll follows the test's time. (The storage
+    /// thread waits for the time left in real time and then reads the clock again, so it sees a
+    /// clock moved by hand within one delay of real time.) A schedule that
     /// ends stops the poll until the next wait begins: waiters then learn of other processes'
     /// changes only from this process's own commits, so give a schedule that goes on.
     ///
