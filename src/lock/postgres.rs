@@ -745,6 +745,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn reconnects_back_off_on_the_busy_schedule_and_start_over_after_a_success_or_its_end() {
+        let minute = Duration::from_secs(60);
+        let backoff = Schedule::spaced(minute).intersect(Schedule::recurs(1));
+        let mut reconnect = Reconnect::new(backoff);
+        assert_eq!(reconnect.wait_left(), None, "the first attempt at once");
+        reconnect.failed();
+        let left = reconnect.wait_left().expect("a failure waits");
+        assert!(left > minute - Duration::from_secs(1) && left <= minute);
+        reconnect.failed();
+        assert!(
+            reconnect.wait_left().is_some(),
+            "the schedule's end starts it over: the manager never gives up"
+        );
+        reconnect.succeeded();
+        assert_eq!(reconnect.wait_left(), None);
+    }
+
+    #[test]
     fn channels_fit_in_an_identifier_whatever_the_schema() {
         assert_eq!(channel("leasehold"), "leasehold_leasehold");
         let long = "s".repeat(63);
