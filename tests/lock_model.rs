@@ -601,6 +601,9 @@ impl World {
                         stop.abort(reason.clone());
                     }
                     uncertain.extend(request.wants.iter().map(|(key, _)| key.clone()));
+                    // Its removal runs on its own manager, concurrently with the commands sent
+                    // to the others before it, not only after it.
+                    touch(&mut touched, &request.wants, request.owner);
                     interrupted.push((request, reason));
                 }
                 Action::Try {

@@ -541,3 +541,72 @@ fn a_holder_whose_executor_is_stalled_past_its_lease_loses_the_lock_and_is_told(
     });
     child.assert_success(Duration::from_secs(20));
 }
+
+/// The parent waits behind a child with a `poll` of 30 s (and heartbeats every 10 s), and the
+/// child releases: the parent's grant comes from the doorbell the child rings as it commits.
+#[cfg(unix)]
+#[test]
+fn a_waiting_process_is_woken_by_the_doorbell_not_by_the_poll() {
+    let (_dir, folder, db) = folder_and_db();
+    handed_over_by(
+        &folder,
+        &db,
+        Duration::from_secs(30),
+        Duration::from_secs(2),
+    );
+}
+
+/// With no doorbell (its folder's path taken by a file), the parent still gets the lock, by
+/// polling.
+#[test]
+fn without_a_doorbell_a_waiting_process_gets_the_lock_by_polling() {
+    let (_dir, folder, db) = folder_and_db();
+    let mut doorbell = db.as_os_str().to_owned();
+    doorbell.push("-doorbell");
+    fs::write(&doorbell, "not a folder").unwrap();
+    handed_over_by(
+        &folder,
+        &db,
+        Duration::from_millis(20),
+        Duration::from_secs(5),
+    );
+    assert!(
+        Path::new(&doorbell).is_file(),
+        "the doorbell was set up after all"
+    );
+}
+
+/// A child holds `k` and releases it when told; the parent, polling every `poll`, queues behind
+/// it and must hold `k` within `limit` of the child's release.
+fn handed_over_by(folder: &Path, db: &Path, poll: Duration, limit: Duration) {
+    let mut child = ChildProcess::spawn("hold-then-release", db, folder, "0");
+    child.await_marker(folder, "held", Duration::from_secs(20));
+    block_on(async {
+        let locks = LockManager::builder().poll(poll).open(db).unwrap();
+        let waiter = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("k", "parent").await })
+        };
+        within(5_000, "the parent queued behind the child", || {
+            waits_for(&locks, "parent")
+        })
+        .await;
+        mark(folder, "release", "");
+        let guard = match join_within(10_000, "the parent's grant", waiter).await {
+            Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}\n{}", child.output()),
+        };
+        let granted_at = unix_micros();
+        let released: u64 = fs::read_to_string(folder.join("releasing"))
+            .expect("granted before the child began to release")
+            .parse()
+            .unwrap();
+        let waited = Duration::from_micros(granted_at.saturating_sub(released));
+        assert!(
+            waited < limit,
+            "granted {waited:?} after the child released (poll {poll:?})"
+        );
+        guard.release().await.unwrap();
+    });
+    child.assert_success(Duration::from_secs(20));
+}

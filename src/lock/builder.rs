@@ -346,6 +346,7 @@ impl LockManagerBuilder {
         let store = Some(format!("{} schema {schema:?}", target.describe()));
         let (opened, connected) = futures::channel::oneshot::channel();
         let starting = self.launch(store, move |common, commands, poke| {
+            let target = target.bound_by(common.heartbeat);
             let busy = common.busy.clone();
             match super::postgres::Postgres::connect(target, schema, busy, poke) {
                 Ok(storage) => {
@@ -376,13 +377,20 @@ impl LockManagerBuilder {
         // not run one of its own there.
         let (opened, result) = std::sync::mpsc::channel();
         let store = path.map(|path| canonical(path).display().to_string());
-        let starting = self.launch(store, move |common, commands, _| {
+        let starting = self.launch(store, move |common, commands, poke| {
             // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
             match sqlite::connect(open_path.as_deref(), file_mode, &common.busy) {
                 Ok(conn) => {
                     let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
                     let _ = opened.send(Ok(()));
                     let db = Db::new(&conn, common.clock.clone(), file, common.busy.clone());
+                    #[cfg(unix)]
+                    let db = db.with_doorbell(open_path.as_deref().and_then(|path| {
+                        let path = canonical(path);
+                        super::doorbell::Doorbell::open(&path, &common.owner, file_mode, poke)
+                    }));
+                    #[cfg(not(unix))]
+                    let _ = poke;
                     Worker::new(db, common, commands).run();
                 }
                 Err(error) => {

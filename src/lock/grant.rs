@@ -13,17 +13,29 @@
 //! waiting, promoting one request never changes whether another can be promoted: promotion is a
 //! single pass in any order.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::Mode;
 
-/// What the rule needs to know of one live row.
+/// What the rule, and the worker around it, need to know of one live row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct RowView {
     pub(crate) key: String,
     pub(crate) mode: Mode,
     pub(crate) ticket: u64,
     pub(crate) held: bool,
+    pub(crate) owner: String,
+    pub(crate) expires_at: i64,
+    /// Every key of its request, when that is more than this row's own (a `many`); else empty.
+    pub(crate) keys: Vec<String>,
+}
+
+impl RowView {
+    /// The keys of this row's request.
+    pub(crate) fn request_keys(&self) -> impl Iterator<Item = &str> {
+        let own = self.keys.is_empty().then_some(self.key.as_str());
+        own.into_iter().chain(self.keys.iter().map(String::as_str))
+    }
 }
 
 /// Whether a request for `mode` with `ticket` is granted on a key whose live rows have these
@@ -81,15 +93,41 @@ pub(crate) fn promotable(rows: &[RowView]) -> Vec<u64> {
         .collect()
 }
 
-/// The queue position of each waiting request on `key` (0 = next in line), by ticket.
+/// The keys, not among `have`, that the waiting requests in `rows` also wait on: what must be
+/// read before `promotable` can judge them.
+pub(crate) fn other_keys(rows: &[RowView], have: &BTreeSet<String>) -> BTreeSet<String> {
+    rows.iter()
+        .filter(|row| !row.held)
+        .flat_map(RowView::request_keys)
+        .filter(|key| !have.contains(*key))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Like `promotable`, for `rows` that hold every live row of the keys in `read` and no other:
+/// the waiting requests that can be promoted now and whose keys were all read (a request with
+/// a key outside `read` cannot be judged from these rows).
+pub(crate) fn promotable_within(rows: &[RowView], read: &BTreeSet<String>) -> Vec<u64> {
+    let judged: BTreeSet<u64> = rows
+        .iter()
+        .filter(|row| !row.held && row.request_keys().all(|key| read.contains(key)))
+        .map(|row| row.ticket)
+        .collect();
+    let mut tickets = promotable(rows);
+    tickets.retain(|ticket| judged.contains(ticket));
+    tickets
+}
+
+/// The queue position of each waiting request on `key` (0 = next in line), by ticket, from
+/// rows given as (key, ticket, held).
 pub(crate) fn queue_positions<'a>(
     key: &str,
-    rows: impl IntoIterator<Item = &'a RowView>,
+    rows: impl IntoIterator<Item = (&'a str, u64, bool)>,
 ) -> BTreeMap<u64, usize> {
     let mut waiting: Vec<u64> = rows
         .into_iter()
-        .filter(|row| row.key == key && !row.held)
-        .map(|row| row.ticket)
+        .filter(|&(on, _, held)| on == key && !held)
+        .map(|(_, ticket, _)| ticket)
         .collect();
     waiting.sort_unstable();
     waiting.dedup();
@@ -111,7 +149,42 @@ mod tests {
             mode,
             ticket,
             held,
+            owner: "o".into(),
+            expires_at: 1,
+            keys: Vec::new(),
         }
+    }
+
+    /// A row of a request on all of `keys`.
+    fn many(key: &str, keys: &[&str], mode: Mode, ticket: u64, held: bool) -> RowView {
+        RowView {
+            keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+            ..row(key, mode, ticket, held)
+        }
+    }
+
+    fn set(keys: &[&str]) -> BTreeSet<String> {
+        keys.iter().map(|k| (*k).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_request_with_a_key_not_read_is_not_judged() {
+        // Ticket 2 waits on "a" and "b"; only "a" was read: it may be blocked on "b".
+        let rows = [many("a", &["a", "b"], X, 2, false), row("a", S, 3, false)];
+        assert_eq!(other_keys(&rows, &set(&["a"])), set(&["b"]));
+        assert!(promotable_within(&rows, &set(&["a"])).is_empty());
+        // With "b" read (and free), 2 goes; 3, shared behind the exclusive 2, waits.
+        let mut all = rows.to_vec();
+        all.push(many("b", &["a", "b"], X, 2, false));
+        assert_eq!(promotable_within(&all, &set(&["a", "b"])), vec![2]);
+        assert!(other_keys(&all, &set(&["a", "b"])).is_empty());
+    }
+
+    #[test]
+    fn single_key_requests_are_judged_by_their_key_alone() {
+        let rows = [row("a", S, 1, true), row("a", S, 2, false)];
+        assert_eq!(promotable_within(&rows, &set(&["a"])), vec![2]);
+        assert!(other_keys(&rows, &set(&["a"])).is_empty());
     }
 
     #[test]
@@ -200,7 +273,8 @@ mod tests {
             row("k", S, 4, false),
             row("j", S, 2, false),
         ];
-        let positions = queue_positions("k", &rows);
+        let positions =
+            queue_positions("k", rows.iter().map(|r| (r.key.as_str(), r.ticket, r.held)));
         assert_eq!(positions.get(&4), Some(&0));
         assert_eq!(positions.get(&7), Some(&1));
         assert_eq!(positions.get(&1), None);

@@ -280,20 +280,25 @@ impl Guards {
     }
 
     /// Tells every guard for which `is_lost(rows, expires_at)` holds that its lease is lost, and
-    /// forgets it; `why` goes to the log.
-    pub(super) fn lose(&mut self, mut is_lost: impl FnMut(u64, usize, i64) -> bool, why: &str) {
+    /// forgets it; `why` goes to the log. Returns how many were lost.
+    pub(super) fn lose(
+        &mut self,
+        mut is_lost: impl FnMut(u64, usize, i64) -> bool,
+        why: &str,
+    ) -> usize {
         let lost: Vec<u64> = self
             .entries
             .iter()
             .filter(|(&ticket, entry)| is_lost(ticket, entry.rows, entry.expires_at))
             .map(|(&ticket, _)| ticket)
             .collect();
-        for ticket in lost {
+        for &ticket in &lost {
             if let Some(entry) = self.entries.remove(&ticket) {
                 tracing::warn!(ticket, keys = ?entry.keys, "lease lost: {why}");
                 entry.lost.abort(AbortReason::new(LeaseLost::expired()));
             }
         }
+        lost.len()
     }
 
     /// The manager has shut down: every guard is lost, and any made later is born lost.

@@ -349,15 +349,6 @@ impl LockManager {
             .shared
             .call(|reply| Command::Inspect { key, reply })
             .await?;
-        let views: Vec<grant::RowView> = rows
-            .iter()
-            .map(|row| grant::RowView {
-                key: row.key.clone(),
-                mode: row.mode,
-                ticket: row.ticket,
-                held: row.held,
-            })
-            .collect();
         let mut positions: HashMap<&str, std::collections::BTreeMap<u64, usize>> = HashMap::new();
         Ok(rows
             .iter()
@@ -365,9 +356,12 @@ impl LockManager {
                 let state = if row.held {
                     EntryState::Held
                 } else {
-                    let on_key = positions
-                        .entry(row.key.as_str())
-                        .or_insert_with(|| grant::queue_positions(&row.key, &views));
+                    let on_key = positions.entry(row.key.as_str()).or_insert_with(|| {
+                        grant::queue_positions(
+                            &row.key,
+                            rows.iter().map(|r| (r.key.as_str(), r.ticket, r.held)),
+                        )
+                    });
                     EntryState::Waiting {
                         position: on_key.get(&row.ticket).copied().unwrap_or(0),
                     }

@@ -12,10 +12,13 @@
 //!   `worker.rs` (the storage thread that orders and batches commands), `grant.rs` (the grant rule, pure), `heartbeat.rs` (lease renewal),
 //!   `siblings.rs` (wake-ups between managers of one process);
 //! - storage: `storage.rs` (the trait the worker needs of a backend, and the rows it gets
-//!   back), `sqlite.rs` (schema, migrations, one method per statement), `postgres.rs` (the same
-//!   for PostgreSQL, behind the `postgres` feature).
+//!   back), `sqlite.rs` (schema, migrations, one method per statement), `doorbell.rs` (wake-ups
+//!   between processes on one SQLite file), `postgres.rs` (the same for PostgreSQL, behind the
+//!   `postgres` feature).
 
 mod builder;
+#[cfg(unix)]
+mod doorbell;
 mod error;
 mod grant;
 mod guard;

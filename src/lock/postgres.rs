@@ -7,16 +7,21 @@
 //!    lock, and every expiry is written and compared in that time; clients' clocks, which drift
 //!    between machines, never judge a lease. Between transactions the worker estimates the
 //!    server's time from its own monotonic clock and the offset seen last.
-//! 2. **Decisions are serialised by an advisory lock**, taken by every write transaction
-//!    (`pg_advisory_xact_lock`, in a class of this library's own and keyed by the schema), so
-//!    they never race and never need SERIALIZABLE retries; tickets come from a sequence, and on
-//!    each key they follow grant order.
-//! 3. **Wake-ups**: a transaction that deletes or promotes rows bumps a counter and sends a
-//!    `NOTIFY`. Each manager has a listener thread with a connection of its own that `LISTEN`s
-//!    and pokes the worker when one arrives (and after every `LISTEN`, since notifications are
-//!    not kept across a disconnect); the worker then reads the counter and looks at the queues
-//!    if it moved. Where `LISTEN` cannot work (a pooler in transaction mode), the counter is
-//!    still read every `poll`.
+//! 2. **Decisions on a key are serialised by an advisory lock on that key**, taken by every
+//!    write transaction for the keys it decides on (`pg_advisory_xact_lock`, in a class of this
+//!    library's own, keyed by a digest of the schema and the key), all in one statement in one
+//!    order, so transactions on different keys run at once, never deadlock on each other and
+//!    never need SERIALIZABLE retries. Tickets come from a sequence, taken under the locks, so on
+//!    each key they follow grant order. A transaction deletes the lapsed rows of its keys before
+//!    it reads them, so a renewal (which takes no advisory lock, and is judged by its own
+//!    earlier time) cannot revive a row that a decision passed over; renewals and promotions
+//!    change rows in key order, so they do not deadlock either.
+//! 3. **Wake-ups**: a transaction that deletes or promotes rows sends a `NOTIFY` naming their
+//!    keys (by digest). Each manager has a listener thread with a connection of its own that
+//!    `LISTEN`s, keeps the digests it hears, and pokes the worker, which looks only at the keys
+//!    it waits on among them. After every `LISTEN` (notifications are not kept across a
+//!    disconnect), and for as long as the listener is not connected (a pooler in transaction
+//!    mode cannot `LISTEN`), the worker looks at every key it waits on every `poll` instead.
 //!
 //! A connection that fails is opened again on the next call once the manager's busy schedule
 //! (`LockManagerBuilder::busy_schedule`) allows, calls in between failing at once; the schedule
@@ -25,7 +30,7 @@
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
-use std::sync::Weak;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use postgres::fallible_iterator::FallibleIterator;
@@ -36,14 +41,16 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use super::grant::RowView;
 use super::protocol::Command;
 use super::storage::{
-    mode_code, mode_of, sql_ticket, ticket_of, Deleted, OwnedRequest, Result, Row, Storage,
+    decode_keys, encode_keys, fnv1a, key_hash, mode_code, mode_of, sql_ticket, ticket_of, Changes,
+    Deleted, OwnedRequest, Result, Row, Storage,
 };
 use super::{LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
 use crate::schedule::{Schedule, ScheduleRun};
+use crate::sync::lock;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 1;
+pub(crate) const SCHEMA_VERSION: i32 = 2;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -93,6 +100,28 @@ impl Target {
     pub(crate) fn describe(&self) -> String {
         describe(&self.config)
     }
+
+    /// Bounds every wait on the server by `heartbeat`, so that a stuck statement or lock fails
+    /// (and is retried) before a lease could run out unseen: `statement_timeout` and
+    /// `lock_timeout` at half a heartbeat (at least a second, so that a busy server is not
+    /// taken for a stuck one), added to any options the URL gave; and TCP keepalives, so that a
+    /// server that vanished is noticed within about a heartbeat.
+    pub(crate) fn bound_by(mut self, heartbeat: Duration) -> Target {
+        let limit = (heartbeat / 2).max(Duration::from_secs(1)).as_millis();
+        let ours = format!("-c statement_timeout={limit} -c lock_timeout={limit}");
+        let options = match self.config.get_options() {
+            Some(given) if !given.is_empty() => format!("{given} {ours}"),
+            _ => ours,
+        };
+        self.config.options(&options);
+        let idle = heartbeat.max(Duration::from_secs(1));
+        self.config
+            .keepalives(true)
+            .keepalives_idle(idle)
+            .keepalives_interval((idle / 4).max(Duration::from_secs(1)))
+            .keepalives_retries(3);
+        self
+    }
 }
 
 /// Parses a libpq connection string or URL, with its TLS settings (see `postgres_tls.rs`).
@@ -132,9 +161,59 @@ pub(crate) struct Postgres {
     reconnect: Reconnect,
     /// The server's time less this process's monotonic time, as of the last reading (micros).
     offset: i64,
-    /// Whether the open transaction freed or promoted rows, to announce with its commit.
-    announcing: bool,
+    /// The keys (by digest) the open transaction freed or promoted rows on, to announce with
+    /// its commit.
+    announcing: Vec<i64>,
     started: Instant,
+    /// What the listener heard.
+    heard: Arc<Mutex<Heard>>,
+}
+
+/// What the listener thread heard since the worker last asked (`Storage::changes`).
+#[derive(Debug, Default)]
+struct Heard {
+    /// Whether it is connected and listening: while not, nothing is heard, so every look
+    /// looks at everything.
+    listening: bool,
+    /// Whether something may have been missed (it has just started listening, or heard an
+    /// announcement too long to name its keys).
+    missed: bool,
+    /// Whether any announcement came, and the keys they named.
+    any: bool,
+    keys: Vec<i64>,
+}
+
+/// The longest `NOTIFY` payload sent: the server refuses 8,000 bytes and more. An announcement of
+/// more keys says only that something changed (`*`).
+const MAX_PAYLOAD: usize = 7_000;
+
+/// The payload announcing `keys`: their digests, separated by commas.
+fn payload(keys: &[i64]) -> String {
+    let text = keys
+        .iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    if text.len() > MAX_PAYLOAD {
+        "*".to_owned()
+    } else {
+        text
+    }
+}
+
+/// The key digests a payload names; `None` when it does not name them.
+fn parse_payload(payload: &str) -> Option<Vec<i64>> {
+    payload
+        .split(',')
+        .filter(|part| !part.is_empty())
+        .map(|part| part.parse().ok())
+        .collect()
+}
+
+/// The advisory lock of `key` in `schema`: the second half of `pg_advisory_xact_lock(class, id)`.
+fn key_lock(schema: &str, key: &str) -> i32 {
+    let digest = fnv1a(format!("{schema}\0{key}").as_bytes());
+    i32::from_ne_bytes(((digest ^ (digest >> 32)) as u32).to_ne_bytes())
 }
 
 impl Postgres {
@@ -153,8 +232,9 @@ impl Postgres {
             statements: HashMap::new(),
             reconnect: Reconnect::new(busy.clone()),
             offset: 0,
-            announcing: false,
+            announcing: Vec::new(),
             started: Instant::now(),
+            heard: Arc::new(Mutex::new(Heard::default())),
         };
         storage.client()?;
         let listener = Listener {
@@ -162,6 +242,7 @@ impl Postgres {
             tls: storage.tls.clone(),
             channel: channel(&storage.schema),
             poke,
+            heard: storage.heard.clone(),
             reconnect: Reconnect::new(busy),
         };
         std::thread::Builder::new()
@@ -280,13 +361,7 @@ fn channel(schema: &str) -> String {
     if channel.len() <= 63 {
         return channel;
     }
-    // FNV-1a: stable across processes and versions, unlike the standard library's hasher.
-    let digest = schema
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-        });
-    format!("leasehold_{digest:016x}")
+    format!("leasehold_{:016x}", fnv1a(schema.as_bytes()))
 }
 
 /// When to try connecting again: after each failed attempt, the next waits for the next delay
@@ -342,6 +417,7 @@ struct Listener {
     tls: Option<MakeRustlsConnect>,
     channel: String,
     poke: Weak<Sender<Command>>,
+    heard: Arc<Mutex<Heard>>,
     reconnect: Reconnect,
 }
 
@@ -360,7 +436,9 @@ impl Listener {
     fn run(mut self) {
         while self.poke.strong_count() > 0 {
             self.reconnect.pause();
-            match self.listen() {
+            let listened = self.listen();
+            lock(&self.heard).listening = false;
+            match listened {
                 Err(error) => {
                     tracing::debug!(%error, "listening for other managers' changes stopped; again");
                     self.reconnect.failed();
@@ -378,14 +456,27 @@ impl Listener {
         };
         client.batch_execute(&format!("LISTEN {}", quote(&self.channel)))?;
         self.reconnect.succeeded();
-        // Whatever was announced before this LISTEN was not heard: look now.
+        // Whatever was announced before this LISTEN was not heard: look at everything now.
+        {
+            let mut heard = lock(&self.heard);
+            heard.listening = true;
+            heard.missed = true;
+        }
         if !self.poke() {
             return Ok(());
         }
         let mut notifications = client.notifications();
         loop {
-            let mut heard = notifications.timeout_iter(Self::CHECK_EVERY);
-            while heard.next()?.is_some() {
+            let mut incoming = notifications.timeout_iter(Self::CHECK_EVERY);
+            while let Some(notification) = incoming.next()? {
+                {
+                    let mut heard = lock(&self.heard);
+                    heard.any = true;
+                    match parse_payload(notification.payload()) {
+                        Some(keys) => heard.keys.extend(keys),
+                        None => heard.missed = true,
+                    }
+                }
                 if !self.poke() {
                     return Ok(());
                 }
@@ -433,6 +524,18 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 supported: i64::from(SCHEMA_VERSION),
             });
         }
+        if found < 2 {
+            // Key-local decisions: a request on several keys names them all in each row, and
+            // the sweep of lapsed rows finds them by an index. A process of version 1 refuses
+            // the schema from now on; processes sharing it must be upgraded together.
+            transaction
+                .batch_execute(&format!(
+                    "ALTER TABLE {s}.locks ADD COLUMN keys text;
+                     CREATE INDEX ON {s}.locks (expires_at);
+                     UPDATE {s}.meta SET version = 2;"
+                ))
+                .map_err(|e| storage_error("migrating the schema to version 2", &e))?;
+        }
     } else {
         transaction
             .batch_execute(&format!(
@@ -455,25 +558,28 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                      acquired_at bigint,
                      expires_at bigint NOT NULL,
                      heartbeat_at bigint NOT NULL,
+                     keys text,
                      PRIMARY KEY (key, ticket)
                  );
-                 CREATE INDEX ON {s}.locks (owner);"
+                 CREATE INDEX ON {s}.locks (owner);
+                 CREATE INDEX ON {s}.locks (expires_at);"
             ))
             .map_err(|e| storage_error(doing, &e))?;
     }
     transaction.commit().map_err(|e| storage_error(doing, &e))
 }
 
-fn row_view(row: &postgres::Row, key: Option<&str>) -> RowView {
-    let (key, first) = match key {
-        Some(key) => (key.to_owned(), 0),
-        None => (row.get::<_, String>(0), 1),
-    };
+fn row_view(row: &postgres::Row) -> RowView {
     RowView {
-        key,
-        mode: mode_of(i64::from(row.get::<_, i16>(first))),
-        ticket: ticket_of(row.get(first + 1)),
-        held: row.get(first + 2),
+        key: row.get(0),
+        mode: mode_of(i64::from(row.get::<_, i16>(1))),
+        ticket: ticket_of(row.get(2)),
+        held: row.get(3),
+        owner: row.get(4),
+        expires_at: row.get(5),
+        keys: row
+            .get::<_, Option<String>>(6)
+            .map_or_else(Vec::new, |keys| decode_keys(&keys)),
     }
 }
 
@@ -482,20 +588,41 @@ impl Storage for Postgres {
         self.monotonic() + self.offset
     }
 
-    fn change_version(&mut self) -> Result<i64> {
-        let rows = self.query("changes", "SELECT changes FROM {s}.meta", &[])?;
-        Ok(rows[0].get(0))
+    fn keys_locked(&self) -> bool {
+        true
     }
 
-    /// One round trip: the transaction, its decision lock, and the server's time once it
-    /// holds the lock. (The schema name is validated, so it can stand in the text.)
-    fn begin(&mut self) -> Result<i64> {
-        self.announcing = false;
-        let sql = format!(
-            "BEGIN; SELECT pg_advisory_xact_lock({LOCK_CLASS}, hashtext('{}'));
-             SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
-            self.schema.replace('\'', "''")
-        );
+    /// What the listener heard; everything, while it is not listening.
+    fn changes(&mut self) -> Result<Changes> {
+        let mut heard = lock(&self.heard);
+        if !heard.listening || std::mem::take(&mut heard.missed) {
+            heard.any = false;
+            heard.keys.clear();
+            return Ok(Changes::Unknown);
+        }
+        if !std::mem::take(&mut heard.any) {
+            return Ok(Changes::Nothing);
+        }
+        Ok(Changes::Keys(std::mem::take(&mut heard.keys)))
+    }
+
+    /// One round trip: the transaction, the advisory locks of its keys, and the server's time
+    /// once it holds them. (The lock numbers are integers, and the schema name is validated, so
+    /// both can stand in the text.)
+    fn begin(&mut self, keys: &[String]) -> Result<i64> {
+        self.announcing.clear();
+        let mut locks: Vec<i32> = keys.iter().map(|key| key_lock(&self.schema, key)).collect();
+        locks.sort_unstable();
+        locks.dedup();
+        let mut sql = String::from("BEGIN;");
+        if !locks.is_empty() {
+            let calls: Vec<String> = locks
+                .iter()
+                .map(|id| format!("pg_advisory_xact_lock({LOCK_CLASS}, {id})"))
+                .collect();
+            sql.push_str(&format!(" SELECT {};", calls.join(", ")));
+        }
+        sql.push_str(" SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint");
         let messages = self.with("starting a write transaction", |client| {
             client.simple_query(&sql)
         })?;
@@ -513,53 +640,49 @@ impl Storage for Postgres {
         Ok(now)
     }
 
-    /// Sent with the commit, in its round trip.
-    fn announce(&mut self) -> Result<()> {
-        self.announcing = true;
+    /// Sent with the commit, in its round trip: one `NOTIFY` naming the keys.
+    fn announce(&mut self, freed: &[String], promoted: &[String]) -> Result<()> {
+        let mut keys: Vec<i64> = freed.iter().chain(promoted).map(|k| key_hash(k)).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        self.announcing = keys;
         Ok(())
     }
 
     fn commit(&mut self) -> Result<()> {
-        let sql = if std::mem::take(&mut self.announcing) {
-            format!(
-                "UPDATE {}.meta SET changes = changes + 1; SELECT pg_notify('{}', ''); COMMIT",
-                quote(&self.schema),
-                channel(&self.schema)
-            )
-        } else {
+        let keys = std::mem::take(&mut self.announcing);
+        let sql = if keys.is_empty() {
             "COMMIT".to_owned()
+        } else {
+            // The payload holds digits, commas or `*` only.
+            format!(
+                "SELECT pg_notify('{}', '{}'); COMMIT",
+                channel(&self.schema),
+                payload(&keys)
+            )
         };
         self.simple("committing", &sql)
     }
 
     fn rollback(&mut self) {
-        self.announcing = false;
+        self.announcing.clear();
         if let Some(client) = self.client.as_mut() {
             let _ = client.batch_execute("ROLLBACK");
         }
     }
 
-    fn rows_on_key(&mut self, key: &str, now: i64, into: &mut Vec<RowView>) -> Result<()> {
+    fn rows_on_keys(&mut self, keys: &[String], now: i64, into: &mut Vec<RowView>) -> Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
         let rows = self.query(
-            "rows on a key",
-            "SELECT mode, ticket, held FROM {s}.locks
-             WHERE key = $1 AND expires_at > $2 ORDER BY ticket",
-            &[&key, &now],
+            "rows on keys",
+            "SELECT key, mode, ticket, held, owner, expires_at, keys FROM {s}.locks
+             WHERE key = ANY($1) AND expires_at > $2 ORDER BY key, ticket",
+            &[&keys, &now],
         )?;
-        into.extend(rows.iter().map(|row| row_view(row, Some(key))));
+        into.extend(rows.iter().map(row_view));
         Ok(())
-    }
-
-    fn rows_on_waited_keys(&mut self, now: i64) -> Result<Vec<RowView>> {
-        let rows = self.query(
-            "rows on waited keys",
-            "SELECT key, mode, ticket, held FROM {s}.locks
-             WHERE expires_at > $1
-               AND key IN (SELECT key FROM {s}.locks WHERE NOT held AND expires_at > $1)
-             ORDER BY key, ticket",
-            &[&now],
-        )?;
-        Ok(rows.iter().map(|row| row_view(row, None)).collect())
     }
 
     fn next_ticket(&mut self) -> Result<u64> {
@@ -578,12 +701,13 @@ impl Storage for Postgres {
     ) -> Result<()> {
         let ticket = sql_ticket(ticket);
         let acquired_at = held.then_some(now);
+        let keys = encode_keys(requests);
         for request in requests {
             self.execute(
                 "writing a lock row",
                 "INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
-                                        acquired_at, expires_at, heartbeat_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $7)",
+                                        acquired_at, expires_at, heartbeat_at, keys)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $7, $10)",
                 &[
                     &request.key,
                     &mode_code(request.mode),
@@ -594,6 +718,7 @@ impl Storage for Postgres {
                     &now,
                     &acquired_at,
                     &expires_at,
+                    &keys,
                 ],
             )?;
         }
@@ -643,20 +768,38 @@ impl Storage for Postgres {
         Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
     }
 
-    fn delete_expired(&mut self, now: i64) -> Result<usize> {
+    fn delete_expired(&mut self, keys: &[String], now: i64) -> Result<usize> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
         let deleted = self.execute(
             "deleting expired rows",
-            "DELETE FROM {s}.locks WHERE expires_at <= $1",
-            &[&now],
+            "DELETE FROM {s}.locks WHERE key = ANY($1) AND expires_at <= $2",
+            &[&keys, &now],
         )?;
         Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
     }
 
+    /// Rows that another transaction has locked are left for the next sweep: this one never
+    /// waits, so it never deadlocks with a decision.
+    fn sweep(&mut self, now: i64) -> Result<()> {
+        self.execute(
+            "sweeping expired rows",
+            "DELETE FROM {s}.locks WHERE ctid IN (
+                 SELECT ctid FROM {s}.locks WHERE expires_at <= $1 FOR UPDATE SKIP LOCKED)",
+            &[&now],
+        )?;
+        Ok(())
+    }
+
+    /// In key order, as promotions change rows, so that the two never deadlock.
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize> {
         let renewed = self.execute(
             "renewing leases",
             "UPDATE {s}.locks SET expires_at = $1, heartbeat_at = $2
-             WHERE owner = $3 AND expires_at > $2",
+             WHERE (key, ticket) IN (
+                 SELECT key, ticket FROM {s}.locks WHERE owner = $3 AND expires_at > $2
+                 ORDER BY key, ticket FOR UPDATE)",
             &[&expires_at, &now, &owner],
         )?;
         Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
@@ -678,15 +821,6 @@ impl Storage for Postgres {
                 expires_at: row.get(3),
             })
             .collect())
-    }
-
-    fn next_foreign_expiry(&mut self, owner: &str, now: i64) -> Result<Option<i64>> {
-        let rows = self.query(
-            "reading the next lease expiry",
-            "SELECT MIN(expires_at) FROM {s}.locks WHERE expires_at > $1 AND owner <> $2",
-            &[&now, &owner],
-        )?;
-        Ok(rows[0].get(0))
     }
 
     fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>> {
@@ -769,6 +903,27 @@ mod tests {
         assert!(channel(&long).len() <= 63);
         assert_ne!(channel(&long), channel(&"t".repeat(63)));
         assert_eq!(channel(&long), channel(&long));
+    }
+
+    #[test]
+    fn announcements_name_their_keys_or_say_that_something_changed() {
+        let keys = [
+            key_hash("a"),
+            key_hash("b,c"),
+            key_hash(&"x".repeat(10_000)),
+        ];
+        assert_eq!(parse_payload(&payload(&keys)), Some(keys.to_vec()));
+        assert_eq!(parse_payload(""), Some(Vec::new()));
+        let many: Vec<i64> = (0..2_000).collect();
+        assert_eq!(payload(&many), "*");
+        assert_eq!(parse_payload("*"), None);
+    }
+
+    #[test]
+    fn key_locks_depend_on_the_schema_and_the_key() {
+        assert_eq!(key_lock("s", "k"), key_lock("s", "k"));
+        assert_ne!(key_lock("s", "k"), key_lock("t", "k"));
+        assert_ne!(key_lock("s", "k"), key_lock("s", "j"));
     }
 
     #[test]

@@ -16,14 +16,15 @@ use sqlite::{Connection, OpenFlags, State, Statement};
 
 use super::grant::RowView;
 use super::storage::{
-    micros, mode_code, mode_of, sql_ticket, ticket_of, Deleted, OwnedRequest, Result, Row, Storage,
+    decode_keys, encode_keys, key_hash, micros, mode_code, mode_of, sql_ticket, ticket_of, Changes,
+    Deleted, OwnedRequest, Result, Row, Storage,
 };
 use super::{LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
 use crate::schedule::Schedule;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i64 = 2;
+pub(crate) const SCHEMA_VERSION: i64 = 3;
 
 const SQLITE_BUSY: isize = 5;
 const SQLITE_LOCKED: isize = 6;
@@ -31,6 +32,10 @@ const SQLITE_LOCKED: isize = 6;
 /// How long SQLite's own busy handler waits for the write lock inside each try; between tries
 /// refused at once, the manager's busy schedule decides.
 const BUSY_TIMEOUT_MS: usize = 5_000;
+
+/// How many of its newest entries the change log keeps. A connection that has not looked for
+/// longer than that many promotions takes a full look instead.
+const LOG_KEPT: i64 = 4096;
 
 /// A storage error with the SQLite code and what was being done.
 pub(crate) fn storage_error(doing: &str, error: &sqlite::Error) -> LockError {
@@ -172,6 +177,13 @@ pub(crate) struct Db<'c> {
     file: Option<FileIdentity>,
     /// How to wait while the database is busy (`LockManagerBuilder::busy_schedule`).
     busy: Schedule,
+    /// `PRAGMA data_version` and the change log's last entry as of the last `changes`.
+    seen_version: Option<i64>,
+    seen_seq: Option<i64>,
+    /// Wakes other processes' managers after a commit that announced something.
+    #[cfg(unix)]
+    doorbell: Option<super::doorbell::Doorbell>,
+    ring: bool,
 }
 
 /// A cached statement, reset when dropped so that it never holds a read transaction open.
@@ -213,7 +225,34 @@ impl<'c> Db<'c> {
             clock,
             file,
             busy,
+            seen_version: None,
+            seen_seq: None,
+            #[cfg(unix)]
+            doorbell: None,
+            ring: false,
         }
+    }
+
+    /// Rings other processes' managers through `doorbell` after commits that free or promote.
+    #[cfg(unix)]
+    pub(crate) fn with_doorbell(mut self, doorbell: Option<super::doorbell::Doorbell>) -> Self {
+        self.doorbell = doorbell;
+        self
+    }
+
+    /// The change log's entries after `seq`, in order.
+    fn log_after(&self, seq: i64) -> Result<Vec<(i64, i64)>> {
+        let doing = "reading the change log";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT seq, key_hash FROM changes WHERE seq > ? ORDER BY seq",
+        )?;
+        bind(doing, &mut statement, 1, seq)?;
+        let mut entries = Vec::new();
+        while step(doing, &mut statement)? {
+            entries.push((read(doing, &statement, 0)?, read(doing, &statement, 1)?));
+        }
+        Ok(entries)
     }
 
     fn exec(&self, doing: &str, sql: &str) -> Result<()> {
@@ -310,6 +349,22 @@ impl<'c> Db<'c> {
                  PRAGMA user_version = 2;",
             )?;
         }
+        if found < 3 {
+            // Key-local decisions. A request on several keys names them all in each of its rows
+            // (`keys`), so that a decision on one of them knows which others to read without an
+            // index by ticket. And a change log: a transaction that promotes waiters appends
+            // their keys (as `key_hash`), so that other connections find out which keys
+            // changed without reading every key they wait for. `seq` only grows: the log is
+            // trimmed from its oldest end, and its newest entry is always kept. A process of
+            // version 2 refuses this database (`SchemaTooNew`); processes sharing a file must be
+            // upgraded together.
+            self.exec(
+                "migrating the schema to version 3",
+                "ALTER TABLE locks ADD COLUMN keys TEXT;
+                 CREATE TABLE changes (seq INTEGER PRIMARY KEY, key_hash INTEGER NOT NULL);
+                 PRAGMA user_version = 3;",
+            )?;
+        }
         Ok(())
     }
 
@@ -338,7 +393,8 @@ impl Storage for Db<'_> {
         0
     }
 
-    fn begin(&mut self) -> Result<i64> {
+    /// One writer at a time: `keys` need not be named to the database.
+    fn begin(&mut self, _keys: &[String]) -> Result<i64> {
         if let Some(file) = &self.file {
             file.check()?;
         }
@@ -347,24 +403,78 @@ impl Storage for Db<'_> {
     }
 
     fn commit(&mut self) -> Result<()> {
-        self.run_retrying_busy("committing", "COMMIT")
+        self.run_retrying_busy("committing", "COMMIT")?;
+        if std::mem::take(&mut self.ring) {
+            #[cfg(unix)]
+            if let Some(doorbell) = &mut self.doorbell {
+                doorbell.ring();
+            }
+        }
+        Ok(())
     }
 
     fn rollback(&mut self) {
+        self.ring = false;
         let _ = self.conn.execute("ROLLBACK");
     }
 
-    /// `PRAGMA data_version`: changes when another connection commits. A read; writes nothing.
-    fn change_version(&mut self) -> Result<i64> {
+    fn waiting(&mut self, waiting: bool) {
+        #[cfg(unix)]
+        if let Some(doorbell) = &mut self.doorbell {
+            doorbell.set_waiting(waiting);
+        }
+        #[cfg(not(unix))]
+        let _ = waiting;
+    }
+
+    /// `PRAGMA data_version` (a read that writes nothing) tells whether another connection
+    /// committed; only then is the change log read, from where the last call left it.
+    fn changes(&mut self) -> Result<Changes> {
         if let Some(file) = &self.file {
             file.check()?;
         }
         let doing = "checking for changes (data_version)";
-        let mut statement = self.prepare(doing, "PRAGMA data_version")?;
-        step(doing, &mut statement)?;
-        statement
-            .read::<i64, _>(0)
-            .map_err(|e| storage_error(doing, &e))
+        let version = {
+            let mut statement = self.prepare(doing, "PRAGMA data_version")?;
+            step(doing, &mut statement)?;
+            statement
+                .read::<i64, _>(0)
+                .map_err(|e| storage_error(doing, &e))?
+        };
+        if self.seen_version == Some(version) {
+            return Ok(Changes::Nothing);
+        }
+        self.seen_version = Some(version);
+        let seen = self.seen_seq;
+        let entries = self.log_after(seen.unwrap_or(-1))?;
+        if let Some(&(last, _)) = entries.last() {
+            self.seen_seq = Some(last);
+        } else if seen.is_none() {
+            self.seen_seq = Some(0);
+        }
+        Ok(match (seen, entries.first()) {
+            // The first look, or entries trimmed before this connection read them.
+            (None, _) => Changes::Unknown,
+            (Some(seen), Some(&(first, _))) if first > seen + 1 => Changes::Unknown,
+            _ => Changes::Keys(entries.into_iter().map(|(_, hash)| hash).collect()),
+        })
+    }
+
+    /// Other connections learn of a commit from `data_version`; of promotions, which tell a
+    /// waiting owner that its request was granted by another, from the log. Freed rows need no
+    /// entry: a waiter whose key was freed but who was not promoted is still blocked (the
+    /// promoting pass judged it), unless it has no queue position, and those look again on any
+    /// commit.
+    fn announce(&mut self, _freed: &[String], promoted: &[String]) -> Result<()> {
+        self.ring = true;
+        let doing = "writing the change log";
+        let mut statement = self.prepare(doing, "INSERT INTO changes (key_hash) VALUES (?)")?;
+        for key in promoted {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, key_hash(key))?;
+            step(doing, &mut statement)?;
+        }
+        Ok(())
     }
 
     fn next_ticket(&mut self) -> Result<u64> {
@@ -395,47 +505,32 @@ impl Storage for Db<'_> {
         Ok(ticket_of(ticket))
     }
 
-    /// The live rows on `key`, in ticket order.
-    fn rows_on_key(&mut self, key: &str, now: i64, into: &mut Vec<RowView>) -> Result<()> {
+    /// The live rows on `keys`, by key in ticket order.
+    fn rows_on_keys(&mut self, keys: &[String], now: i64, into: &mut Vec<RowView>) -> Result<()> {
         let doing = "reading the rows of a key";
         let mut statement = self.prepare(
             doing,
-            "SELECT mode, ticket, held FROM locks WHERE key = ? AND expires_at > ? ORDER BY ticket",
+            "SELECT mode, ticket, held, owner, expires_at, keys FROM locks
+             WHERE key = ? AND expires_at > ? ORDER BY ticket",
         )?;
-        bind(doing, &mut statement, 1, key)?;
-        bind(doing, &mut statement, 2, now)?;
-        while step(doing, &mut statement)? {
-            into.push(RowView {
-                key: key.to_owned(),
-                mode: mode_of(read(doing, &statement, 0)?),
-                ticket: ticket_of(read(doing, &statement, 1)?),
-                held: read::<i64>(doing, &statement, 2)? != 0,
-            });
+        for key in keys {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, key.as_str())?;
+            bind(doing, &mut statement, 2, now)?;
+            while step(doing, &mut statement)? {
+                into.push(RowView {
+                    key: key.clone(),
+                    mode: mode_of(read(doing, &statement, 0)?),
+                    ticket: ticket_of(read(doing, &statement, 1)?),
+                    held: read::<i64>(doing, &statement, 2)? != 0,
+                    owner: read(doing, &statement, 3)?,
+                    expires_at: read(doing, &statement, 4)?,
+                    keys: read::<Option<String>>(doing, &statement, 5)?
+                        .map_or_else(Vec::new, |keys| decode_keys(&keys)),
+                });
+            }
         }
         Ok(())
-    }
-
-    /// Every live row on every key that has a live waiting row: what promotion needs.
-    fn rows_on_waited_keys(&mut self, now: i64) -> Result<Vec<RowView>> {
-        let doing = "reading the queues";
-        let mut statement = self.prepare(
-            doing,
-            "SELECT key, mode, ticket, held FROM locks
-             WHERE expires_at > ?1
-               AND key IN (SELECT key FROM locks WHERE held = 0 AND expires_at > ?1)
-             ORDER BY key, ticket",
-        )?;
-        bind(doing, &mut statement, 1, now)?;
-        let mut rows = Vec::new();
-        while step(doing, &mut statement)? {
-            rows.push(RowView {
-                key: read(doing, &statement, 0)?,
-                mode: mode_of(read(doing, &statement, 1)?),
-                ticket: ticket_of(read(doing, &statement, 2)?),
-                held: read::<i64>(doing, &statement, 3)? != 0,
-            });
-        }
-        Ok(rows)
     }
 
     /// Inserts one row per request, all under `ticket`.
@@ -452,10 +547,11 @@ impl Storage for Db<'_> {
         let mut statement = self.prepare(
             doing,
             "INSERT INTO locks (key, mode, operation, owner, ticket, held, requested_at,
-                                acquired_at, expires_at, heartbeat_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                acquired_at, expires_at, heartbeat_at, keys)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )?;
         let ticket = sql_ticket(ticket);
+        let keys = encode_keys(requests);
         for request in requests {
             statement.reset().map_err(|e| storage_error(doing, &e))?;
             bind(doing, &mut statement, 1, request.key.as_str())?;
@@ -468,6 +564,7 @@ impl Storage for Db<'_> {
             bind(doing, &mut statement, 8, held.then_some(now))?;
             bind(doing, &mut statement, 9, expires_at)?;
             bind(doing, &mut statement, 10, now)?;
+            bind(doing, &mut statement, 11, keys.as_deref())?;
             step(doing, &mut statement)?;
         }
         Ok(())
@@ -530,13 +627,38 @@ impl Storage for Db<'_> {
         Ok(self.conn.change_count())
     }
 
-    /// Deletes rows whose lease has run out; returns how many.
-    fn delete_expired(&mut self, now: i64) -> Result<usize> {
+    /// Deletes the lapsed rows on `keys`; returns how many.
+    fn delete_expired(&mut self, keys: &[String], now: i64) -> Result<usize> {
+        let doing = "deleting expired rows";
+        let mut statement =
+            self.prepare(doing, "DELETE FROM locks WHERE key = ? AND expires_at <= ?")?;
+        let mut deleted = 0;
+        for key in keys {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, key.as_str())?;
+            bind(doing, &mut statement, 2, now)?;
+            step(doing, &mut statement)?;
+            deleted += self.conn.change_count();
+        }
+        Ok(deleted)
+    }
+
+    /// Deletes every lapsed row (a scan of the table, as the heartbeat's renewal is), and
+    /// trims the change log to its last [`LOG_KEPT`] entries.
+    fn sweep(&mut self, now: i64) -> Result<()> {
         let doing = "deleting expired rows";
         let mut statement = self.prepare(doing, "DELETE FROM locks WHERE expires_at <= ?")?;
         bind(doing, &mut statement, 1, now)?;
         step(doing, &mut statement)?;
-        Ok(self.conn.change_count())
+        drop(statement);
+        let doing = "trimming the change log";
+        let mut statement = self.prepare(
+            doing,
+            "DELETE FROM changes WHERE seq <= (SELECT MAX(seq) FROM changes) - ?",
+        )?;
+        bind(doing, &mut statement, 1, LOG_KEPT)?;
+        step(doing, &mut statement)?;
+        Ok(())
     }
 
     /// Renews every live row of `owner` in one statement; never touches an expired row.
@@ -574,20 +696,6 @@ impl Storage for Db<'_> {
             });
         }
         Ok(requests)
-    }
-
-    /// The earliest lease expiry among other owners' live rows: when a waiter may next be
-    /// unblocked without anyone writing.
-    fn next_foreign_expiry(&mut self, owner: &str, now: i64) -> Result<Option<i64>> {
-        let doing = "reading the next lease expiry";
-        let mut statement = self.prepare(
-            doing,
-            "SELECT MIN(expires_at) FROM locks WHERE expires_at > ? AND owner != ? AND key <> ''",
-        )?;
-        bind(doing, &mut statement, 1, now)?;
-        bind(doing, &mut statement, 2, owner)?;
-        step(doing, &mut statement)?;
-        read::<Option<i64>>(doing, &statement, 0)
     }
 
     /// Live rows, of one key or all, ordered by key and ticket.

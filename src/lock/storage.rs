@@ -15,6 +15,11 @@ pub(crate) type Result<T> = std::result::Result<T, LockError>;
 
 /// What a backend stores and answers. A write transaction is `begin`, the changes, then
 /// `commit` (or `rollback`); reads outside one see committed state.
+///
+/// Every decision is key-local: a transaction names the keys it decides on, reads the rows of
+/// those keys only, and finds out what other connections changed by key. Nothing a lock
+/// operation does reads every row of the database; what does (the heartbeat's renewal of this
+/// owner's rows, and its `sweep` of lapsed rows) runs once per heartbeat, not per operation.
 pub(crate) trait Storage {
     /// The time leases are judged by, now.
     fn now(&self) -> i64;
@@ -25,31 +30,43 @@ pub(crate) trait Storage {
         self.now() - micros(clock.now())
     }
 
-    /// A number that changes whenever another connection may have committed: a cheap read,
-    /// writing nothing. Also where a backend finds out that it no longer talks to the database
-    /// it opened (an error).
-    fn change_version(&mut self) -> Result<i64>;
-
-    /// Starts a write transaction, waiting while another connection holds the write lock;
-    /// returns the time read once it holds it (a time read before could be stale by however
-    /// long it waited).
-    fn begin(&mut self) -> Result<i64>;
-    fn commit(&mut self) -> Result<()>;
-    /// Called in a write transaction that deleted or promoted rows, before its commit: a
-    /// backend that can wake other managers says so here (others find out by their poll).
-    fn announce(&mut self) -> Result<()> {
-        Ok(())
+    /// Whether transactions on different keys may run at once (PostgreSQL), so that a
+    /// transaction may change rows only on the keys it named in `begin`. When not (SQLite: one
+    /// writer at a time), a transaction may read and change any key.
+    fn keys_locked(&self) -> bool {
+        false
     }
+
+    /// What other connections changed since the last call: a cheap check, writing nothing.
+    /// Also where a backend finds out that it no longer talks to the database it opened (an
+    /// error).
+    fn changes(&mut self) -> Result<Changes>;
+
+    /// Starts a write transaction that decides on `keys` (sorted, without repeats), waiting
+    /// while another transaction decides on any of them; returns the time read once it may go
+    /// on (a time read before could be stale by however long it waited).
+    fn begin(&mut self, keys: &[String]) -> Result<i64>;
+    fn commit(&mut self) -> Result<()>;
+    /// Called in a write transaction before its commit, with the keys whose rows it deleted
+    /// and the keys on which it promoted waiters (or found waiters it may not promote: see
+    /// `keys_locked`), so that other managers find out (`changes`).
+    fn announce(&mut self, freed: &[String], promoted: &[String]) -> Result<()>;
     /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
     fn rollback(&mut self);
+    /// Whether this owner has waiters, so that other managers' announcements should reach it
+    /// at once. Said inside the transaction that decides to wait, before its commit, and again
+    /// once nothing waits. A backend that wakes managers some other way ignores it.
+    fn waiting(&mut self, _waiting: bool) {}
 
-    /// Appends the live rows on `key`, in ticket order.
-    fn rows_on_key(&mut self, key: &str, now: i64, into: &mut Vec<RowView>) -> Result<()>;
-    /// Every live row on every key that has a live waiting row: what promotion needs.
-    fn rows_on_waited_keys(&mut self, now: i64) -> Result<Vec<RowView>>;
+    /// Appends the live rows on `keys`, in key and ticket order. A write transaction deletes the
+    /// lapsed rows of a key (`delete_expired`) before it reads the key to decide: a row it
+    /// judged lapsed is then gone, and no renewal by its owner, judged by an earlier time, can
+    /// bring it back after the decision.
+    fn rows_on_keys(&mut self, keys: &[String], now: i64, into: &mut Vec<RowView>) -> Result<()>;
     /// The next ticket of the one sequence every request takes from.
     fn next_ticket(&mut self) -> Result<u64>;
-    /// Writes one row per request, all under `ticket`, held or waiting.
+    /// Writes one row per request, all under `ticket`, held or waiting; a request on several
+    /// keys writes all of them in every row (see `RowView::keys`).
     fn insert_request(
         &mut self,
         owner: &str,
@@ -66,20 +83,73 @@ pub(crate) trait Storage {
     fn delete_row(&mut self, owner: &str, key: &str, ticket: u64, now: i64) -> Result<Deleted>;
     /// Deletes every row of `owner`; returns how many there were.
     fn delete_owner(&mut self, owner: &str) -> Result<usize>;
-    /// Deletes rows whose lease has run out; returns how many.
-    fn delete_expired(&mut self, now: i64) -> Result<usize>;
+    /// Deletes the lapsed rows on `keys`; returns how many.
+    fn delete_expired(&mut self, keys: &[String], now: i64) -> Result<usize>;
+    /// Housekeeping, once per heartbeat: deletes lapsed rows on every key (of owners that
+    /// died, on keys no one touches since), and whatever else the backend keeps that grows.
+    /// Lapsed rows are invisible to every decision already, so nothing waits for this.
+    fn sweep(&mut self, now: i64) -> Result<()>;
     /// Renews every live row of `owner` until `expires_at`; never touches an expired row.
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize>;
 
     /// `owner`'s live requests: ticket, whether held, how many rows, earliest expiry.
     fn owned_requests(&mut self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>>;
-    /// The earliest lease expiry among other owners' live rows: when a waiter may next be
-    /// unblocked without anyone writing.
-    fn next_foreign_expiry(&mut self, owner: &str, now: i64) -> Result<Option<i64>>;
     /// Live rows, of one key or all, ordered by key and ticket.
     fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>>;
     /// Whether `key` has a live held row.
     fn is_held(&mut self, key: &str, now: i64) -> Result<bool>;
+}
+
+/// What other connections changed since the last look (`Storage::changes`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Changes {
+    /// Nothing was committed.
+    Nothing,
+    /// Something was committed; on these keys (by `key_hash`) waiters were promoted or rows
+    /// were freed. Waiters without a queue position, which have no rows, may have been freed by
+    /// any commit.
+    Keys(Vec<i64>),
+    /// Something may have been committed, and what is not known (a log read too late, a
+    /// notification channel that was down): every key waited for must be looked at.
+    Unknown,
+}
+
+/// A stable digest of `bytes` (FNV-1a), the same in every process and version, unlike the
+/// standard library's hasher: how a key is named in the change log and in notifications.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// A key as the change log and notifications name it.
+pub(crate) fn key_hash(key: &str) -> i64 {
+    i64::from_ne_bytes(fnv1a(key.as_bytes()).to_ne_bytes())
+}
+
+/// The keys of a request on several keys, as stored in each of its rows: each key preceded by
+/// its length in bytes and `:` (keys may hold any character). `None` for one key.
+pub(crate) fn encode_keys(requests: &[LockRequest]) -> Option<String> {
+    (requests.len() > 1).then(|| {
+        requests
+            .iter()
+            .map(|r| format!("{}:{}", r.key.len(), r.key))
+            .collect()
+    })
+}
+
+/// The keys `encode_keys` wrote; a text it did not write gives no keys.
+pub(crate) fn decode_keys(mut text: &str) -> Vec<String> {
+    let mut keys = Vec::new();
+    while let Some((len, rest)) = text.split_once(':') {
+        let Ok(len) = len.parse::<usize>() else { break };
+        let (Some(key), Some(tail)) = (rest.get(..len), rest.get(len..)) else {
+            break;
+        };
+        keys.push(key.to_owned());
+        text = tail;
+    }
+    keys
 }
 
 /// One live row, as `inspect` shows it.
@@ -148,4 +218,31 @@ pub(crate) fn ticket_of(value: i64) -> u64 {
 
 pub(crate) fn sql_ticket(ticket: u64) -> i64 {
     i64::try_from(ticket).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_keys_of_a_request_survive_being_stored_whatever_they_hold() {
+        let keys = ["a", "", "b:c", "12:x", "ключ", "x,y\n"];
+        let requests: Vec<LockRequest> = keys
+            .iter()
+            .map(|key| LockRequest::shared(*key, "op"))
+            .collect();
+        let stored = encode_keys(&requests).unwrap();
+        assert_eq!(decode_keys(&stored), keys);
+        assert_eq!(encode_keys(&requests[..1]), None);
+        assert!(decode_keys("garbage").is_empty());
+        assert!(decode_keys("5:ab").is_empty());
+    }
+
+    #[test]
+    fn key_hashes_are_stable() {
+        // FNV-1a of the empty input is its offset basis, whatever the version or process.
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(key_hash("k"), key_hash("k"));
+        assert_ne!(key_hash("k"), key_hash("j"));
+    }
 }

@@ -9,30 +9,33 @@
 //!    `BEGIN IMMEDIATE` transaction; replies go out only after it commits. Reads in the same batch
 //!    run after the writes, so a caller that released (even by dropping a guard) and then
 //!    inspects sees its release.
-//! 2. Every transaction that deletes rows (release, cancel, shutdown, expiry) also promotes every
-//!    waiter the grant rule now allows, whoever owns it, with its ticket kept.
+//! 2. Every transaction that deletes rows (release, cancel, shutdown) also promotes, on the keys
+//!    of those rows, every waiter the grant rule now allows, whoever owns it, with its ticket
+//!    kept. Decisions are key-local: a transaction reads and changes the rows of the keys it
+//!    decides on (and of the other keys of the waiters it judges), never the whole table.
 //! 3. A request is known to the worker by the caller's request id from the moment its rows are
 //!    written until they are deleted. The caller sends `Remove` by that id, so it is right
 //!    whether the acquisition was granted, queued or promoted; and since commands are handled in
 //!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows.
-//! 4. While this owner has waiters, the worker looks for other connections' commits with
-//!    `PRAGMA data_version` (a read), when the poll's schedule says, on the monotonic time of the
-//!    manager's clock (and at once when a sibling manager pokes it). Only when something
-//!    changed, or a foreign lease ran out, does it read the queues, and only when a waiter is
-//!    grantable does it write.
+//! 4. While this owner has waiters, the worker asks storage, when the poll's schedule says (on
+//!    the monotonic time of the manager's clock), or when poked, what other connections changed (`Storage::changes`, a cheap check), and remembers, per key it
+//!    waits on, when the first other owner's row there runs out. It reads a key's rows only when
+//!    the key changed or such a lease ran out, and writes only when a waiter is grantable. A
+//!    lease that runs out frees its key without anyone writing: the waiting owners' own
+//!    deadlines are how they find out.
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::grant::{grantable_now, promotable};
+use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
 use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
-use super::storage::{micros, Deleted, OwnedRequest, Storage};
+use super::storage::{key_hash, micros, Changes, Deleted, OwnedRequest, Storage};
 use super::{Common, LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
 use crate::schedule::{Schedule, ScheduleRun};
@@ -49,12 +52,6 @@ fn spin_schedule() -> Schedule {
     Schedule::spaced(Duration::ZERO).up_to(SPIN)
 }
 
-/// What the worker remembers of a request whose rows it wrote.
-struct Written {
-    ticket: u64,
-    keys: Vec<String>,
-}
-
 /// The change poll's next look.
 enum NextLook {
     /// No waiter: no look. The schedule starts over from the last look when a wait begins.
@@ -63,6 +60,25 @@ enum NextLook {
     At(Duration),
     /// The schedule is done: no look until the next wait begins (or a poke).
     Over,
+}
+
+/// What the worker remembers of a request whose rows it wrote.
+struct Written {
+    ticket: u64,
+    keys: Vec<String>,
+}
+
+/// Whether a read of keys was a look on behalf of this owner's waits (see `Worker::watch`).
+#[derive(Clone, Copy)]
+enum Look {
+    Done,
+    Pending,
+}
+
+/// A queued request of this owner.
+struct Waiting {
+    slot: Arc<WaitSlot>,
+    keys: Vec<String>,
 }
 
 /// What a transaction freed, for waking waiters once it has committed.
@@ -91,10 +107,14 @@ pub(crate) struct Worker<S> {
     rx: Receiver<Command>,
     /// Request id -> its ticket and keys, for every request of this owner that has rows.
     requests: HashMap<u64, Written>,
-    /// Ticket -> slot, for this owner's queued requests.
-    waits: HashMap<u64, Arc<WaitSlot>>,
-    last_data_version: Option<i64>,
-    next_deadline: Option<i64>,
+    /// Ticket -> slot and keys, for this owner's queued requests.
+    waits: HashMap<u64, Waiting>,
+    /// Keys on which requests without a queue position were refused since their callers were
+    /// last woken: watched as queued requests' keys are.
+    refused: BTreeSet<String>,
+    /// Per watched key, when the first live row of another owner on it runs out (`i64::MAX`:
+    /// none), as of the last read of the key.
+    deadlines: HashMap<String, i64>,
     /// The change poll's schedule, when it says to look next, and when the last look ended
     /// (the clock's monotonic time).
     poll: ScheduleRun,
@@ -106,8 +126,16 @@ pub(crate) struct Worker<S> {
     last_renewal: Option<i64>,
     /// Whether the current transaction deleted a row of this owner.
     deleted: bool,
-    /// Take a full look at the next tick even if nothing changed (a wait started).
-    look_soon: bool,
+    /// The keys the current transaction's promotion pass looks at: those whose rows it deleted,
+    /// and those a look found grantable.
+    pass: BTreeSet<String>,
+    /// Look at every watched key at the next tick, changed or not.
+    look_all: bool,
+    /// Whether storage was last told that this owner has waiters (`Storage::waiting`).
+    marked_waiting: bool,
+    /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
+    /// deleted (if there) by the next transaction.
+    doubtful: Vec<Written>,
     /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
     /// live on, renewed with this owner's others.
     failed_removals: Vec<u64>,
@@ -123,8 +151,8 @@ impl<S: Storage> Worker<S> {
             rx,
             requests: HashMap::new(),
             waits: HashMap::new(),
-            last_data_version: None,
-            next_deadline: None,
+            refused: BTreeSet::new(),
+            deadlines: HashMap::new(),
             poll,
             next_look: NextLook::Idle,
             last_look,
@@ -132,7 +160,10 @@ impl<S: Storage> Worker<S> {
             poked: false,
             last_renewal: None,
             deleted: false,
-            look_soon: false,
+            pass: BTreeSet::new(),
+            look_all: false,
+            marked_waiting: false,
+            doubtful: Vec::new(),
             failed_removals: Vec::new(),
         }
     }
@@ -197,6 +228,9 @@ impl<S: Storage> Worker<S> {
                 self.look_for_changes();
                 self.last_look = self.common.clock.monotonic();
                 self.next_look = self.look_after(self.last_look);
+            }
+            if !self.has_waiters() {
+                self.mark_waiting(false);
             }
         }
     }
@@ -283,7 +317,6 @@ impl<S: Storage> Worker<S> {
                         // write lock to tell it so. Only when nothing earlier in this batch may
                         // free rows: the read sees the database before the batch's writes, and
                         // a request must see every command sent before it.
-                        self.remember_view();
                         let _ = reply.send(Ok(Acquired::NotNow));
                         continue;
                     }
@@ -341,21 +374,86 @@ impl<S: Storage> Worker<S> {
         stop
     }
 
-    /// Whether a read shows `requests` cannot be granted now. (An error answers "not known":
-    /// the write transaction then decides.)
+    /// Whether a read shows `requests` cannot be granted now; if so, their keys are watched
+    /// until the caller is woken. (An error answers "not known": the write transaction then
+    /// decides.)
     fn refused_by_a_read(&mut self, requests: &[LockRequest]) -> bool {
+        // Said before the read: a release committed after it will wake this owner.
+        self.mark_waiting(true);
         let now = self.now();
+        let keys = keys_of(requests);
         let mut rows = Vec::new();
-        for request in requests {
-            if self
-                .storage
-                .rows_on_key(&request.key, now, &mut rows)
-                .is_err()
-            {
-                return false;
+        if self.storage.rows_on_keys(&keys, now, &mut rows).is_err() {
+            return false;
+        }
+        let refused = !grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &rows);
+        if refused {
+            self.watch(&keys, &rows, Look::Pending);
+            self.refused.extend(keys);
+        }
+        refused
+    }
+
+    /// Tells storage whether this owner has waiters, when that changes.
+    fn mark_waiting(&mut self, waiting: bool) {
+        if waiting != self.marked_waiting {
+            self.marked_waiting = waiting;
+            self.storage.waiting(waiting);
+        }
+    }
+
+    /// Remembers, for each of `keys` (whose live rows are `rows`), when the first other owner's
+    /// row on it runs out: that is when the key may be freed without anyone writing.
+    ///
+    /// A look, which reads the key for this owner's waits and promotes what it can, sets the
+    /// deadline (`Look::Done`). Any other read only brings it forward (`Look::Pending`): a key
+    /// whose deadline has passed must be looked at, even if by now the rows that blocked a
+    /// wait there are gone (deleted as lapsed by someone who had no reason to promote it).
+    fn watch(&mut self, keys: &[String], rows: &[RowView], look: Look) {
+        for key in keys {
+            let first = rows
+                .iter()
+                .filter(|row| &row.key == key && row.owner != self.common.owner)
+                .map(|row| row.expires_at)
+                .min()
+                .unwrap_or(i64::MAX);
+            let deadline = self.deadlines.entry(key.clone()).or_insert(first);
+            *deadline = match look {
+                Look::Done => first,
+                Look::Pending => first.min(*deadline),
+            };
+        }
+    }
+
+    /// The keys a batch decides on: those of its requests, and for a shutdown every key this
+    /// owner has rows on.
+    fn keys_of_batch(&self, writes: &[Write]) -> Vec<String> {
+        let mut keys = BTreeSet::new();
+        for write in writes {
+            match write {
+                Write::Acquire { requests, .. } => {
+                    keys.extend(requests.iter().map(|r| r.key.clone()));
+                }
+                Write::Remove { request, .. } => {
+                    if let Some(written) = self.requests.get(request) {
+                        keys.extend(written.keys.iter().cloned());
+                    }
+                }
+                Write::Renew { .. } => {}
+                Write::Shutdown { .. } => keys.extend(self.own_keys()),
             }
         }
-        !grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &rows)
+        keys.into_iter().collect()
+    }
+
+    /// Every key this owner has rows on, sorted, without repeats.
+    fn own_keys(&self) -> Vec<String> {
+        let keys: BTreeSet<&String> = self
+            .requests
+            .values()
+            .flat_map(|written| written.keys.iter())
+            .collect();
+        keys.into_iter().cloned().collect()
     }
 
     fn read(&mut self, command: Command) {
@@ -374,8 +472,8 @@ impl<S: Storage> Worker<S> {
     /// Runs `writes` in one transaction; if that fails, each alone, so one bad write does not
     /// fail the others.
     fn write(&mut self, writes: Vec<Write>) {
-        let may_free = writes.iter().any(Write::may_free);
-        let outcome = self.transaction(may_free, |worker, now| {
+        let keys = self.keys_of_batch(&writes);
+        let outcome = self.transaction(&keys, |worker, now| {
             let mut decided = Vec::with_capacity(writes.len());
             for write in &writes {
                 decided.push(worker.apply(write, now)?);
@@ -390,10 +488,17 @@ impl<S: Storage> Worker<S> {
                 self.after_commit(&freed);
             }
             Err(error) => {
-                // Rolled back: the ids recorded for this batch's acquisitions point at nothing.
+                // Rolled back, most likely: the ids recorded for this batch's acquisitions point
+                // at nothing. But a failure of the commit itself (a connection cut as it was
+                // sent) cannot tell whether it committed: their rows are deleted, if there, by
+                // the next transaction, so that a retried acquisition is never there twice, and
+                // no row lives on, renewed by this owner's heartbeats, for a caller who was told
+                // it failed.
                 for write in &writes {
                     if let Write::Acquire { request, .. } = write {
-                        self.requests.remove(request);
+                        if let Some(written) = self.requests.remove(request) {
+                            self.doubtful.push(written);
+                        }
                     }
                 }
                 self.retry_alone(writes, error);
@@ -416,54 +521,135 @@ impl<S: Storage> Worker<S> {
         }
     }
 
-    /// `BEGIN IMMEDIATE`, `body`, then (if `may_free`: the body may delete rows, or time may have
-    /// freed some) deletion of expired rows and promotion, `COMMIT`. Returns what `body`
-    /// returned and what was freed. A transaction that only adds rows frees nothing, and expired
-    /// rows are ignored by every decision, so it skips the queue pass.
+    /// Begins a transaction that decides on `keys`, runs `body`, then (if `body` deleted rows,
+    /// or a look asked for it: `self.pass`) the promotion pass on those keys, and commits.
+    /// Returns what `body` returned and what was freed. A transaction that only adds rows frees
+    /// nothing, and lapsed rows are ignored by every decision, so it skips the pass.
     ///
-    /// The clock is read once the write lock is held, and `body` is given that time: a time read
-    /// before could be stale by however long another connection held the lock, and a renewal
-    /// judged by it could revive a row that had run out, and been passed over, meanwhile.
+    /// The clock is read once the transaction may decide (`Storage::begin`), and `body` is given
+    /// that time: a time read before could be stale by however long another connection held
+    /// the lock, and a renewal judged by it could revive a row that had run out, and been
+    /// passed over, meanwhile.
     fn transaction<T>(
         &mut self,
-        may_free: bool,
+        keys: &[String],
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
     ) -> Result<(T, Freed), LockError> {
-        let now = self.storage.begin()?;
+        // The keys a look asked for; `body` adds those whose rows it deletes.
+        let mut pass = std::mem::take(&mut self.pass);
+        let doubtful = std::mem::take(&mut self.doubtful);
+        let mut locked = keys.to_vec();
+        if !doubtful.is_empty() {
+            locked.extend(doubtful.iter().flat_map(|w| w.keys.iter().cloned()));
+            locked.sort();
+            locked.dedup();
+        }
+        let keys = locked.as_slice();
+        let now = match self.storage.begin(keys) {
+            Ok(now) => now,
+            Err(error) => {
+                self.doubtful = doubtful;
+                return Err(error);
+            }
+        };
         Counters::bump(&self.counters().write_transactions);
         self.deleted = false;
         let result = (|| {
+            let owner = self.common.owner.clone();
+            for written in &doubtful {
+                for key in &written.keys {
+                    let deleted = self.storage.delete_row(&owner, key, written.ticket, now)?;
+                    if deleted != Deleted::Missing {
+                        self.deleted = true;
+                        pass.insert(key.clone());
+                    }
+                }
+            }
             let value = body(self, now)?;
             let mut freed = Freed {
                 any: self.deleted,
                 promoted: Vec::new(),
                 at: now,
             };
-            if may_free {
-                let expired = self.storage.delete_expired(now)?;
-                let rows = self.storage.rows_on_waited_keys(now)?;
-                freed.promoted = promotable(&rows);
-                for row in rows.iter().filter(|row| !row.held) {
-                    if freed.promoted.binary_search(&row.ticket).is_ok() {
-                        self.storage.promote(&row.key, row.ticket, now)?;
-                    }
+            pass.append(&mut self.pass);
+            if !pass.is_empty() {
+                let (expired, promoted, announced) = self.promote_pass(&pass, keys, now)?;
+                freed.any |= expired > 0 || !promoted.is_empty();
+                freed.promoted = promoted;
+                let freed_keys: Vec<String> = if freed.any {
+                    pass.into_iter().collect()
+                } else {
+                    Vec::new()
+                };
+                if !freed_keys.is_empty() || !announced.is_empty() {
+                    self.storage.announce(&freed_keys, &announced)?;
                 }
-                freed.any |= expired > 0 || !freed.promoted.is_empty();
-            }
-            if freed.any {
-                self.storage.announce()?;
             }
             self.storage.commit()?;
             Ok((value, freed))
         })();
         if result.is_err() {
+            self.pass.clear();
             self.storage.rollback();
+            self.doubtful.extend(doubtful);
         }
         result
     }
 
+    /// Promotes, whoever owns them, the waiters on `keys` that the rule now allows. Reads the
+    /// rows of `keys`, and of the other keys those waiters wait on: where the storage serialises
+    /// by key, only of the keys this transaction `locked`, and a waiter with a key outside them
+    /// is left for its owner, whose own look takes all its keys (its keys are announced so that
+    /// the owner looks). Returns how many lapsed rows were deleted, the promoted tickets, and
+    /// the keys to announce.
+    fn promote_pass(
+        &mut self,
+        keys: &BTreeSet<String>,
+        locked: &[String],
+        now: i64,
+    ) -> Result<(usize, Vec<u64>, Vec<String>), LockError> {
+        let list: Vec<String> = keys.iter().cloned().collect();
+        let mut expired = self.storage.delete_expired(&list, now)?;
+        let mut rows = Vec::new();
+        self.storage.rows_on_keys(&list, now, &mut rows)?;
+        let mut read = keys.clone();
+        let mut more: Vec<String> = other_keys(&rows, &read).into_iter().collect();
+        let mut announced = BTreeSet::new();
+        if self.storage.keys_locked() {
+            let (reachable, out_of_reach): (Vec<String>, Vec<String>) = more
+                .into_iter()
+                .partition(|key| locked.binary_search(key).is_ok());
+            more = reachable;
+            if !out_of_reach.is_empty() {
+                // The waiters with a key out of reach: their owners look again.
+                let blocked: BTreeSet<&str> = out_of_reach.iter().map(String::as_str).collect();
+                for row in rows.iter().filter(|row| !row.held) {
+                    if row.request_keys().any(|key| blocked.contains(key)) {
+                        announced.extend(row.request_keys().map(str::to_owned));
+                    }
+                }
+            }
+        }
+        if !more.is_empty() {
+            expired += self.storage.delete_expired(&more, now)?;
+            self.storage.rows_on_keys(&more, now, &mut rows)?;
+            read.extend(more);
+        }
+        let promoted = promotable_within(&rows, &read);
+        // Row by row in key order, as every transaction changes rows.
+        rows.sort_by(|a, b| (&a.key, a.ticket).cmp(&(&b.key, b.ticket)));
+        for row in rows.iter().filter(|row| !row.held) {
+            if promoted.binary_search(&row.ticket).is_ok() {
+                self.storage.promote(&row.key, row.ticket, now)?;
+                announced.insert(row.key.clone());
+            }
+        }
+        Ok((expired, promoted, announced.into_iter().collect()))
+    }
+
     fn apply(&mut self, write: &Write, now: i64) -> Result<Decided, LockError> {
-        let owner = self.common.owner.as_str();
+        let common = self.common.clone();
+        let owner = common.owner.as_str();
         match write {
             Write::Acquire {
                 request,
@@ -471,13 +657,20 @@ impl<S: Storage> Worker<S> {
                 queue,
                 ..
             } => {
+                let keys = keys_of(requests);
+                self.storage.delete_expired(&keys, now)?;
                 let mut rows = Vec::new();
-                for request in requests {
-                    self.storage.rows_on_key(&request.key, now, &mut rows)?;
-                }
+                self.storage.rows_on_keys(&keys, now, &mut rows)?;
                 let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
                 let granted = grantable_now(wanted, &rows);
+                if !granted {
+                    // It waits, queued or not: until another owner's row here runs out, or
+                    // another owner, committing after this transaction, wakes it.
+                    self.mark_waiting(true);
+                    self.watch(&keys, &rows, Look::Pending);
+                }
                 if !granted && !queue {
+                    self.refused.extend(keys);
                     return Ok(Decided::NotNow);
                 }
                 let ticket = self.storage.next_ticket()?;
@@ -502,16 +695,18 @@ impl<S: Storage> Worker<S> {
                         self.deleted |= deleted != Deleted::Missing;
                         live &= deleted == Deleted::Live;
                     }
+                    self.pass.extend(written.keys.iter().cloned());
                 }
                 Ok(Decided::Removed(live))
             }
             Write::Renew { .. } => {
                 let expires_at = now + micros(self.common.lease);
                 self.storage.renew(owner, now, expires_at)?;
+                self.storage.sweep(now)?;
                 Ok(Decided::Done)
             }
             Write::Shutdown { .. } => {
-                self.deleted |= self.storage.delete_owner(owner)? > 0;
+                self.delete_own_rows(now)?;
                 Ok(Decided::Done)
             }
         }
@@ -526,14 +721,24 @@ impl<S: Storage> Worker<S> {
                     ..grant
                 })));
             }
-            (Write::Acquire { reply, .. }, Decided::Queued(ticket)) => {
+            (
+                Write::Acquire {
+                    reply, requests, ..
+                },
+                Decided::Queued(ticket),
+            ) => {
                 let slot = Arc::new(WaitSlot::default());
-                self.waits.insert(ticket, slot.clone());
-                self.remember_view();
+                let keys = keys_of(&requests);
+                self.waits.insert(
+                    ticket,
+                    Waiting {
+                        slot: slot.clone(),
+                        keys,
+                    },
+                );
                 let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
             }
             (Write::Acquire { reply, .. }, _) => {
-                self.remember_view();
                 let _ = reply.send(Ok(Acquired::NotNow));
             }
             (Write::Remove { request, reply }, decided) => {
@@ -557,8 +762,8 @@ impl<S: Storage> Worker<S> {
             }
             (Write::Shutdown { reply }, _) => {
                 self.requests.clear();
-                for (_, slot) in self.waits.drain() {
-                    slot.set(SlotState::Shutdown);
+                for (_, waiting) in self.waits.drain() {
+                    waiting.slot.set(SlotState::Shutdown);
                 }
                 lock(&self.common.guards).shut_down();
                 // Waiters without a queue position wake, try again, and find the manager shut.
@@ -574,8 +779,8 @@ impl<S: Storage> Worker<S> {
         // This owner's rows were promoted with this owner's lease (see `Db::promote`).
         let expires_at = self.local(freed.at + micros(self.common.lease));
         for ticket in &freed.promoted {
-            if let Some(slot) = self.waits.remove(ticket) {
-                slot.set(SlotState::Granted(expires_at));
+            if let Some(waiting) = self.waits.remove(ticket) {
+                waiting.slot.set(SlotState::Granted(expires_at));
             }
         }
         if freed.any {
@@ -585,7 +790,8 @@ impl<S: Storage> Worker<S> {
     }
 
     /// Compares this owner's live rows with its guards and waits: a guard whose rows are gone
-    /// or expired has lost its lease; a wait whose rows are gone can never be granted.
+    /// or expired has lost its lease; a wait whose rows are gone can never be granted. (Once per
+    /// heartbeat: it reads every row of this owner.)
     fn check_own_rows(&mut self, now: i64) -> Result<(), LockError> {
         let owned = self.storage.owned_requests(&self.common.owner, now)?;
         let find_request = |ticket: u64, held: bool| {
@@ -594,19 +800,26 @@ impl<S: Storage> Worker<S> {
                 .find(|r: &&OwnedRequest| r.ticket == ticket && r.held == held)
         };
         let find = |ticket: u64, held: bool| find_request(ticket, held).map_or(0, |r| r.rows);
-        lock(&self.common.guards).lose(
+        let lost = lock(&self.common.guards).lose(
             |ticket, rows, _| find(ticket, true) < rows,
             "the lock's rows are gone or expired",
         );
+        if lost > 0 {
+            // Their rows ran out unseen by this owner's deadlines, which watch other owners'
+            // rows: a waiter of this owner behind them may be free.
+            self.look_all = true;
+        }
         let ahead = self.storage.ahead_of(&*self.common.clock);
         let mut settled = Vec::new();
-        for (&ticket, slot) in &self.waits {
+        for (&ticket, waiting) in &self.waits {
             if let Some(held) = find_request(ticket, true) {
                 // Promoted by another manager, with this owner's lease from its clock.
-                slot.set(SlotState::Granted(held.expires_at - ahead));
+                waiting
+                    .slot
+                    .set(SlotState::Granted(held.expires_at - ahead));
                 settled.push(ticket);
             } else if find(ticket, false) == 0 {
-                slot.set(SlotState::Expired);
+                waiting.slot.set(SlotState::Expired);
                 settled.push(ticket);
             }
         }
@@ -619,65 +832,111 @@ impl<S: Storage> Worker<S> {
         Ok(())
     }
 
-    /// The poll: a cheap read to see whether anyone else committed (or a foreign lease ran out),
-    /// then, only if so, a look at the queues and a promotion if one is due.
-    fn look_for_changes(&mut self) {
-        let poked = std::mem::take(&mut self.poked);
-        if let Err(error) = self.try_look(poked) {
-            tracing::warn!(%error, "looking for other processes' changes failed; will retry");
-            self.last_data_version = None;
+    /// The same, for the waits on `keys` only, from `rows` (every live row on them): a wait
+    /// whose row there is held was promoted (by another manager: this one's promotions settle
+    /// their waits as they commit); one whose row there is gone ran out.
+    fn settle_waits(&mut self, keys: &BTreeSet<String>, rows: &[RowView]) {
+        let ahead = self.storage.ahead_of(&*self.common.clock);
+        let mut settled = Vec::new();
+        for (&ticket, waiting) in &self.waits {
+            let Some(key) = waiting.keys.iter().find(|key| keys.contains(*key)) else {
+                continue;
+            };
+            match rows
+                .iter()
+                .find(|row| &row.key == key && row.ticket == ticket)
+            {
+                Some(row) if row.held => {
+                    waiting.slot.set(SlotState::Granted(row.expires_at - ahead));
+                    settled.push(ticket);
+                }
+                Some(_) => {}
+                None => {
+                    waiting.slot.set(SlotState::Expired);
+                    settled.push(ticket);
+                }
+            }
+        }
+        for ticket in settled {
+            self.waits.remove(&ticket);
         }
     }
 
-    /// A new wait: take a full look at the next tick (to learn the foreign expiries that may
-    /// free it), comparing with the version of the last full look, not with a version read now,
-    /// which could silently include another process's promotion of one of our waiters.
-    fn remember_view(&mut self) {
-        self.look_soon = true;
+    /// The poll: a cheap check of what others changed, then, only for the watched keys that
+    /// changed or whose deadline passed, a read of their rows and a promotion if one is due.
+    fn look_for_changes(&mut self) {
+        self.poked = false;
+        if let Err(error) = self.try_look() {
+            tracing::warn!(%error, "looking for other processes' changes failed; will retry");
+            self.look_all = true;
+        }
     }
 
-    fn try_look(&mut self, poked: bool) -> Result<(), LockError> {
-        let version = self.storage.change_version()?;
+    fn try_look(&mut self) -> Result<(), LockError> {
+        let changes = self.storage.changes()?;
         Counters::bump(&self.counters().change_checks);
         let now = self.now();
-        let due = self.next_deadline.is_some_and(|deadline| now >= deadline);
-        let changed = self.last_data_version != Some(version) || due || poked;
-        if !changed && !std::mem::take(&mut self.look_soon) {
-            return Ok(());
-        }
-        self.look_soon = false;
-        self.last_data_version = Some(version);
-
-        if !promotable(&self.storage.rows_on_waited_keys(now)?).is_empty() {
-            let ((), freed) = self.transaction(true, |_, _| Ok(()))?;
-            self.after_commit(&freed);
-        } else if changed {
-            // Others' changes may matter to waiters that hold no queue position. (Not on a look
-            // taken only because a wait started: that would wake the refused `many` that
-            // started it, which would try again, start a wait again: a loop of writes.)
+        let look_all = std::mem::take(&mut self.look_all);
+        let queued: BTreeSet<&String> = self.waits.values().flat_map(|w| w.keys.iter()).collect();
+        let refused = &self.refused;
+        self.deadlines
+            .retain(|key, _| queued.contains(key) || refused.contains(key));
+        // Keys on which another owner's lease has run out since they were read.
+        let due = |key: &String| self.deadlines.get(key).is_none_or(|&at| at <= now);
+        let refused_freed = changes != Changes::Nothing || refused.iter().any(due);
+        let keys: BTreeSet<String> = match &changes {
+            _ if look_all => queued.into_iter().cloned().collect(),
+            Changes::Unknown => queued.into_iter().cloned().collect(),
+            Changes::Keys(hashes) => {
+                let hashes: HashSet<i64> = hashes.iter().copied().collect();
+                queued
+                    .into_iter()
+                    .filter(|key| hashes.contains(&key_hash(key)) || due(key))
+                    .cloned()
+                    .collect()
+            }
+            Changes::Nothing => queued.into_iter().filter(|key| due(key)).cloned().collect(),
+        };
+        if refused_freed && !self.refused.is_empty() {
+            // Requests without a queue position have no rows to promote: their callers try
+            // again, and are refused (and watched) again if still blocked.
+            self.refused.clear();
             self.common.changed.notify(usize::MAX);
         }
-        // Own rows are judged by the time now: a promotion above may have waited for the write
-        // lock. The next deadline is looked for from the time the queues were judged by: a
-        // foreign lease that ran out since was not seen to run out, and must make the next tick
-        // look again. (Looked for from `now`, it would be skipped, and with no other commit to
-        // see, the waiter it blocked would wait for ever.)
-        let judged = now;
-        let now = self.now();
-        self.check_own_rows(now)?;
-        self.next_deadline = self
-            .storage
-            .next_foreign_expiry(&self.common.owner, judged)?;
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let list: Vec<String> = keys.iter().cloned().collect();
+        let mut rows = Vec::new();
+        self.storage.rows_on_keys(&list, now, &mut rows)?;
+        let more: Vec<String> = other_keys(&rows, &keys).into_iter().collect();
+        self.storage.rows_on_keys(&more, now, &mut rows)?;
+        let mut read = keys;
+        read.extend(more);
+        let read_list: Vec<String> = read.iter().cloned().collect();
+        self.watch(&read_list, &rows, Look::Done);
+        self.settle_waits(&read, &rows);
+        if !promotable_within(&rows, &read).is_empty() {
+            self.pass = read;
+            let ((), freed) = self.transaction(&read_list, |_, _| Ok(()))?;
+            self.after_commit(&freed);
+        }
         Ok(())
+    }
+
+    /// Deletes every row of this owner, and promotes whom that frees.
+    fn delete_own_rows(&mut self, now: i64) -> Result<(), LockError> {
+        let owner = self.common.owner.clone();
+        self.deleted |= self.storage.delete_owner(&owner)? > 0;
+        let keys = self.own_keys();
+        self.pass.extend(keys);
+        self.storage.sweep(now)
     }
 
     /// The manager is gone (every handle dropped): leave no row behind.
     fn close(&mut self) {
-        let owner = self.common.owner.clone();
-        let deleted = self.transaction(true, |worker, _| {
-            worker.deleted |= worker.storage.delete_owner(&owner)? > 0;
-            Ok(())
-        });
+        let keys = self.own_keys();
+        let deleted = self.transaction(&keys, |worker, now| worker.delete_own_rows(now));
         match deleted {
             Ok(((), freed)) => self.after_commit(&freed),
             Err(error) => tracing::warn!(
@@ -688,12 +947,19 @@ impl<S: Storage> Worker<S> {
     }
 }
 
+/// The keys of `requests`, sorted, without repeats: the order in which every transaction
+/// takes them.
+fn keys_of(requests: &[LockRequest]) -> Vec<String> {
+    let keys: BTreeSet<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+    keys.into_iter().map(str::to_owned).collect()
+}
+
 impl<S> Drop for Worker<S> {
     /// However the worker stops (shutdown, every handle gone, or a panic), no waiter is left
     /// waiting for it.
     fn drop(&mut self) {
-        for (_, slot) in self.waits.drain() {
-            slot.set(SlotState::Shutdown);
+        for (_, waiting) in self.waits.drain() {
+            waiting.slot.set(SlotState::Shutdown);
         }
         self.common.changed.notify(usize::MAX);
     }

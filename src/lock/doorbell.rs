@@ -1,0 +1,206 @@
+//! Wake-ups across processes for SQLite: a doorbell per manager beside the database file.
+//!
+//! Beside `locks.db` is a folder `locks.db-doorbell`. Each manager binds a Unix datagram socket
+//! there (`<id>.sock`), and a thread of its own waits on it and pokes the storage worker when a
+//! datagram comes. While the manager has waiters, a marker `<id>.wait` says so. A transaction
+//! that freed or promoted rows, once it has committed, sends one byte to every waiting manager's
+//! socket: the worker then looks at once, instead of at its next `poll`.
+//!
+//! The marker is made inside the transaction that decides to wait, before it commits: a
+//! releaser commits after it (one writer at a time), so it sees the marker, and rings. A release
+//! that committed before was seen by the waiting transaction itself. So a doorbell that works
+//! misses nothing; the poll stays as the fallback where it cannot work (another OS, a folder that
+//! cannot be made, a socket path longer than the system allows, a peer that crashed), and the
+//! worker's correctness never depends on it.
+//!
+//! Ringing costs one `stat` of the folder when nobody waits (its listing is read again only when
+//! the folder changed), and a `sendto` per waiting manager when some do. A socket whose owner
+//! died (nobody bound: `ECONNREFUSED`) is removed with its marker by whoever rings it.
+
+use std::io::ErrorKind;
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::Sender;
+use std::sync::Weak;
+use std::time::{Duration, SystemTime};
+
+use super::protocol::Command;
+use super::storage::fnv1a;
+
+/// How often the listening thread checks that its manager is still there.
+const CHECK_EVERY: Duration = Duration::from_millis(500);
+
+/// The longest socket path a `sockaddr_un` holds (108 bytes with the final NUL on Linux, 104 on
+/// the BSDs: the smaller).
+const MAX_SOCKET_PATH: usize = 103;
+
+pub(crate) struct Doorbell {
+    dir: PathBuf,
+    id: String,
+    /// An unbound socket to ring others with.
+    sender: UnixDatagram,
+    /// Whether this manager's marker is there.
+    waiting: bool,
+    /// The folder's modification time when `peers` was read, and the waiting peers' ids.
+    listed: Option<SystemTime>,
+    peers: Vec<String>,
+}
+
+impl Doorbell {
+    /// Sets up the doorbell of a manager (`owner`) on the database at `db`, whose permission
+    /// bits are `file_mode`, and starts the thread that pokes the worker through `poke`. `None`
+    /// where it cannot be set up: the poll then does its work.
+    pub(crate) fn open(
+        db: &Path,
+        owner: &str,
+        file_mode: u32,
+        poke: Weak<Sender<Command>>,
+    ) -> Option<Doorbell> {
+        let mut dir = db.as_os_str().to_owned();
+        dir.push("-doorbell");
+        let dir = PathBuf::from(dir);
+        let id = format!("{:016x}", fnv1a(owner.as_bytes()));
+        let socket_path = dir.join(format!("{id}.sock"));
+        if socket_path.as_os_str().len() > MAX_SOCKET_PATH {
+            tracing::debug!(
+                path = %socket_path.display(),
+                "no doorbell: the socket path is too long; other processes' changes are seen by \
+                 the poll"
+            );
+            return None;
+        }
+        let made = make_dir(&dir, file_mode)
+            .and_then(|()| {
+                let _ = std::fs::remove_file(&socket_path);
+                UnixDatagram::bind(&socket_path)
+            })
+            .and_then(|listener| Ok((listener, UnixDatagram::unbound()?)));
+        let (listener, sender) = match made {
+            Ok(sockets) => sockets,
+            Err(error) => {
+                tracing::debug!(
+                    %error,
+                    dir = %dir.display(),
+                    "no doorbell; other processes' changes are seen by the poll"
+                );
+                return None;
+            }
+        };
+        let _ = sender.set_nonblocking(true);
+        let _ = listener.set_read_timeout(Some(CHECK_EVERY));
+        let started = std::thread::Builder::new()
+            .name("leasehold-doorbell".into())
+            .spawn(move || listen(&listener, &poke));
+        if started.is_err() {
+            let _ = std::fs::remove_file(&socket_path);
+            return None;
+        }
+        Some(Doorbell {
+            dir,
+            id,
+            sender,
+            waiting: false,
+            listed: None,
+            peers: Vec::new(),
+        })
+    }
+
+    /// Puts up or takes down this manager's marker.
+    pub(crate) fn set_waiting(&mut self, waiting: bool) {
+        if waiting == self.waiting {
+            return;
+        }
+        let marker = self.dir.join(format!("{}.wait", self.id));
+        let done = if waiting {
+            std::fs::File::create(&marker).map(drop)
+        } else {
+            std::fs::remove_file(&marker)
+        };
+        match done {
+            Ok(()) => self.waiting = waiting,
+            Err(error) => tracing::debug!(%error, "the doorbell's marker could not be changed"),
+        }
+    }
+
+    /// Rings every other waiting manager.
+    pub(crate) fn ring(&mut self) {
+        let modified = std::fs::metadata(&self.dir).and_then(|m| m.modified()).ok();
+        if modified.is_none() || modified != self.listed {
+            self.listed = modified;
+            self.peers = self.waiting_peers();
+        }
+        let mut gone = false;
+        for peer in &self.peers {
+            let socket = self.dir.join(format!("{peer}.sock"));
+            match self.sender.send_to(&[1], &socket) {
+                Ok(_) => {}
+                // Nobody is bound there (its process died): clear its marker and socket.
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        ErrorKind::ConnectionRefused | ErrorKind::NotFound
+                    ) =>
+                {
+                    let _ = std::fs::remove_file(self.dir.join(format!("{peer}.wait")));
+                    let _ = std::fs::remove_file(&socket);
+                    gone = true;
+                }
+                // A full buffer: it has been rung already and will look.
+                Err(_) => {}
+            }
+        }
+        if gone {
+            self.listed = None;
+        }
+    }
+
+    fn waiting_peers(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(Result::ok)
+            .filter_map(|entry| {
+                let name = entry.file_name().into_string().ok()?;
+                let id = name.strip_suffix(".wait")?;
+                (id != self.id).then(|| id.to_owned())
+            })
+            .collect()
+    }
+}
+
+impl Drop for Doorbell {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.dir.join(format!("{}.wait", self.id)));
+        let _ = std::fs::remove_file(self.dir.join(format!("{}.sock", self.id)));
+    }
+}
+
+/// Makes the folder if it is not there, with the database's permissions plus the right to
+/// enter it for whoever may read or write the database.
+fn make_dir(dir: &Path, file_mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let mut mode = file_mode & 0o777;
+    for shift in [0, 3, 6] {
+        if mode >> shift & 0o6 != 0 {
+            mode |= 0o7 << shift;
+        }
+    }
+    match std::fs::DirBuilder::new().mode(mode).create(dir) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(error) => Err(error),
+    }
+}
+
+/// The listening thread: pokes the worker at every datagram, and stops once the worker is gone.
+fn listen(listener: &UnixDatagram, poke: &Weak<Sender<Command>>) {
+    let mut buffer = [0u8; 16];
+    loop {
+        let heard = listener.recv(&mut buffer).is_ok();
+        let Some(tx) = poke.upgrade() else { return };
+        if heard && tx.send(Command::Poke).is_err() {
+            return;
+        }
+    }
+}
