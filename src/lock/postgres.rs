@@ -21,7 +21,8 @@
 //!    `LISTEN`s, keeps the digests it hears, and pokes the worker, which looks only at the keys
 //!    it waits on among them. After every `LISTEN` (notifications are not kept across a
 //!    disconnect), and for as long as the listener is not connected (a pooler in transaction
-//!    mode cannot `LISTEN`), the worker looks at every key it waits on every `poll` instead.
+//!    mode cannot `LISTEN`), the worker looks at every key it waits on at each look of the poll
+//!    instead.
 //!
 //! A connection that fails is opened again on the next call once the manager's busy schedule
 //! (`LockManagerBuilder::busy_schedule`) allows, calls in between failing at once; the schedule
