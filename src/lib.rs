@@ -14,7 +14,9 @@
 //! - [`race`] and [`all`]: Effect's `raceAll` and `all` over `Scoped` futures; the losers are
 //!   interrupted ([`RaceLost`]) and their clean-up has finished before either resolves.
 //! - [`Schedule`]: retry and repeat policies as values (`spaced`, `fixed`, `exponential`,
-//!   `recurs`, `jittered`, `up_to`, `union`, `intersect`).
+//!   `recurs`, `jittered`, `capped`, `up_to`, `union`, `intersect`), driven by `retry` and
+//!   `repeat` or stepped by hand ([`ScheduleRun`]); the lock manager's own timing is built from
+//!   them.
 //! - [`Semaphore`]: fair, strictly FIFO. [`Clock`]: [`SystemClock`], or [`TestClock`] whose time
 //!   moves only when a test says so. Schedules, timeouts ([`Scoped::timeout`]) and sleeps run on
 //!   the clock's monotonic time, so a step of the wall clock (NTP, a laptop waking up) changes

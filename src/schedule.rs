@@ -23,6 +23,7 @@ enum Kind {
     Exponential { base: Duration, factor: f64 },
     Recurs(usize),
     Jittered(Box<Kind>),
+    Capped(Box<Kind>, Duration),
     UpTo(Box<Kind>, Duration),
     Union(Box<Kind>, Box<Kind>),
     Intersect(Box<Kind>, Box<Kind>),
@@ -165,6 +166,31 @@ impl Schedule {
     pub fn jittered(self) -> Self {
         Schedule {
             kind: Kind::Jittered(Box::new(self.kind)),
+            clock: self.clock,
+        }
+    }
+
+    /// Each delay at most `max_delay`; the schedule goes on (or stops) as before.
+    ///
+    /// Put [`jittered`](Schedule::jittered) after it for back-off that spreads out even at
+    /// the cap (delays in `[0.8, 1.2) x max_delay`), or before it for a hard ceiling.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::Schedule;
+    ///
+    /// let ms = Duration::from_millis;
+    /// let mut run = Schedule::exponential(ms(10), 2.0).capped(ms(30)).start(ms(0));
+    /// assert_eq!(run.next(ms(0)), Some(ms(10)));
+    /// assert_eq!(run.next(ms(0)), Some(ms(20)));
+    /// assert_eq!(run.next(ms(0)), Some(ms(30)));
+    /// assert_eq!(run.next(ms(0)), Some(ms(30)));
+    /// ```
+    pub fn capped(self, max_delay: Duration) -> Self {
+        Schedule {
+            kind: Kind::Capped(Box::new(self.kind), max_delay),
             clock: self.clock,
         }
     }
@@ -448,6 +474,73 @@ impl ScheduleRun {
         self.next_with(ended_at, &mut jitter_draw)
     }
 
+    /// Called when a run ends at time `ended_at`: when the next run should start, on the same
+    /// time line (`ended_at` plus the delay [`next`](ScheduleRun::next) gives), or `None` when
+    /// the schedule is done.
+    ///
+    /// This reads the schedule without sleeping, for a loop that waits in its own way: a plain
+    /// thread blocked on a channel with a timeout, or a caller that learns only later when
+    /// the run it counts from really ended.
+    ///
+    /// # Examples
+    ///
+    /// A thread that does its own work between runs, and runs on a schedule of monotonic time:
+    ///
+    /// ```
+    /// use std::sync::mpsc;
+    /// use std::time::Duration;
+    /// use leasehold::{Clock, Schedule, SystemClock};
+    ///
+    /// let (tx, rx) = mpsc::channel::<&str>();
+    /// let ticker = std::thread::spawn(move || {
+    ///     let clock = SystemClock;
+    ///     let mut run = Schedule::fixed(Duration::from_millis(5)).start(clock.monotonic());
+    ///     let mut runs = 0;
+    ///     let mut next = clock.monotonic(); // the first run at once
+    ///     loop {
+    ///         match rx.recv_timeout(next.saturating_sub(clock.monotonic())) {
+    ///             Ok(_message) => {}                              // work, then wait again
+    ///             Err(mpsc::RecvTimeoutError::Disconnected) => return runs,
+    ///             Err(mpsc::RecvTimeoutError::Timeout) => {}
+    ///         }
+    ///         if clock.monotonic() >= next {
+    ///             runs += 1;                                      // the scheduled run
+    ///             next = run.next_at(clock.monotonic()).expect("fixed goes on forever");
+    ///         }
+    ///     }
+    /// });
+    /// tx.send("hello").unwrap();
+    /// std::thread::sleep(Duration::from_millis(20));
+    /// drop(tx);
+    /// assert!(ticker.join().unwrap() >= 2);
+    /// ```
+    pub fn next_at(&mut self, ended_at: Duration) -> Option<Duration> {
+        self.next(ended_at)
+            .map(|delay| ended_at.saturating_add(delay))
+    }
+
+    /// Starts over, as if the schedule had just been [`start`](Schedule::start)ed at `at`:
+    /// exponential delays fall back to their base, `recurs` and `up_to` count afresh, `fixed`
+    /// lays its grid from `at`. For a back-off that should begin again after a success.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::Schedule;
+    ///
+    /// let ms = Duration::from_millis;
+    /// let mut backoff = Schedule::exponential(ms(10), 2.0).start(ms(0));
+    /// assert_eq!(backoff.next(ms(0)), Some(ms(10)));
+    /// assert_eq!(backoff.next(ms(10)), Some(ms(20)));
+    /// backoff.reset(ms(30)); // the attempt succeeded
+    /// assert_eq!(backoff.next(ms(500)), Some(ms(10)));
+    /// ```
+    pub fn reset(&mut self, at: Duration) {
+        self.state.reset(at);
+        self.start = at;
+    }
+
     /// [`next`](ScheduleRun::next) with the jitter draws (in `[0, 1)`) supplied by the caller.
     pub(crate) fn next_with(
         &mut self,
@@ -471,7 +564,9 @@ struct State {
 impl State {
     fn new(kind: &Kind, start: Duration) -> Self {
         let children = match kind {
-            Kind::Jittered(inner) | Kind::UpTo(inner, _) => vec![State::new(inner, start)],
+            Kind::Jittered(inner) | Kind::Capped(inner, _) | Kind::UpTo(inner, _) => {
+                vec![State::new(inner, start)]
+            }
             Kind::Union(a, b) | Kind::Intersect(a, b) => {
                 vec![State::new(a, start), State::new(b, start)]
             }
@@ -481,6 +576,15 @@ impl State {
             steps: 0,
             last: start,
             children,
+        }
+    }
+
+    /// As `State::new(kind, start)` for the kind this state was made for, without allocating.
+    fn reset(&mut self, start: Duration) {
+        self.steps = 0;
+        self.last = start;
+        for child in &mut self.children {
+            child.reset(start);
         }
     }
 }
@@ -502,6 +606,9 @@ fn step(
         Kind::Recurs(times) => (state.steps < *times as u64).then_some(Duration::ZERO),
         Kind::Jittered(inner) => step(inner, &mut state.children[0], start, now, draw)
             .map(|delay| scale(delay, 0.8 + 0.4 * draw())),
+        Kind::Capped(inner, max_delay) => {
+            step(inner, &mut state.children[0], start, now, draw).map(|delay| delay.min(*max_delay))
+        }
         Kind::UpTo(inner, max_elapsed) => {
             let inner = step(inner, &mut state.children[0], start, now, draw);
             inner.filter(|_| now.saturating_sub(start) < *max_elapsed)

@@ -529,6 +529,9 @@ fn a_lease_shorter_than_two_heartbeats_is_refused() {
     for zero in [
         LockManager::builder().heartbeat(Duration::ZERO),
         LockManager::builder().poll(Duration::ZERO),
+        // A poll that would never look, or look without pause.
+        LockManager::builder().poll_schedule(leasehold::Schedule::recurs(0)),
+        LockManager::builder().poll_schedule(leasehold::Schedule::recurs(5)),
     ] {
         assert!(matches!(
             zero.open_in_memory(),

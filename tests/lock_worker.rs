@@ -6,10 +6,14 @@
 
 mod lock_support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::executor::block_on;
-use leasehold::{fork_daemon, AbortController, AbortReason, LockError, LockManager, LockRequest};
+use leasehold::{
+    fork_daemon, AbortController, AbortReason, LockError, LockManager, LockRequest, Schedule,
+    TestClock,
+};
 use lock_support::{bounded, join_within, rows_of, temp_db, within, WriteLock};
 
 /// Starts a write on `locks` that stalls in `BEGIN IMMEDIATE` while a `WriteLock` is held, and
@@ -265,4 +269,78 @@ fn a_call_whose_reply_is_held_up_stops_yielding_and_is_woken_by_the_reply() {
         }
     };
     block_on(guard.release()).unwrap();
+}
+
+/// Two round trips to the worker: whatever it was due to do at the clock's time when this was
+/// called (a look for changes included) is done when it returns.
+async fn settle(locks: &LockManager) {
+    for _ in 0..2 {
+        locks.is_locked("k").await.unwrap();
+    }
+}
+
+#[test]
+fn the_change_poll_follows_its_schedule_on_the_managers_clock() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let clock = TestClock::new();
+        // Looks 100, 200, 400, 800 ms apart, where the default would look every 10 ms.
+        let locks = LockManager::builder()
+            .clock(Arc::new(clock.clone()))
+            .poll_schedule(Schedule::exponential(Duration::from_millis(100), 2.0))
+            .open(&path)
+            .unwrap();
+        let holder = locks.exclusive("k", "holder").await.unwrap();
+        let waiter = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("k", "waiter").await })
+        };
+        within(5_000, "the waiter queued", || async {
+            locks.inspect(Some("k")).await.unwrap().len() == 2
+        })
+        .await;
+        // The first look comes one delay after the manager started (it had not looked yet).
+        settle(&locks).await;
+        for delay in [100, 200, 400, 800] {
+            let checks = locks.stats().change_checks;
+            clock.advance(Duration::from_millis(delay - 1));
+            settle(&locks).await;
+            assert_eq!(
+                locks.stats().change_checks,
+                checks,
+                "no look within {delay} ms"
+            );
+            clock.advance(Duration::from_millis(1));
+            within(5_000, "a look once the delay has passed", || async {
+                locks.stats().change_checks > checks
+            })
+            .await;
+            settle(&locks).await;
+            assert_eq!(locks.stats().change_checks, checks + 1, "one look");
+        }
+        holder.release().await.unwrap();
+        let granted = join_within(5_000, "the waiter is granted", waiter).await;
+        granted.success().unwrap().unwrap().release().await.unwrap();
+    });
+}
+
+#[test]
+fn a_busy_database_is_reported_once_the_busy_schedule_is_done() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        // No try after the first refusal (the default goes on for 60 s).
+        let locks = LockManager::builder()
+            .busy_schedule(Schedule::recurs(0))
+            .open(&path)
+            .unwrap();
+        let _write_lock = WriteLock::take(&path);
+        // SQLite's own busy handler waits 5 s inside the one try.
+        let refused = bounded(
+            30_000,
+            "the busy database is reported",
+            locks.try_acquire(LockRequest::exclusive("k", "busy")),
+        )
+        .await;
+        assert!(matches!(refused, Err(LockError::Storage(_))), "{refused:?}");
+    });
 }

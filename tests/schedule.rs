@@ -418,3 +418,140 @@ fn each_start_is_a_fresh_run() {
     let mut second = schedule.start(s(0));
     assert_eq!(second.next(s(0)), Some(s(0)));
 }
+
+// ---------------------------------------------------------------------------------------------
+// What the lock manager needs: a cap, a reset, and the next run's time without sleeping
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn capped_limits_each_delay_and_keeps_growing_below_the_cap() {
+    let schedule = Schedule::exponential(ms(10), 2.0).capped(ms(50));
+    let got = delays(&schedule, &[s(0); 6]);
+    assert_eq!(
+        got,
+        [
+            Some(ms(10)),
+            Some(ms(20)),
+            Some(ms(40)),
+            Some(ms(50)),
+            Some(ms(50)),
+            Some(ms(50))
+        ]
+    );
+}
+
+#[test]
+fn capped_keeps_the_end_of_the_schedule_it_wraps() {
+    let schedule = Schedule::spaced(s(10))
+        .intersect(Schedule::recurs(2))
+        .capped(s(1));
+    assert_eq!(
+        delays(&schedule, &[s(0); 3]),
+        [Some(s(1)), Some(s(1)), None]
+    );
+}
+
+#[test]
+fn jitter_after_a_cap_spreads_the_capped_delays() {
+    let mut run = Schedule::exponential(s(1), 10.0)
+        .capped(s(10))
+        .jittered()
+        .start(s(0));
+    run.next(s(0));
+    let at_cap: Vec<Duration> = (0..1000).map(|_| run.next(s(0)).unwrap()).collect();
+    assert!(
+        at_cap.iter().all(|d| *d >= s(8) && *d < s(12)),
+        "{at_cap:?}"
+    );
+    assert!(at_cap.iter().any(|d| *d < s(9)) && at_cap.iter().any(|d| *d > s(11)));
+}
+
+#[test]
+fn jitter_before_a_cap_never_exceeds_it() {
+    let mut run = Schedule::spaced(s(10)).jittered().capped(s(10)).start(s(0));
+    assert!((0..1000).all(|_| run.next(s(0)).unwrap() <= s(10)));
+}
+
+#[test]
+fn reset_starts_the_run_over_from_the_time_given() {
+    let mut run = Schedule::exponential(s(1), 2.0)
+        .intersect(Schedule::recurs(2))
+        .start(s(0));
+    assert_eq!(run.next(s(0)), Some(s(1)));
+    assert_eq!(run.next(s(1)), Some(s(2)));
+    assert_eq!(run.next(s(3)), None);
+    run.reset(s(100));
+    assert_eq!(run.next(s(100)), Some(s(1)), "back to the base delay");
+    assert_eq!(run.next(s(101)), Some(s(2)));
+    assert_eq!(run.next(s(103)), None, "recurs counts afresh");
+}
+
+#[test]
+fn reset_moves_the_window_of_up_to_and_the_grid_of_fixed() {
+    let mut run = Schedule::spaced(s(1)).up_to(s(10)).start(s(0));
+    assert_eq!(run.next(s(20)), None);
+    run.reset(s(20));
+    assert_eq!(run.next(s(29)), Some(s(1)));
+    assert_eq!(run.next(s(30)), None);
+
+    let mut run = Schedule::fixed(s(10)).start(s(0));
+    assert_eq!(run.next(s(3)), Some(s(7)));
+    run.reset(s(4));
+    assert_eq!(run.next(s(5)), Some(s(9)), "slots at 4, 14, 24, ...");
+}
+
+#[test]
+fn next_at_is_the_time_of_the_next_run_on_the_same_time_line() {
+    let mut run = Schedule::spaced(s(5)).start(s(100));
+    assert_eq!(run.next_at(s(100)), Some(s(105)));
+    // Counted from when the run ended, however late the caller asks.
+    assert_eq!(run.next_at(s(102)), Some(s(107)));
+    let mut run = Schedule::fixed(s(10)).start(s(0));
+    assert_eq!(run.next_at(s(3)), Some(s(10)));
+    assert_eq!(run.next_at(s(25)), Some(s(25)), "late: at once");
+    let mut run = Schedule::recurs(0).start(s(0));
+    assert_eq!(run.next_at(s(0)), None);
+}
+
+#[test]
+fn a_plain_thread_follows_a_schedule_on_a_test_clock_without_sleeping_on_it() {
+    // The way the lock manager's storage worker polls: it reads the next run's time and waits
+    // for it on its own channel, re-reading the clock, never awaiting the clock's sleep.
+    let clock = TestClock::new();
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let mut run = Schedule::exponential(s(1), 2.0).start(clock.monotonic());
+    let mut next = run.next_at(clock.monotonic()).unwrap();
+    let worker = {
+        let (clock, runs) = (clock.clone(), runs.clone());
+        std::thread::spawn(move || loop {
+            let left = next.saturating_sub(clock.monotonic()).min(ms(5));
+            if let Err(std::sync::mpsc::RecvTimeoutError::Disconnected) = rx.recv_timeout(left) {
+                return;
+            }
+            let now = clock.monotonic();
+            if now >= next {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                next = run.next_at(now).unwrap();
+            }
+        })
+    };
+    let wait_for = |n: usize| {
+        let started = Instant::now();
+        while runs.load(std::sync::atomic::Ordering::SeqCst) < n {
+            assert!(started.elapsed() < s(5), "the run {n} came within 5 s");
+            std::thread::yield_now();
+        }
+    };
+    // Runs due at 1, 3, 7 s of the clock's time.
+    clock.advance(s(1));
+    wait_for(1);
+    clock.advance(s(2));
+    wait_for(2);
+    clock.advance(s(4));
+    wait_for(3);
+    assert_eq!(clock.sleepers(), 0, "nothing slept on the clock");
+    drop(tx);
+    worker.join().unwrap();
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 3);
+}

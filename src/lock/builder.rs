@@ -10,6 +10,7 @@ use std::time::Duration;
 use event_listener::Event;
 
 use crate::clock::{Clock, SystemClock};
+use crate::schedule::Schedule;
 use crate::spawn::Spawner;
 
 use super::guard::Guards;
@@ -42,7 +43,8 @@ use super::{LockError, LockManager};
 pub struct LockManagerBuilder {
     lease: Duration,
     heartbeat: Duration,
-    poll: Duration,
+    poll: Schedule,
+    busy: Schedule,
     clock: Arc<dyn Clock>,
     spawner: Option<Arc<dyn Spawner>>,
     /// Permission bits for a database file this manager creates (unix).
@@ -62,6 +64,7 @@ impl fmt::Debug for LockManagerBuilder {
             .field("lease", &self.lease)
             .field("heartbeat", &self.heartbeat)
             .field("poll", &self.poll)
+            .field("busy", &self.busy)
             .field("file_mode", &format_args!("{:#o}", self.file_mode))
             .finish_non_exhaustive()
     }
@@ -73,7 +76,8 @@ impl LockManagerBuilder {
         LockManagerBuilder {
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(5),
-            poll: Duration::from_millis(10),
+            poll: Schedule::fixed(Duration::from_millis(10)),
+            busy: default_busy_schedule(),
             clock: Arc::new(SystemClock),
             spawner: None,
             file_mode: DEFAULT_FILE_MODE,
@@ -96,8 +100,88 @@ impl LockManagerBuilder {
 
     /// How often waiters look for other processes' changes (a read-only check). Default 10 ms.
     /// Waiters in this process are woken at once whatever this is.
-    pub fn poll(mut self, every: Duration) -> Self {
-        self.poll = every;
+    ///
+    /// The shorthand for [`poll_schedule`](LockManagerBuilder::poll_schedule)`(Schedule::fixed(every))`.
+    pub fn poll(self, every: Duration) -> Self {
+        self.poll_schedule(Schedule::fixed(every))
+    }
+
+    /// The cadence of the change poll: when, while this manager has waiters, its storage
+    /// thread looks for other processes' changes (a read-only check; only when something
+    /// changed does it read the queues). Default `Schedule::fixed(10 ms)`.
+    ///
+    /// The poll is one per manager however many tasks wait. Each look is one run of its
+    /// schedule; when a wait begins after none, the schedule starts over from the last look (so
+    /// the first look comes one delay after that, at once if it was long ago). It is
+    /// stepped on the monotonic time of the manager's [`clock`](LockManagerBuilder::clock)
+    /// (a clock given to the schedule itself with [`Schedule::with_clock`] is not used), so
+    /// with a [`TestClock`](crate::TestClock) the poll follows the test's time. (The storage
+    /// thread waits for the time left in real time and then reads the clock again, so it sees a
+    /// clock moved by hand within one delay of real time.) A schedule that
+    /// ends stops the poll until the next wait begins: waiters then learn of other processes'
+    /// changes only from this process's own commits, so give a schedule that goes on.
+    ///
+    /// Waiters in this process are woken at once whatever this is, and so are the waiters of
+    /// other managers of this process on the same database.
+    ///
+    /// # Errors
+    ///
+    /// [`open`](LockManagerBuilder::open) and the other ways to start return
+    /// [`LockError::InvalidConfig`] for a schedule whose first delay is zero or that stops at
+    /// once: that would be a storage thread busy looking, or no poll at all.
+    ///
+    /// # Examples
+    ///
+    /// Hundreds of processes that wait on one database seldom: back off from 10 ms to at most
+    /// a second between looks, jittered so that they do not look together.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{LockManager, Schedule};
+    ///
+    /// let poll = Schedule::exponential(Duration::from_millis(10), 2.0)
+    ///     .capped(Duration::from_secs(1))
+    ///     .jittered();
+    /// let locks = LockManager::builder().poll_schedule(poll).open_in_memory()?;
+    /// # drop(locks);
+    /// # Ok::<(), leasehold::LockError>(())
+    /// ```
+    pub fn poll_schedule(mut self, schedule: Schedule) -> Self {
+        self.poll = schedule;
+        self
+    }
+
+    /// How to wait while the database is busy, and for how long.
+    ///
+    /// With SQLite, each try to begin or commit a write transaction already waits for the
+    /// write lock inside SQLite (up to 5 s); a try refused at once as busy (as SQLite does for
+    /// some clashes between connections) is tried again after each delay of this schedule,
+    /// and reported as [`LockError::Storage`] when it is done. With PostgreSQL, it is the
+    /// back-off between attempts to connect again after the connection was lost: calls made
+    /// meanwhile fail at once with [`LockError::Storage`], the schedule starts over after a
+    /// connection succeeds, and also when it is done (the manager never gives up on its
+    /// server). Its own clock ([`Schedule::with_clock`], default real time) measures it: a
+    /// busy database is busy in real time, whatever clock judges the leases.
+    ///
+    /// Default: exponential from 1 ms, doubling, capped at 100 ms, jittered, for up to 60 s:
+    /// `Schedule::exponential(1 ms, 2.0).capped(100 ms).jittered().up_to(60 s)`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{LockManager, Schedule};
+    ///
+    /// // Give up after 5 s of a busy database, retrying every 10 ms or so.
+    /// let busy = Schedule::spaced(Duration::from_millis(10))
+    ///     .jittered()
+    ///     .up_to(Duration::from_secs(5));
+    /// let locks = LockManager::builder().busy_schedule(busy).open_in_memory()?;
+    /// # drop(locks);
+    /// # Ok::<(), leasehold::LockError>(())
+    /// ```
+    pub fn busy_schedule(mut self, schedule: Schedule) -> Self {
+        self.busy = schedule;
         self
     }
 
@@ -198,8 +282,14 @@ impl LockManagerBuilder {
         if self.heartbeat.is_zero() {
             return invalid("the heartbeat interval must be more than zero".into());
         }
-        if self.poll.is_zero() {
-            return invalid("the poll interval must be more than zero".into());
+        match self.poll.start(Duration::ZERO).next(Duration::ZERO) {
+            Some(first) if !first.is_zero() => {}
+            _ => {
+                return invalid(format!(
+                    "the poll schedule must go on, with a first delay of more than zero: {:?}",
+                    self.poll
+                ))
+            }
         }
         if self.lease < self.heartbeat.saturating_mul(2) {
             return invalid(format!(
@@ -257,7 +347,8 @@ impl LockManagerBuilder {
         let (opened, connected) = futures::channel::oneshot::channel();
         let starting = self.launch(store, move |common, commands, poke| {
             let target = target.bound_by(common.heartbeat);
-            match super::postgres::Postgres::connect(target, schema, poke) {
+            let busy = common.busy.clone();
+            match super::postgres::Postgres::connect(target, schema, busy, poke) {
                 Ok(storage) => {
                     let _ = opened.send(Ok(()));
                     Worker::new(storage, common, commands).run();
@@ -288,11 +379,11 @@ impl LockManagerBuilder {
         let store = path.map(|path| canonical(path).display().to_string());
         let starting = self.launch(store, move |common, commands, poke| {
             // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
-            match sqlite::connect(open_path.as_deref(), file_mode) {
+            match sqlite::connect(open_path.as_deref(), file_mode, &common.busy) {
                 Ok(conn) => {
                     let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
                     let _ = opened.send(Ok(()));
-                    let db = Db::new(&conn, common.clock.clone(), file);
+                    let db = Db::new(&conn, common.clock.clone(), file, common.busy.clone());
                     #[cfg(unix)]
                     let db = db.with_doorbell(open_path.as_deref().and_then(|path| {
                         let path = canonical(path);
@@ -326,6 +417,7 @@ impl LockManagerBuilder {
             lease: self.lease,
             heartbeat: self.heartbeat,
             poll: self.poll,
+            busy: self.busy,
             clock: self.clock,
             spawner: self.spawner,
             counters: Counters::default(),
@@ -346,6 +438,14 @@ impl LockManagerBuilder {
             .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
         Ok(Starting { common, tx, worker })
     }
+}
+
+/// The default of [`LockManagerBuilder::busy_schedule`].
+fn default_busy_schedule() -> Schedule {
+    Schedule::exponential(Duration::from_millis(1), 2.0)
+        .capped(Duration::from_millis(100))
+        .jittered()
+        .up_to(Duration::from_secs(60))
 }
 
 /// A manager whose storage thread is opening its storage.

@@ -10,6 +10,7 @@ use event_listener::Event;
 use futures::channel::oneshot;
 
 use crate::clock::Clock;
+use crate::schedule::Schedule;
 use crate::spawn::Spawner;
 use crate::sync::lock;
 
@@ -26,7 +27,10 @@ pub(crate) struct Common {
     pub(super) owner: String,
     pub(super) lease: Duration,
     pub(super) heartbeat: Duration,
-    pub(super) poll: Duration,
+    /// The change poll's cadence (`LockManagerBuilder::poll_schedule`).
+    pub(super) poll: Schedule,
+    /// Waits while the database is busy, and reconnects (`LockManagerBuilder::busy_schedule`).
+    pub(super) busy: Schedule,
     pub(super) clock: Arc<dyn Clock>,
     /// Given to the builder; `None`: background work follows the caller.
     pub(super) spawner: Option<Arc<dyn Spawner>>,

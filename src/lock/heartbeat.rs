@@ -6,6 +6,10 @@
 //! the owner in one statement, at most once per half heartbeat however many ask (the number of
 //! write transactions does not grow with the number of locks or waiters), and answers with when
 //! it last renewed, so that every caller beats again one heartbeat after that.
+//!
+//! Every heartbeat beats on `Schedule::spaced(heartbeat)`, stepped on the clock's monotonic time
+//! (see `Beats`): a beat is a run of the schedule, and the run ends when the renewal it asked
+//! for was made, whoever asked for it.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -16,33 +20,66 @@ use super::{Common, Shared};
 
 use crate::clock::{Clock, SystemClock};
 use crate::fiber::fork_daemon_on;
+use crate::schedule::{Schedule, ScheduleRun};
 use crate::scope::current_spawner;
 use crate::sync::lock;
 
-/// Renews while a request waits; forked into the acquisition's scope. The first beat comes one
-/// heartbeat after `since` (when the request was sent, so no later than its row's lease began),
-/// however late the fiber itself starts.
-pub(super) async fn waiter(shared: Arc<Shared>, since: Duration) {
-    let common = &shared.common;
-    let mut pause = (since + common.heartbeat).saturating_sub(common.clock.now());
-    loop {
-        common.clock.sleep(pause).await;
-        pause = match shared.renew().await {
-            Ok(renewed_at) => until_next_beat(common, renewed_at),
-            Err(error) => {
-                tracing::warn!(%error, "renewing a waiting request's lease failed; retrying at the next heartbeat");
-                common.heartbeat
-            }
+/// The beats of one heartbeat: `Schedule::spaced(heartbeat)` on the clock's monotonic time.
+struct Beats<'a> {
+    common: &'a Common,
+    run: ScheduleRun,
+}
+
+impl<'a> Beats<'a> {
+    /// Beats counted from `since` (monotonic): the first comes one heartbeat after it.
+    fn since(common: &'a Common, since: Duration) -> (Self, Duration) {
+        let mut beats = Beats {
+            common,
+            run: Schedule::spaced(common.heartbeat).start(since),
         };
+        let first = beats.after(since);
+        (beats, first)
+    }
+
+    /// How long to wait for the next beat, now that the renewal it asked for was made at
+    /// `renewed_at` (the clock's wall time, as the worker reports it): one heartbeat after that,
+    /// even when that renewal was made for another caller (the worker coalesces renewals).
+    fn after_renewal(&mut self, renewed_at: Duration) -> Duration {
+        // How long ago, read on the wall time line it was reported on, then placed on the
+        // monotonic one that the schedule runs on.
+        let ago = self.common.clock.now().saturating_sub(renewed_at);
+        self.after(self.common.clock.monotonic().saturating_sub(ago))
+    }
+
+    /// How long to wait for the next beat after a renewal that failed now: a whole heartbeat.
+    fn after_failure(&mut self) -> Duration {
+        self.after(self.common.clock.monotonic())
+    }
+
+    /// How long from now until the next beat, the last having ended at `ended_at`.
+    fn after(&mut self, ended_at: Duration) -> Duration {
+        // `spaced` goes on for ever: there is always a next beat.
+        let next = self.run.next_at(ended_at).unwrap_or(ended_at);
+        next.saturating_sub(self.common.clock.monotonic())
     }
 }
 
-/// How long to sleep so that the next renewal comes one heartbeat after the last one, even when
-/// the last one was made for another caller (the worker coalesces renewals).
-fn until_next_beat(common: &Common, renewed_at: Duration) -> Duration {
-    (renewed_at + common.heartbeat)
-        .saturating_sub(common.clock.now())
-        .clamp(common.heartbeat / 4, common.heartbeat)
+/// Renews while a request waits; forked into the acquisition's scope. The first beat comes one
+/// heartbeat after `since` (the clock's monotonic time when the request was sent, so no later
+/// than its row's lease began), however late the fiber itself starts.
+pub(super) async fn waiter(shared: Arc<Shared>, since: Duration) {
+    let common = &shared.common;
+    let (mut beats, mut pause) = Beats::since(common, since);
+    loop {
+        common.clock.sleep(pause).await;
+        pause = match shared.renew().await {
+            Ok(renewed_at) => beats.after_renewal(renewed_at),
+            Err(error) => {
+                tracing::warn!(%error, "renewing a waiting request's lease failed; retrying at the next heartbeat");
+                beats.after_failure()
+            }
+        };
+    }
 }
 
 /// Starts the owner's lock heartbeat unless it runs already.
@@ -83,7 +120,7 @@ async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
         common: &common,
         armed: true,
     };
-    let mut pause = common.heartbeat;
+    let (mut beats, mut pause) = Beats::since(&common, common.clock.monotonic());
     loop {
         common.clock.sleep(pause).await;
         let shared = {
@@ -98,22 +135,30 @@ async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
                 }
             }
         };
-        let mut renewal = std::pin::pin!(shared.renew());
-        pause = loop {
-            // A renewal stuck behind a busy database must not keep a guard from hearing that its
-            // lease ran out: look every heartbeat while it is pending. (How long a renewal takes
-            // is real time, whatever clock judges the leases.)
-            let beat = SystemClock.sleep(common.heartbeat);
-            match futures::future::select(renewal.as_mut(), beat).await {
-                futures::future::Either::Left((Ok(renewed_at), _)) => {
-                    break until_next_beat(&common, renewed_at)
-                }
-                futures::future::Either::Left((Err(error), _)) => {
-                    tracing::warn!(%error, "renewing lock leases failed; retrying at the next heartbeat");
+        // A renewal stuck behind a busy database must not keep a guard from hearing that its
+        // lease ran out: look every heartbeat while it is pending. (How long a renewal takes
+        // is real time, whatever clock judges the leases.)
+        let watch = async {
+            SystemClock.sleep(common.heartbeat).await;
+            let _ = Schedule::spaced(common.heartbeat)
+                .repeat(|| async {
                     lose_expired(&common);
-                    break common.heartbeat;
-                }
-                futures::future::Either::Right(((), _)) => lose_expired(&common),
+                    Ok::<(), ()>(())
+                })
+                .await;
+            std::future::pending().await
+        };
+        let renewal = std::pin::pin!(shared.renew());
+        let renewed = futures::future::select(renewal, std::pin::pin!(watch))
+            .await
+            .factor_first()
+            .0;
+        pause = match renewed {
+            Ok(renewed_at) => beats.after_renewal(renewed_at),
+            Err(error) => {
+                tracing::warn!(%error, "renewing lock leases failed; retrying at the next heartbeat");
+                lose_expired(&common);
+                beats.after_failure()
             }
         };
     }

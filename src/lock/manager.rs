@@ -108,7 +108,9 @@ impl LockManager {
         LockManager::builder().open_in_memory()
     }
 
-    /// Settings: lease 30 s, heartbeat 5 s, poll 10 ms, [`SystemClock`](crate::SystemClock), background work that
+    /// Settings: lease 30 s, heartbeat 5 s, poll `Schedule::fixed(10 ms)`, a busy database
+    /// retried with exponential back-off for up to 60 s (see
+    /// [`LockManagerBuilder::busy_schedule`]), [`SystemClock`](crate::SystemClock), background work that
     /// follows the caller (see [`LockManagerBuilder::spawner`]), and on unix new database files
     /// readable and writable by their owner alone (`0o600`).
     pub fn builder() -> LockManagerBuilder {
@@ -481,7 +483,7 @@ async fn acquire_in_scope(
         let grant = match policy {
             Policy::Queue => {
                 // No later than the row's lease starts: the heartbeat counts from here.
-                let sent_at = shared.common.clock.now();
+                let sent_at = shared.common.clock.monotonic();
                 match shared.acquire(id, &requests, true).await? {
                     Acquired::Granted(grant) => grant,
                     Acquired::Queued(ticket, slot) => {

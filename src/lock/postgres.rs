@@ -21,11 +21,13 @@
 //!    `LISTEN`s, keeps the digests it hears, and pokes the worker, which looks only at the keys
 //!    it waits on among them. After every `LISTEN` (notifications are not kept across a
 //!    disconnect), and for as long as the listener is not connected (a pooler in transaction
-//!    mode cannot `LISTEN`), the worker looks at every key it waits on every `poll` instead.
+//!    mode cannot `LISTEN`), the worker looks at every key it waits on at each look of the poll
+//!    instead.
 //!
-//! A connection that fails is opened again on the next call (at most every
-//! [`RECONNECT_AFTER`]); rows live on the server, so guards survive a disconnect shorter than
-//! their lease.
+//! A connection that fails is opened again on the next call once the manager's busy schedule
+//! (`LockManagerBuilder::busy_schedule`) allows, calls in between failing at once; the schedule
+//! starts over after a success. Rows live on the server, so guards survive a disconnect shorter
+//! than their lease. The listener's connection backs off on its own run of the same schedule.
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
@@ -44,6 +46,8 @@ use super::storage::{
     Deleted, OwnedRequest, Result, Row, Storage,
 };
 use super::{LockError, LockRequest};
+use crate::clock::{Clock, SystemClock};
+use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
 /// The schema version this build writes and understands.
@@ -52,9 +56,6 @@ pub(crate) const SCHEMA_VERSION: i32 = 2;
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
 const LOCK_CLASS: i32 = 0x4c48_4c44; // "LHLD"
-
-/// How long after a failed connection attempt the next one is made.
-pub(crate) const RECONNECT_AFTER: Duration = Duration::from_millis(100);
 
 /// The default schema.
 pub(crate) const DEFAULT_SCHEMA: &str = "leasehold";
@@ -157,7 +158,8 @@ pub(crate) struct Postgres {
     schema: String,
     client: Option<Client>,
     statements: HashMap<&'static str, Statement>,
-    last_attempt: Option<Instant>,
+    /// When to connect again after a failed attempt.
+    reconnect: Reconnect,
     /// The server's time less this process's monotonic time, as of the last reading (micros).
     offset: i64,
     /// The keys (by digest) the open transaction freed or promoted rows on, to announce with
@@ -220,6 +222,7 @@ impl Postgres {
     pub(crate) fn connect(
         target: Target,
         schema: String,
+        busy: Schedule,
         poke: Weak<Sender<Command>>,
     ) -> Result<Postgres> {
         let mut storage = Postgres {
@@ -228,7 +231,7 @@ impl Postgres {
             schema,
             client: None,
             statements: HashMap::new(),
-            last_attempt: None,
+            reconnect: Reconnect::new(busy.clone()),
             offset: 0,
             announcing: Vec::new(),
             started: Instant::now(),
@@ -241,6 +244,7 @@ impl Postgres {
             channel: channel(&storage.schema),
             poke,
             heard: storage.heard.clone(),
+            reconnect: Reconnect::new(busy),
         };
         std::thread::Builder::new()
             .name("leasehold-listen".into())
@@ -260,26 +264,31 @@ impl Postgres {
             self.statements.clear();
         }
         if self.client.is_none() {
-            if self
-                .last_attempt
-                .is_some_and(|at| at.elapsed() < RECONNECT_AFTER)
-            {
+            if let Some(left) = self.reconnect.wait_left() {
                 return Err(LockError::Storage(format!(
-                    "while connecting to {}: the last attempt failed less than {RECONNECT_AFTER:?} ago",
+                    "while connecting to {}: the last attempt failed; the next in {left:?}",
                     describe(&self.config)
                 )));
             }
-            self.last_attempt = Some(Instant::now());
             let connected = match &self.tls {
                 Some(tls) => self.config.connect(tls.clone()),
                 None => self.config.connect(NoTls),
             };
-            let mut client = connected.map_err(|e| {
-                storage_error(&format!("connecting to {}", describe(&self.config)), &e)
-            })?;
-            migrate(&mut client, &self.schema)?;
-            self.last_attempt = None;
-            self.client = Some(client);
+            let client = connected
+                .map_err(|e| {
+                    storage_error(&format!("connecting to {}", describe(&self.config)), &e)
+                })
+                .and_then(|mut client| migrate(&mut client, &self.schema).map(|()| client));
+            match client {
+                Ok(client) => {
+                    self.reconnect.succeeded();
+                    self.client = Some(client);
+                }
+                Err(error) => {
+                    self.reconnect.failed();
+                    return Err(error);
+                }
+            }
             let now = self.server_now()?;
             self.offset = now - self.monotonic();
         }
@@ -356,6 +365,52 @@ fn channel(schema: &str) -> String {
     format!("leasehold_{:016x}", fnv1a(schema.as_bytes()))
 }
 
+/// When to try connecting again: after each failed attempt, the next waits for the next delay
+/// of the busy schedule; a success starts the schedule over, and so does its end (the manager
+/// never gives up on its server). On real time: a server is down in real time.
+struct Reconnect {
+    run: ScheduleRun,
+    /// When the next attempt may be made (`SystemClock`'s monotonic time), after a failure.
+    next: Option<Duration>,
+}
+
+impl Reconnect {
+    fn new(busy: Schedule) -> Self {
+        Reconnect {
+            run: busy.start(SystemClock.monotonic()),
+            next: None,
+        }
+    }
+
+    /// How long until the next attempt may be made, if that is not now.
+    fn wait_left(&self) -> Option<Duration> {
+        let now = SystemClock.monotonic();
+        self.next.filter(|&at| at > now).map(|at| at - now)
+    }
+
+    /// An attempt succeeded: the next failure waits the schedule's first delay.
+    fn succeeded(&mut self) {
+        self.run.reset(SystemClock.monotonic());
+        self.next = None;
+    }
+
+    /// An attempt failed now.
+    fn failed(&mut self) {
+        let now = SystemClock.monotonic();
+        self.next = self.run.next_at(now).or_else(|| {
+            self.run.reset(now);
+            self.run.next_at(now)
+        });
+    }
+
+    /// Sleeps this thread until the next attempt may be made.
+    fn pause(&self) {
+        if let Some(left) = self.wait_left() {
+            std::thread::sleep(left);
+        }
+    }
+}
+
 /// Listens for other managers' announcements on a connection of its own, and pokes the worker
 /// when one comes. Stops once the worker is gone.
 struct Listener {
@@ -364,6 +419,7 @@ struct Listener {
     channel: String,
     poke: Weak<Sender<Command>>,
     heard: Arc<Mutex<Heard>>,
+    reconnect: Reconnect,
 }
 
 impl Listener {
@@ -378,28 +434,29 @@ impl Listener {
         }
     }
 
-    fn run(self) {
-        let mut backoff = RECONNECT_AFTER;
+    fn run(mut self) {
         while self.poke.strong_count() > 0 {
+            self.reconnect.pause();
             let listened = self.listen();
             lock(&self.heard).listening = false;
-            if let Err(error) = listened {
-                tracing::debug!(%error, "listening for other managers' changes stopped; again");
-                std::thread::sleep(backoff);
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            } else {
-                return;
+            match listened {
+                Err(error) => {
+                    tracing::debug!(%error, "listening for other managers' changes stopped; again");
+                    self.reconnect.failed();
+                }
+                Ok(()) => return,
             }
         }
     }
 
     /// Listens until the connection fails (an error) or the worker is gone (`Ok`).
-    fn listen(&self) -> std::result::Result<(), postgres::Error> {
+    fn listen(&mut self) -> std::result::Result<(), postgres::Error> {
         let mut client = match &self.tls {
             Some(tls) => self.config.connect(tls.clone())?,
             None => self.config.connect(NoTls)?,
         };
         client.batch_execute(&format!("LISTEN {}", quote(&self.channel)))?;
+        self.reconnect.succeeded();
         // Whatever was announced before this LISTEN was not heard: look at everything now.
         {
             let mut heard = lock(&self.heard);
@@ -821,6 +878,24 @@ impl Storage for Postgres {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reconnects_back_off_on_the_busy_schedule_and_start_over_after_a_success_or_its_end() {
+        let minute = Duration::from_secs(60);
+        let backoff = Schedule::spaced(minute).intersect(Schedule::recurs(1));
+        let mut reconnect = Reconnect::new(backoff);
+        assert_eq!(reconnect.wait_left(), None, "the first attempt at once");
+        reconnect.failed();
+        let left = reconnect.wait_left().expect("a failure waits");
+        assert!(left > minute - Duration::from_secs(1) && left <= minute);
+        reconnect.failed();
+        assert!(
+            reconnect.wait_left().is_some(),
+            "the schedule's end starts it over: the manager never gives up"
+        );
+        reconnect.succeeded();
+        assert_eq!(reconnect.wait_left(), None);
+    }
 
     #[test]
     fn channels_fit_in_an_identifier_whatever_the_schema() {

@@ -21,6 +21,7 @@ use super::storage::{
 };
 use super::{LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
+use crate::schedule::Schedule;
 
 /// The schema version this build writes and understands.
 pub(crate) const SCHEMA_VERSION: i64 = 3;
@@ -28,9 +29,8 @@ pub(crate) const SCHEMA_VERSION: i64 = 3;
 const SQLITE_BUSY: isize = 5;
 const SQLITE_LOCKED: isize = 6;
 
-/// How long `BEGIN IMMEDIATE` keeps retrying a busy database before it reports an error. SQLite's
-/// own busy handler waits up to `BUSY_TIMEOUT_MS` per try.
-const BUSY_GIVE_UP: Duration = Duration::from_secs(60);
+/// How long SQLite's own busy handler waits for the write lock inside each try; between tries
+/// refused at once, the manager's busy schedule decides.
 const BUSY_TIMEOUT_MS: usize = 5_000;
 
 /// How many of its newest entries the change log keeps. A connection that has not looked for
@@ -51,8 +51,9 @@ fn is_busy(error: &sqlite::Error) -> bool {
 }
 
 /// Opens (creating if needed, with the permission bits `file_mode` on unix) the database at
-/// `path`, or an in-memory one for `None`, sets it up and brings its schema up to date.
-pub(crate) fn connect(path: Option<&Path>, file_mode: u32) -> Result<Connection> {
+/// `path`, or an in-memory one for `None`, sets it up and brings its schema up to date, waiting
+/// on `busy` while another connection holds it.
+pub(crate) fn connect(path: Option<&Path>, file_mode: u32, busy: &Schedule) -> Result<Connection> {
     if let Some(path) = path {
         create_with_mode(path, file_mode);
     }
@@ -65,10 +66,10 @@ pub(crate) fn connect(path: Option<&Path>, file_mode: u32) -> Result<Connection>
         .map_err(|e| storage_error(&format!("opening the database {}", target.display()), &e))?;
     conn.set_busy_timeout(BUSY_TIMEOUT_MS)
         .map_err(|e| storage_error("setting the busy timeout", &e))?;
-    let mut db = Db::new(&conn, Arc::new(SystemClock), None);
+    let mut db = Db::new(&conn, Arc::new(SystemClock), None, busy.clone());
     // Switching a new file to WAL takes an exclusive lock, and SQLite reports a clash with
     // another process opening it at the same moment as busy without waiting: retry.
-    retry_busy("configuring the database", || {
+    retry_busy("configuring the database", busy, || {
         conn.execute("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;")
     })?;
     db.migrate()?;
@@ -174,6 +175,8 @@ pub(crate) struct Db<'c> {
     clock: Arc<dyn Clock>,
     /// The database file as opened; checked before every write and every look.
     file: Option<FileIdentity>,
+    /// How to wait while the database is busy (`LockManagerBuilder::busy_schedule`).
+    busy: Schedule,
     /// `PRAGMA data_version` and the change log's last entry as of the last `changes`.
     seen_version: Option<i64>,
     seen_seq: Option<i64>,
@@ -209,17 +212,19 @@ impl Drop for Cached<'_, '_> {
 
 impl<'c> Db<'c> {
     /// The database on `conn`, whose leases are judged by `clock`, and whose path must go on
-    /// naming `file` (where it is known).
+    /// naming `file` (where it is known); while it is busy, tries wait on `busy`.
     pub(crate) fn new(
         conn: &'c Connection,
         clock: Arc<dyn Clock>,
         file: Option<FileIdentity>,
+        busy: Schedule,
     ) -> Self {
         Db {
             conn,
             statements: RefCell::new(HashMap::new()),
             clock,
             file,
+            busy,
             seen_version: None,
             seen_seq: None,
             #[cfg(unix)]
@@ -371,7 +376,7 @@ impl<'c> Db<'c> {
     /// Runs a cached statement that returns no rows, retrying while the database is busy.
     fn run_retrying_busy(&self, doing: &str, sql: &'static str) -> Result<()> {
         let mut statement = self.prepare(doing, sql)?;
-        retry_busy(doing, || {
+        retry_busy(doing, &self.busy, || {
             statement.reset()?;
             statement.next().map(drop)
         })
@@ -750,21 +755,31 @@ impl Storage for Db<'_> {
     }
 }
 
-/// Runs `attempt` until it is not refused as busy, for up to `BUSY_GIVE_UP`: a busy database is
-/// a reason to wait, not an error. (SQLite's own busy handler waits inside each attempt, but some
-/// clashes it reports at once.)
-fn retry_busy(doing: &str, mut attempt: impl FnMut() -> sqlite::Result<()>) -> Result<()> {
-    let started = std::time::Instant::now();
-    loop {
-        match attempt() {
-            Ok(()) => return Ok(()),
-            Err(error) if is_busy(&error) && started.elapsed() < BUSY_GIVE_UP => {
-                tracing::debug!(doing, "database busy; retrying");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(error) => return Err(storage_error(doing, &error)),
-        }
-    }
+/// Runs `attempt`, and while it is refused as busy, again on the `busy` schedule until that is
+/// done: a busy database is a reason to wait, not an error. (SQLite's own busy handler waits
+/// inside each attempt, but some clashes it reports at once.)
+///
+/// This runs on the storage thread, never on a caller's executor, so it may block it: the
+/// schedule's sleeps (on its own clock) are awaited with `block_on`.
+fn retry_busy(
+    doing: &str,
+    busy: &Schedule,
+    mut attempt: impl FnMut() -> sqlite::Result<()>,
+) -> Result<()> {
+    // The first try outside the schedule: nearly every try succeeds, and starting a schedule
+    // costs allocations.
+    let mut refused = match attempt() {
+        Ok(()) => return Ok(()),
+        Err(error) if !is_busy(&error) => return Err(storage_error(doing, &error)),
+        Err(error) => Some(error),
+    };
+    tracing::debug!(doing, "database busy; retrying");
+    // That refusal is the schedule's first attempt: its first delay comes before the next try.
+    let retried = busy.retry_while(
+        || std::future::ready(refused.take().map_or_else(&mut attempt, Err)),
+        is_busy,
+    );
+    futures::executor::block_on(retried).map_err(|error| storage_error(doing, &error))
 }
 
 fn step(doing: &str, statement: &mut Statement<'_>) -> Result<bool> {

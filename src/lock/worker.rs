@@ -17,8 +17,8 @@
 //!    written until they are deleted. The caller sends `Remove` by that id, so it is right
 //!    whether the acquisition was granted, queued or promoted; and since commands are handled in
 //!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows.
-//! 4. While this owner has waiters, the worker asks storage every `poll` (or when poked) what
-//!    other connections changed (`Storage::changes`, a cheap check), and remembers, per key it
+//! 4. While this owner has waiters, the worker asks storage, when the poll's schedule says (on
+//!    the monotonic time of the manager's clock), or when poked, what other connections changed (`Storage::changes`, a cheap check), and remembers, per key it
 //!    waits on, when the first other owner's row there runs out. It reads a key's rows only when
 //!    the key changed or such a lease ran out, and writes only when a waiter is grantable. A
 //!    lease that runs out frees its key without anyone writing: the waiting owners' own
@@ -30,7 +30,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::Duration;
 
 use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
@@ -38,13 +38,30 @@ use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
 use super::storage::{micros, Changes, Deleted, OwnedRequest, Storage};
 use super::watch::{first_foreign_expiries, Look, Waits};
 use super::{Common, LockError, LockRequest};
+use crate::clock::{Clock, SystemClock};
+use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
 /// At most this many commands go into one transaction.
 const MAX_BATCH: usize = 256;
 
 /// How long the worker keeps looking for the next command before it blocks.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
+const SPIN: Duration = Duration::from_micros(100);
+
+/// When the worker looks for the next command again before it blocks: at once, for [`SPIN`].
+fn spin_schedule() -> Schedule {
+    Schedule::spaced(Duration::ZERO).up_to(SPIN)
+}
+
+/// The change poll's next look.
+enum NextLook {
+    /// No waiter: no look. The schedule starts over from the last look when a wait begins.
+    Idle,
+    /// At this time (the clock's monotonic time).
+    At(Duration),
+    /// The schedule is done: no look until the next wait begins (or a poke).
+    Over,
+}
 
 /// What the worker remembers of a request whose rows it wrote.
 struct Written {
@@ -80,7 +97,13 @@ pub(crate) struct Worker<S> {
     requests: HashMap<u64, Written>,
     /// This owner's queued requests, and the keys it watches (see `watch.rs`).
     waits: Waits,
-    last_look: Instant,
+    /// The change poll's schedule, when it says to look next, and when the last look ended
+    /// (the clock's monotonic time).
+    poll: ScheduleRun,
+    next_look: NextLook,
+    last_look: Duration,
+    /// Looking for the next command before blocking ([`spin_schedule`]), on real time.
+    spin: ScheduleRun,
     poked: bool,
     last_renewal: Option<i64>,
     /// Whether the current transaction deleted a row of this owner.
@@ -102,13 +125,18 @@ pub(crate) struct Worker<S> {
 
 impl<S: Storage> Worker<S> {
     pub(crate) fn new(storage: S, common: Arc<Common>, rx: Receiver<Command>) -> Self {
+        let last_look = common.clock.monotonic();
+        let poll = common.poll.start(last_look);
         Worker {
             storage,
             common,
             rx,
             requests: HashMap::new(),
             waits: Waits::default(),
-            last_look: Instant::now(),
+            poll,
+            next_look: NextLook::Idle,
+            last_look,
+            spin: spin_schedule().start(Duration::ZERO),
             poked: false,
             last_renewal: None,
             deleted: false,
@@ -143,11 +171,15 @@ impl<S: Storage> Worker<S> {
                 Some(received) => received,
                 None => {
                     self.common.replies.worker_sleeps();
-                    let received = if self.has_waiters() {
-                        let left = self.common.poll.saturating_sub(self.last_look.elapsed());
-                        self.rx.recv_timeout(left)
-                    } else {
-                        self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                    // Blocks in real time for as long as the clock says is left, then reads the
+                    // clock again: on the system clock that is the moment of the look, and a
+                    // clock moved by hand (`TestClock`) is seen to move within one delay.
+                    let received = match self.next_look() {
+                        Some(at) => {
+                            let left = at.saturating_sub(self.common.clock.monotonic());
+                            self.rx.recv_timeout(left)
+                        }
+                        None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
                     };
                     self.common.replies.worker_wakes();
                     received
@@ -172,8 +204,10 @@ impl<S: Storage> Worker<S> {
                     return;
                 }
             }
-            if self.has_waiters() && (self.poked || self.last_look.elapsed() >= self.common.poll) {
+            if self.look_due() {
                 self.look_for_changes();
+                self.last_look = self.common.clock.monotonic();
+                self.next_look = self.look_after(self.last_look);
             }
             if !self.has_waiters() {
                 self.mark_waiting(false);
@@ -181,20 +215,56 @@ impl<S: Storage> Worker<S> {
         }
     }
 
+    /// The poll's next look after a look (or the start of the schedule) at `ended_at`.
+    fn look_after(&mut self, ended_at: Duration) -> NextLook {
+        match self.poll.next_at(ended_at) {
+            Some(at) => NextLook::At(at),
+            None => NextLook::Over,
+        }
+    }
+
+    /// When the poll looks next, if it looks at all: only while this owner has waiters. When a
+    /// wait begins after none, the poll's schedule starts over from the last look, so that the
+    /// first look comes one delay after it (at once if that was long ago).
+    fn next_look(&mut self) -> Option<Duration> {
+        if !self.has_waiters() {
+            self.next_look = NextLook::Idle;
+            return None;
+        }
+        if let NextLook::Idle = self.next_look {
+            self.poll.reset(self.last_look);
+            self.next_look = self.look_after(self.last_look);
+        }
+        match self.next_look {
+            NextLook::At(at) => Some(at),
+            NextLook::Idle | NextLook::Over => None,
+        }
+    }
+
+    /// Whether to look for other processes' changes now: while this owner has waiters, when the
+    /// poll's time has come or another manager of this process poked.
+    fn look_due(&mut self) -> bool {
+        let next = self.next_look();
+        self.has_waiters()
+            && (self.poked || next.is_some_and(|at| self.common.clock.monotonic() >= at))
+    }
+
     /// Right after a batch, callers often send again at once (release after acquire, the next
     /// request of a busy task). Waking a blocked thread costs tens of microseconds on small
     /// virtual machines, more than a transaction, so look for a while before blocking. This
     /// spends the worker's own time, never a caller's.
-    fn spin(&self) -> Option<Result<Command, RecvTimeoutError>> {
-        let until = Instant::now() + SPIN;
+    fn spin(&mut self) -> Option<Result<Command, RecvTimeoutError>> {
+        self.spin.reset(SystemClock.monotonic());
         loop {
             match self.rx.try_recv() {
                 Ok(command) => return Some(Ok(command)),
                 Err(TryRecvError::Disconnected) => {
                     return Some(Err(RecvTimeoutError::Disconnected))
                 }
-                Err(TryRecvError::Empty) if Instant::now() < until => std::thread::yield_now(),
-                Err(TryRecvError::Empty) => return None,
+                Err(TryRecvError::Empty) => match self.spin.next(SystemClock.monotonic()) {
+                    Some(_) => std::thread::yield_now(),
+                    None => return None,
+                },
             }
         }
     }
@@ -752,7 +822,6 @@ impl<S: Storage> Worker<S> {
     /// The poll: a cheap check of what others changed, then, only for the watched keys that
     /// changed or whose deadline passed, a read of their rows and a promotion if one is due.
     fn look_for_changes(&mut self) {
-        self.last_look = Instant::now();
         self.poked = false;
         if let Err(error) = self.try_look() {
             tracing::warn!(%error, "looking for other processes' changes failed; will retry");
