@@ -196,6 +196,33 @@ fn a_guard_survives_its_connection_being_cut() {
     });
 }
 
+/// A connection cut while idle is found dead by the next transaction, which begins again on a
+/// new connection: the caller sees no error.
+#[test]
+fn an_acquisition_right_after_a_cut_succeeds() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    if server.conninfo().is_none() {
+        return; // an external server: the test cannot cut connections there
+    }
+    block_on(async {
+        let schema = pg_support::schema("cut_idle");
+        let name = format!("app_{schema}");
+        let locks = manager(
+            &server.url_with(&format!("application_name={name}")),
+            &schema,
+        )
+        .await;
+        let guard = locks.exclusive("k", "before").await.unwrap();
+        guard.release().await.unwrap();
+        let cut = server.terminate_backends(&format!("application_name = '{name}'"));
+        assert!(cut >= 1, "no connection of the manager was cut");
+        let guard = locks.exclusive("k", "after").await.unwrap();
+        guard.release().await.unwrap();
+    });
+}
+
 #[test]
 fn a_password_never_appears_in_errors_or_debug_output() {
     let Some(server) = pg_support::server() else {
