@@ -26,7 +26,7 @@
 //! throwaway server this run starts and stops itself, from the server programs on the machine
 //! (the test harness's code, `tests/pg_support`). On top of the kills and pauses it
 //!
-//! - cuts random children's connections (`pg_terminate_backend`);
+//! - cuts random children's connections (`pg_terminate_backend`; not with `--no-cuts`);
 //! - restarts the server twice, once with `pg_ctl restart -m fast` and once with `-m immediate`
 //!   (a crash), at 30 % and 50 % of the run (only on a server it started);
 //! - runs child 0 with a clock 10 s ahead and child 1 with one 10 s behind (a skewed
@@ -92,7 +92,7 @@ fn main() {
 
 const USAGE: &str = "usage: torture [--seconds N] [--processes N] [--tasks N] [--seed N] \
                      [--lease-ms N] [--heartbeat-ms N] [--backend sqlite|postgres] [--url URL] \
-                     [--json]";
+                     [--no-cuts] [--json]";
 
 /// Where the locks are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,6 +124,8 @@ pub struct Config {
     pub backend: Backend,
     /// The PostgreSQL server to use; `None`: start a throwaway one.
     pub url: Option<String>,
+    /// On PostgreSQL, cut children's connections now and then.
+    pub cut_connections: bool,
     /// How to start a child: program and arguments (the child's settings go in its environment).
     pub child_command: Vec<String>,
 }
@@ -133,9 +135,17 @@ impl Config {
         let mut config = Config::default();
         let mut args = args.peekable();
         while let Some(flag) = args.next() {
-            if flag == "--json" {
-                config.json = true;
-                continue;
+            // The switches, which take no value.
+            match flag.as_str() {
+                "--json" => {
+                    config.json = true;
+                    continue;
+                }
+                "--no-cuts" => {
+                    config.cut_connections = false;
+                    continue;
+                }
+                _ => {}
             }
             let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
             let bad = |_: std::num::ParseIntError| format!("{flag}: cannot read {value:?}");
@@ -192,6 +202,7 @@ impl Default for Config {
             json: false,
             backend: Backend::Sqlite,
             url: None,
+            cut_connections: true,
             child_command: vec![exe],
         }
     }
@@ -1435,7 +1446,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
         let holders = smol::block_on(observer.inspect(None)).unwrap_or_default();
         // The first fault is a kill, the second a pause, the third (on PostgreSQL) a cut
         // connection; then any, at random.
-        let cuts = store.cuts_connections();
+        let cuts = config.cut_connections && store.cuts_connections();
         let fault = match (summary.kills, summary.stops, summary.connection_kills) {
             (0, _, _) => Fault::Kill,
             (_, 0, _) => Fault::Stop,
