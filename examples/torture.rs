@@ -1,5 +1,6 @@
-//! A torture run for the lock manager: several processes share one database file, each running
-//! several tasks that take and release locks at random, while this parent kills and pauses them.
+//! A torture run for the lock manager: several processes share one lock database (a SQLite file,
+//! or a PostgreSQL schema), each running several tasks that take and release locks at random,
+//! while this parent kills and pauses them.
 //!
 //! What is checked, through a *register* per key (a small file that the lock protects):
 //!
@@ -17,6 +18,25 @@
 //! Run it with `cargo run --release --example torture -- --seconds 20 --processes 4 --json`;
 //! `--seconds 600` is the soak run. The process exits with status 1 if any check failed.
 //! `tests/torture.rs` runs a few seconds of it on every `cargo test`.
+//!
+//! # On PostgreSQL
+//!
+//! `--backend postgres` (built with `--features postgres`) keeps the locks in a fresh schema of a
+//! PostgreSQL server: the one `--url URL` names (a libpq URL or connection string), or else a
+//! throwaway server this run starts and stops itself, from the server programs on the machine
+//! (the test harness's code, `tests/pg_support`). On top of the kills and pauses it
+//!
+//! - cuts random children's connections (`pg_terminate_backend`; not with `--no-cuts`);
+//! - restarts the server twice, once with `pg_ctl restart -m fast` and once with `-m immediate`
+//!   (a crash), at 30 % and 50 % of the run (only on a server it started);
+//! - runs child 0 with a clock 10 s ahead and child 1 with one 10 s behind (a skewed
+//!   [`Clock`](leasehold::Clock)): leases are judged by the server's clock, so they must not care.
+//!
+//! A storage error is a failure, except inside a restart's window (from the restart until two
+//! leases after the server is back): there it is counted as `restart_storage_errors`, and the
+//! operation is tried again.
+//!
+//! `cargo run --release --all-features --example torture -- --backend postgres --seconds 20 --json`
 
 use std::fs;
 use std::io::Write as _;
@@ -26,11 +46,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use futures::future::BoxFuture;
 use futures::FutureExt;
 use leasehold::{
-    fork_daemon, AbortController, AbortSignal, EntryState, Guard, LockError, LockManager,
-    LockRequest, Mode, Scoped,
+    fork_daemon, AbortController, AbortSignal, Clock, EntryState, Guard, LockError, LockManager,
+    LockManagerBuilder, LockRequest, Mode, Scoped, SystemClock,
 };
+
+/// The test harness's throwaway PostgreSQL server.
+#[cfg(feature = "postgres")]
+#[path = "../tests/pg_support/mod.rs"]
+mod pg_support;
 
 /// Set in a child's environment (to the folder the run works in); its absence means "parent".
 const CHILD_ENV: &str = "LEASEHOLD_TORTURE_CHILD";
@@ -50,7 +76,11 @@ fn main() {
         }
     };
     let json = config.json;
-    let summary = run(&config);
+    let Some(store) = Store::open(&config) else {
+        eprintln!("no PostgreSQL server to run against (the reason is above)");
+        std::process::exit(2);
+    };
+    let summary = run(&config, &store);
     println!("{}", summary.describe());
     if json {
         println!("{}", summary.json());
@@ -61,7 +91,17 @@ fn main() {
 }
 
 const USAGE: &str = "usage: torture [--seconds N] [--processes N] [--tasks N] [--seed N] \
-                     [--lease-ms N] [--heartbeat-ms N] [--json]";
+                     [--lease-ms N] [--heartbeat-ms N] [--backend sqlite|postgres] [--url URL] \
+                     [--no-cuts] [--json]";
+
+/// Where the locks are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// A SQLite file in the run's folder.
+    Sqlite,
+    /// A fresh schema on a PostgreSQL server (feature `postgres`).
+    Postgres,
+}
 
 /// What a run does.
 #[derive(Clone, Debug)]
@@ -80,6 +120,12 @@ pub struct Config {
     pub heartbeat: Duration,
     /// Print the JSON summary line.
     pub json: bool,
+    /// Where the locks are kept.
+    pub backend: Backend,
+    /// The PostgreSQL server to use; `None`: start a throwaway one.
+    pub url: Option<String>,
+    /// On PostgreSQL, cut children's connections now and then.
+    pub cut_connections: bool,
     /// How to start a child: program and arguments (the child's settings go in its environment).
     pub child_command: Vec<String>,
 }
@@ -89,9 +135,17 @@ impl Config {
         let mut config = Config::default();
         let mut args = args.peekable();
         while let Some(flag) = args.next() {
-            if flag == "--json" {
-                config.json = true;
-                continue;
+            // The switches, which take no value.
+            match flag.as_str() {
+                "--json" => {
+                    config.json = true;
+                    continue;
+                }
+                "--no-cuts" => {
+                    config.cut_connections = false;
+                    continue;
+                }
+                _ => {}
             }
             let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
             let bad = |_: std::num::ParseIntError| format!("{flag}: cannot read {value:?}");
@@ -108,11 +162,25 @@ impl Config {
                 "--heartbeat-ms" => {
                     config.heartbeat = Duration::from_millis(value.parse().map_err(bad)?)
                 }
+                "--backend" => {
+                    config.backend = match value.as_str() {
+                        "sqlite" => Backend::Sqlite,
+                        "postgres" => Backend::Postgres,
+                        _ => return Err(format!("{flag}: sqlite or postgres, not {value:?}")),
+                    }
+                }
+                "--url" => config.url = Some(value),
                 _ => return Err(format!("unknown flag {flag}")),
             }
         }
         if config.processes == 0 || config.tasks == 0 {
             return Err("--processes and --tasks must be at least 1".into());
+        }
+        if config.url.is_some() && config.backend != Backend::Postgres {
+            return Err("--url needs --backend postgres".into());
+        }
+        if config.backend == Backend::Postgres && cfg!(not(feature = "postgres")) {
+            return Err("--backend postgres needs a build with `--features postgres`".into());
         }
         Ok(config)
     }
@@ -132,6 +200,9 @@ impl Default for Config {
             lease: Duration::from_secs(1),
             heartbeat: Duration::from_millis(200),
             json: false,
+            backend: Backend::Sqlite,
+            url: None,
+            cut_connections: true,
             child_command: vec![exe],
         }
     }
@@ -407,6 +478,254 @@ impl Register {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Where the locks are kept: a SQLite file in the run's folder, or a PostgreSQL schema.
+
+/// What a manager opens; the parent tells its children through their environment.
+#[derive(Clone, Debug)]
+enum Place {
+    File(PathBuf),
+    Postgres { url: String, schema: String },
+}
+
+impl Place {
+    fn from_env(folder: &Path) -> Place {
+        match (
+            std::env::var("TORTURE_PG_URL"),
+            std::env::var("TORTURE_PG_SCHEMA"),
+        ) {
+            (Ok(url), Ok(schema)) => Place::Postgres { url, schema },
+            _ => Place::File(folder.join("locks.db")),
+        }
+    }
+
+    fn to_env(&self, command: &mut Command) {
+        if let Place::Postgres { url, schema } = self {
+            command
+                .env("TORTURE_PG_URL", url)
+                .env("TORTURE_PG_SCHEMA", schema);
+        }
+    }
+
+    /// The same place, with connections that `pg_stat_activity` shows as `name`.
+    fn named(&self, name: &str) -> Place {
+        match self {
+            Place::File(_) => self.clone(),
+            Place::Postgres { url, schema } => {
+                let url = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+                    let separator = if url.contains('?') { '&' } else { '?' };
+                    format!("{url}{separator}application_name={name}")
+                } else {
+                    format!("{url} application_name={name}")
+                };
+                Place::Postgres {
+                    url,
+                    schema: schema.clone(),
+                }
+            }
+        }
+    }
+
+    async fn manager(&self, builder: LockManagerBuilder) -> Result<LockManager, LockError> {
+        match self {
+            Place::File(path) => builder.open(path),
+            #[cfg(feature = "postgres")]
+            Place::Postgres { url, schema } => builder.schema(schema).connect(url).await,
+            #[cfg(not(feature = "postgres"))]
+            Place::Postgres { .. } => Err(LockError::InvalidConfig(
+                "PostgreSQL needs a build with `--features postgres`".into(),
+            )),
+        }
+    }
+}
+
+/// The system clock as seen on a machine whose wall clock is off by this many milliseconds
+/// (ahead when positive). Its monotonic time and sleeps are the real ones, as they would be.
+struct SkewedClock(i64);
+
+impl Clock for SkewedClock {
+    fn now(&self) -> Duration {
+        let by = Duration::from_millis(self.0.unsigned_abs());
+        if self.0 >= 0 {
+            SystemClock.now() + by
+        } else {
+            SystemClock.now().saturating_sub(by)
+        }
+    }
+
+    fn monotonic(&self) -> Duration {
+        SystemClock.monotonic()
+    }
+
+    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+        SystemClock.sleep(duration)
+    }
+}
+
+/// How far the clock of child `id` is off (milliseconds): on PostgreSQL, child 0 runs 10 s ahead
+/// and child 1 10 s behind; on SQLite, which judges leases by the clients' clocks, nobody.
+fn clock_skew(backend: Backend, id: usize) -> i64 {
+    match (backend, id) {
+        (Backend::Postgres, 0) => 10_000,
+        (Backend::Postgres, 1) => -10_000,
+        _ => 0,
+    }
+}
+
+/// A run's database as the parent sees it: where the locks are, and the faults it allows.
+pub struct Store {
+    #[cfg(feature = "postgres")]
+    postgres: Option<PgStore>,
+}
+
+#[cfg(feature = "postgres")]
+struct PgStore {
+    server: pg_support::Server,
+    url: String,
+    schema: String,
+}
+
+impl Store {
+    /// A SQLite store, or a fresh schema on the PostgreSQL server of `config` (starting one if
+    /// it names none). `None` (the harness printed why) when there is no server to start.
+    pub fn open(config: &Config) -> Option<Store> {
+        match config.backend {
+            Backend::Sqlite => Some(Store {
+                #[cfg(feature = "postgres")]
+                postgres: None,
+            }),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres => {
+                let server = match &config.url {
+                    Some(url) => pg_support::existing(url.clone()),
+                    None => pg_support::start(pg_support::Tls::Off)?,
+                };
+                // Our own server: over its unix socket, which needs no password.
+                let url = server.conninfo().unwrap_or(server.url()).to_owned();
+                Some(Store {
+                    postgres: Some(PgStore {
+                        server,
+                        url,
+                        schema: pg_support::schema("torture"),
+                    }),
+                })
+            }
+            #[cfg(not(feature = "postgres"))]
+            Backend::Postgres => {
+                eprintln!("PostgreSQL needs a build with `--features postgres`");
+                None
+            }
+        }
+    }
+
+    fn place(&self, folder: &Path) -> Place {
+        #[cfg(feature = "postgres")]
+        if let Some(pg) = &self.postgres {
+            return Place::Postgres {
+                url: pg.url.clone(),
+                schema: pg.schema.clone(),
+            };
+        }
+        Place::File(folder.join("locks.db"))
+    }
+
+    /// Whether connections can be cut: on PostgreSQL.
+    fn cuts_connections(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        return self.postgres.is_some();
+        #[cfg(not(feature = "postgres"))]
+        false
+    }
+
+    /// Cuts every connection shown as `name`; returns how many there were.
+    fn cut_connections(&self, name: &str) -> usize {
+        #[cfg(feature = "postgres")]
+        if let Some(pg) = &self.postgres {
+            return pg
+                .server
+                .terminate_backends(&format!("application_name = '{name}'"));
+        }
+        let _ = name;
+        0
+    }
+
+    /// Whether the server can be restarted: one this run started.
+    fn restarts(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        return self
+            .postgres
+            .as_ref()
+            .is_some_and(|pg| pg.server.dir().is_some());
+        #[cfg(not(feature = "postgres"))]
+        false
+    }
+
+    /// `pg_ctl restart -m fast`, or `-m immediate` (a crash) when `immediate`.
+    fn restart(&self, immediate: bool) {
+        #[cfg(feature = "postgres")]
+        if let Some(pg) = &self.postgres {
+            pg.server.restart(if immediate {
+                pg_support::Shutdown::Immediate
+            } else {
+                pg_support::Shutdown::Fast
+            });
+        }
+        let _ = immediate;
+    }
+
+    /// Every lock row left, live or not (the ticket counter is not one).
+    fn count_rows(&self, folder: &Path) -> Result<u64, Box<dyn std::error::Error>> {
+        #[cfg(feature = "postgres")]
+        if let Some(pg) = &self.postgres {
+            let count = pg
+                .server
+                .sql(&format!("SELECT count(*) FROM \"{}\".locks", pg.schema));
+            return Ok(count.trim().parse()?);
+        }
+        let connection = sqlite::open(folder.join("locks.db"))?;
+        // The row with key '' is the ticket counter, not a lock.
+        let mut statement = connection.prepare("SELECT COUNT(*) FROM locks WHERE key <> ''")?;
+        statement.next()?;
+        Ok(statement.read::<i64, _>(0)? as u64)
+    }
+
+    /// After a run that passed: drops the run's schema from a server this run did not start
+    /// (its own server goes away with it).
+    fn forget(&self) {
+        #[cfg(feature = "postgres")]
+        if let Some(pg) = self
+            .postgres
+            .as_ref()
+            .filter(|pg| pg.server.dir().is_none())
+        {
+            pg.server
+                .sql(&format!("DROP SCHEMA \"{}\" CASCADE", pg.schema));
+        }
+    }
+}
+
+/// The restarts' windows, as the parent publishes them in the run's folder: one line per
+/// restart, `start end` (unix micros; `end` is the largest number while it runs).
+fn restart_windows(folder: &Path) -> Vec<(u64, u64)> {
+    fs::read_to_string(folder.join("restarts"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| {
+            let (start, end) = line.split_once(' ')?;
+            Some((start.parse().ok()?, end.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Whether the span `from..to` overlaps a restart's window, which lasts until two leases after
+/// the server is back (a connection the restart broke is found out on its next use, and a
+/// reconnection is tried at most every 100 ms).
+fn restart_overlaps(folder: &Path, lease: Duration, from: u64, to: u64) -> bool {
+    restart_windows(folder)
+        .iter()
+        .any(|&(start, end)| start <= to && from <= end.saturating_add(2 * micros(lease)))
+}
+
+// ---------------------------------------------------------------------------------------------
 // Counters: each child keeps them, publishes them to a file now and then (a killed child's are
 // partial), and the parent adds them up.
 
@@ -467,6 +786,7 @@ counters! {
     stops_unnoticed,
     expired_waits,
     storage_errors,
+    restart_storage_errors,
     register_errors,
 }
 
@@ -497,9 +817,18 @@ impl ChildContext {
             .is_some_and(|at| at >= since)
     }
 
-    fn storage_error(&self, doing: &str, error: &LockError) {
-        bump(&self.counters.storage_errors);
-        eprintln!("child {}: {doing}: {error}", self.tag);
+    /// Counts a storage error of an operation begun at `since`: apart from the others if it
+    /// came in a restart's window. Returns whether it did (the operation may then be retried).
+    fn storage_error(&self, doing: &str, error: &LockError, since: u64) -> bool {
+        let restart = restart_overlaps(&self.folder, self.lease, since, unix_micros());
+        if restart {
+            bump(&self.counters.restart_storage_errors);
+            eprintln!("child {}: {doing}, during a restart: {error}", self.tag);
+        } else {
+            bump(&self.counters.storage_errors);
+            eprintln!("child {}: {doing}: {error}", self.tag);
+        }
+        restart
     }
 }
 
@@ -523,11 +852,28 @@ pub fn child_main() {
     let lease = Duration::from_millis(env_number("TORTURE_LEASE_MS"));
     let heartbeat = Duration::from_millis(env_number("TORTURE_HEARTBEAT_MS"));
     let deadline = env_number("TORTURE_DEADLINE");
-    let locks = LockManager::builder()
-        .lease(lease)
-        .heartbeat(heartbeat)
-        .open(folder.join("locks.db"))
-        .expect("the child opens the lock database");
+    let skew: i64 = env("TORTURE_SKEW_MS")
+        .parse()
+        .expect("the child's TORTURE_SKEW_MS is not a number");
+    let place = Place::from_env(&folder);
+    let counters = Counters::default();
+    let locks = loop {
+        let mut builder = LockManager::builder().lease(lease).heartbeat(heartbeat);
+        if skew != 0 {
+            builder = builder.clock(Arc::new(SkewedClock(skew)));
+        }
+        let since = unix_micros();
+        match smol::block_on(place.manager(builder)) {
+            Ok(locks) => break locks,
+            // This child was started just before a restart.
+            Err(error) if restart_overlaps(&folder, lease, since, unix_micros()) => {
+                bump(&counters.restart_storage_errors);
+                eprintln!("child {id}.{incarnation}: opening, during a restart: {error}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(error) => panic!("the child cannot open the lock database: {error}"),
+        }
+    };
     let context = Arc::new(ChildContext {
         tag: format!("{id}.{incarnation}"),
         folder,
@@ -535,7 +881,7 @@ pub fn child_main() {
         deadline,
         lease,
         locks,
-        counters: Counters::default(),
+        counters,
     });
     smol::block_on(child(context, seed, tasks));
 }
@@ -556,8 +902,9 @@ async fn child(context: Arc<ChildContext>, seed: u64, tasks: u64) {
     for fiber in fibers {
         let _ = fiber.join().await;
     }
+    let since = unix_micros();
     if let Err(error) = context.locks.shutdown().await {
-        context.storage_error("shutting down", &error);
+        context.storage_error("shutting down", &error, since);
     }
     publish(&counters_file, &context.counters.render());
 }
@@ -590,6 +937,7 @@ async fn task_loop(context: &ChildContext, mut rng: Rng) {
 }
 
 /// How an acquisition may be cut short.
+#[derive(Clone, Copy)]
 enum Interruption {
     None,
     Timeout(Duration),
@@ -599,11 +947,55 @@ enum Interruption {
     Drop(Duration),
 }
 
+/// What an operation asks for.
+enum Ask {
+    Try(LockRequest),
+    Shared(&'static str),
+    Exclusive(&'static str),
+    Many(Vec<LockRequest>),
+    ManyQueued(Vec<LockRequest>),
+}
+
+impl Ask {
+    fn random(rng: &mut Rng) -> Ask {
+        let key = KEYS[rng.below(KEYS.len() as u64) as usize];
+        match rng.below(100) {
+            0..=19 => Ask::Try(random_request(rng, key, "try")),
+            20..=44 => Ask::Shared(key),
+            45..=74 => Ask::Exclusive(key),
+            75..=87 => Ask::Many(random_pair(rng, "many")),
+            _ => Ask::ManyQueued(random_pair(rng, "many_queued")),
+        }
+    }
+
+    /// `None` when the acquisition was dropped.
+    async fn acquire(
+        &self,
+        locks: &LockManager,
+        interruption: Interruption,
+    ) -> Option<Result<Option<Guard>, LockError>> {
+        let acquisition = match self {
+            Ask::Try(request) => {
+                let attempt = locks.try_acquire(request.clone());
+                return match interruption {
+                    Interruption::Drop(after) => race(attempt, after).await,
+                    _ => Some(attempt.await),
+                };
+            }
+            Ask::Shared(key) => locks.shared(*key, "read"),
+            Ask::Exclusive(key) => locks.exclusive(*key, "write"),
+            Ask::Many(requests) => locks.many(requests.clone()),
+            Ask::ManyQueued(requests) => locks.many_queued(requests.clone()),
+        };
+        acquisition_with(acquisition, interruption)
+            .await
+            .map(|result| result.map(Some))
+    }
+}
+
 async fn one_operation(context: &ChildContext, rng: &mut Rng) {
     bump(&context.counters.operations);
-    let locks = &context.locks;
-    let key = KEYS[rng.below(KEYS.len() as u64) as usize];
-    let kind = rng.below(100);
+    let ask = Ask::random(rng);
     let interruption = match rng.below(100) {
         0..=54 => Interruption::None,
         55..=69 => Interruption::Timeout(rng.millis(1, 300)),
@@ -611,23 +1003,19 @@ async fn one_operation(context: &ChildContext, rng: &mut Rng) {
         _ => Interruption::Drop(rng.millis(0, 300)),
     };
     let started = unix_micros();
-    let acquired: Option<Result<Option<Guard>, LockError>> = if kind < 20 {
-        let request = random_request(rng, key, "try");
-        let attempt = locks.try_acquire(request);
-        match interruption {
-            Interruption::Drop(after) => race(attempt, after).await,
-            _ => Some(attempt.await),
+    let acquired = loop {
+        let since = unix_micros();
+        let acquired = ask.acquire(&context.locks, interruption).await;
+        match &acquired {
+            Some(Err(error @ LockError::Storage(_))) if !context.stopped_since(started) => {
+                if !context.storage_error("acquiring", error, since) {
+                    return;
+                }
+                // The server is restarting: try again.
+                sleep(Duration::from_millis(50)).await;
+            }
+            _ => break acquired,
         }
-    } else {
-        let acquisition = match kind {
-            20..=44 => locks.shared(key, "read"),
-            45..=74 => locks.exclusive(key, "write"),
-            75..=87 => locks.many(random_pair(rng, "many")),
-            _ => locks.many_queued(random_pair(rng, "many_queued")),
-        };
-        acquisition_with(acquisition, interruption)
-            .await
-            .map(|result| result.map(Some))
     };
     let guard = match acquired {
         None => {
@@ -652,7 +1040,7 @@ async fn one_operation(context: &ChildContext, rng: &mut Rng) {
             return;
         }
         Some(Err(error)) => {
-            context.storage_error("acquiring", &error);
+            context.storage_error("acquiring", &error, started);
             return;
         }
     };
@@ -662,12 +1050,15 @@ async fn one_operation(context: &ChildContext, rng: &mut Rng) {
         bump(&context.counters.lost_signals);
     }
     if rng.chance(50) {
+        let since = unix_micros();
         match guard.release().await {
             Ok(()) => {}
             // The lease ran out while it was held (this child was paused, or starved): the
             // release says so. Whether a write overlapped is the register's to judge.
             Err(LockError::LeaseLost(_)) => bump(&context.counters.lost_on_release),
-            Err(error) => context.storage_error("releasing", &error),
+            Err(error) => {
+                context.storage_error("releasing", &error, since);
+            }
         }
     } else {
         drop(guard);
@@ -873,6 +1264,14 @@ pub struct Summary {
     pub kills: u64,
     /// SIGSTOP/SIGCONT pauses.
     pub stops: u64,
+    /// Children whose PostgreSQL connections were cut (`pg_terminate_backend`).
+    pub connection_kills: u64,
+    /// PostgreSQL server restarts (`pg_ctl restart`).
+    pub server_restarts: u64,
+    /// Children (by slot, whatever their incarnation) whose clock was skewed.
+    pub skewed_children: u64,
+    /// Where the locks were: `sqlite` or `postgres`.
+    pub backend: &'static str,
     /// Rows left in the database after every owner shut down and one lease passed.
     pub leaked_rows: u64,
     /// Children that did not exit by themselves after the deadline, or exited with an error.
@@ -928,6 +1327,10 @@ impl Summary {
             ("storage_errors", t.storage_errors),
             ("stops_unnoticed", t.stops_unnoticed),
             ("failed_children", self.failed_children),
+            ("connection_kills", self.connection_kills),
+            ("server_restarts", self.server_restarts),
+            ("skewed_children", self.skewed_children),
+            ("restart_storage_errors", t.restart_storage_errors),
         ];
         let body: Vec<String> = fields
             .iter()
@@ -939,11 +1342,16 @@ impl Summary {
     /// For people.
     pub fn describe(&self) -> String {
         let mut text = format!(
-            "torture run: seed {}, {:.1} s, {} kills, {} stops, {} rows left\n",
+            "torture run on {}: seed {}, {:.1} s, {} kills, {} stops, {} connection kills, \
+             {} restarts, {} skewed children, {} rows left\n",
+            self.backend,
             self.seed,
             self.elapsed.as_secs_f64(),
             self.kills,
             self.stops,
+            self.connection_kills,
+            self.server_restarts,
+            self.skewed_children,
             self.leaked_rows
         );
         for (name, value) in self.totals.fields() {
@@ -959,33 +1367,50 @@ impl Summary {
     }
 }
 
+/// What the parent does next.
+enum Fault {
+    Kill,
+    Stop,
+    Cut,
+}
+
 /// Runs the parent: starts the children, injects faults until the deadline, collects the
-/// counters, and checks that the database is left empty.
-pub fn run(config: &Config) -> Summary {
+/// counters, and checks that the database (`store`) is left empty.
+pub fn run(config: &Config, store: &Store) -> Summary {
     let started = Instant::now();
-    let folder = std::env::temp_dir().join(format!(
-        "leasehold-torture-{}-{}",
-        std::process::id(),
-        config.seed
-    ));
-    let _ = fs::remove_dir_all(&folder);
-    fs::create_dir_all(&folder).expect("create the run's folder");
-    let db = folder.join("locks.db");
+    // A folder of its own, as several runs may share a process (the tests) and a seed.
+    let folder = tempfile::Builder::new()
+        .prefix(&format!("leasehold-torture-{}-", config.seed))
+        .tempdir()
+        .expect("create the run's folder")
+        .keep();
+    let place = store.place(&folder);
     let mut summary = Summary {
         seed: config.seed,
+        backend: match config.backend {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        },
+        skewed_children: (0..config.processes)
+            .filter(|&id| clock_skew(config.backend, id) != 0)
+            .count() as u64,
         ..Summary::default()
     };
     // The parent's own owner: it only looks (inspect) to pick whom to kill or pause.
-    let observer = LockManager::builder()
-        .lease(config.lease)
-        .heartbeat(config.heartbeat)
-        .open(&db)
-        .expect("open the lock database");
-    let deadline = unix_micros() + (config.seconds * 1e6) as u64;
+    let observer = smol::block_on(
+        place.named("torture-parent").manager(
+            LockManager::builder()
+                .lease(config.lease)
+                .heartbeat(config.heartbeat),
+        ),
+    )
+    .expect("open the lock database");
+    let run_start = unix_micros();
+    let deadline = run_start + (config.seconds * 1e6) as u64;
     let mut incarnations = 0u64;
     let mut spawn = |id: usize| {
         incarnations += 1;
-        spawn_child(config, &folder, id, incarnations, deadline)
+        spawn_child(config, &folder, &place, id, incarnations, deadline)
     };
     let mut workers: Vec<Worker> = (0..config.processes).map(&mut spawn).collect();
     let mut rng = Rng::new(config.seed);
@@ -994,23 +1419,56 @@ pub fn run(config: &Config) -> Summary {
     let fault_window_end =
         deadline.saturating_sub(micros(pause_for() + config.lease / 2) + 600_000);
     let mut next_fault = unix_micros() + (config.seconds * 0.2e6) as u64;
+    // The restarts (of a server this run started): fast at 30 % of the run, a crash at 50 %.
+    let restarts: Vec<(u64, bool)> = [(0.3, false), (0.5, true)]
+        .into_iter()
+        .filter(|_| store.restarts())
+        .map(|(at, immediate)| (run_start + (config.seconds * at * 1e6) as u64, immediate))
+        .collect();
+    let mut windows: Vec<(u64, u64)> = Vec::new();
     while unix_micros() < deadline {
         std::thread::sleep(Duration::from_millis(20));
         let now = unix_micros();
-        if now < next_fault || now > fault_window_end {
+        if now > fault_window_end {
+            continue;
+        }
+        if let Some(&(at, immediate)) = restarts.get(summary.server_restarts as usize) {
+            if now >= at {
+                restart(store, &folder, &mut windows, immediate);
+                summary.server_restarts += 1;
+                next_fault = unix_micros() + micros(rng.millis(100, 300));
+                continue;
+            }
+        }
+        if now < next_fault {
             continue;
         }
         let holders = smol::block_on(observer.inspect(None)).unwrap_or_default();
-        // The first fault is a kill and the second a pause; then either, at random.
-        let kill = match (summary.kills, summary.stops) {
-            (0, _) => true,
-            (_, 0) => false,
-            _ => rng.chance(40),
+        // The first fault is a kill, the second a pause, the third (on PostgreSQL) a cut
+        // connection; then any, at random.
+        let cuts = config.cut_connections && store.cuts_connections();
+        let fault = match (summary.kills, summary.stops, summary.connection_kills) {
+            (0, _, _) => Fault::Kill,
+            (_, 0, _) => Fault::Stop,
+            (_, _, 0) if cuts => Fault::Cut,
+            _ if cuts => match rng.below(100) {
+                0..=34 => Fault::Cut,
+                35..=59 => Fault::Kill,
+                _ => Fault::Stop,
+            },
+            _ if rng.chance(40) => Fault::Kill,
+            _ => Fault::Stop,
         };
+        let kill = !matches!(fault, Fault::Stop);
         let Some(index) = pick_victim(&workers, &holders, kill, &mut rng) else {
             continue;
         };
-        if kill {
+        if let Fault::Cut = fault {
+            let name = format!("torture-{}", workers[index].tag());
+            if store.cut_connections(&name) > 0 {
+                summary.connection_kills += 1;
+            }
+        } else if kill {
             let worker = &mut workers[index];
             let _ = worker.child.kill();
             let _ = worker.child.wait();
@@ -1037,8 +1495,8 @@ pub fn run(config: &Config) -> Summary {
                 summary.stops += 1;
             }
         }
-        // Soon after the first kill comes the first pause, so that short runs see both.
-        let gap = if summary.stops == 0 {
+        // Soon after the first kill come the first pause and cut, so that short runs see them.
+        let gap = if summary.stops == 0 || (cuts && summary.connection_kills == 0) {
             rng.millis(100, 300)
         } else {
             rng.millis(500, 2_500)
@@ -1053,7 +1511,7 @@ pub fn run(config: &Config) -> Summary {
     }
     let _ = smol::block_on(observer.shutdown());
     drop(observer);
-    summary.leaked_rows = match final_count(config, &db) {
+    summary.leaked_rows = match final_count(config, store, &folder) {
         Ok(rows) => rows,
         Err(error) => {
             summary.final_error = Some(format!("the final count failed: {error}"));
@@ -1071,6 +1529,7 @@ pub fn run(config: &Config) -> Summary {
     summary.elapsed = started.elapsed();
     if summary.failures().is_empty() {
         let _ = fs::remove_dir_all(&folder);
+        store.forget();
     } else {
         eprintln!(
             "the run's files (child logs, registers, database) are kept in {}",
@@ -1084,9 +1543,26 @@ fn micros(duration: Duration) -> u64 {
     duration.as_micros() as u64
 }
 
+/// Restarts the server, and publishes the restart's window for the children while it runs
+/// and once it is over.
+fn restart(store: &Store, folder: &Path, windows: &mut Vec<(u64, u64)>, immediate: bool) {
+    let publish_windows = |windows: &[(u64, u64)]| {
+        let lines: Vec<String> = windows.iter().map(|(s, e)| format!("{s} {e}\n")).collect();
+        publish(&folder.join("restarts"), &lines.concat());
+    };
+    windows.push((unix_micros(), u64::MAX));
+    publish_windows(windows);
+    store.restart(immediate);
+    if let Some(window) = windows.last_mut() {
+        window.1 = unix_micros();
+    }
+    publish_windows(windows);
+}
+
 fn spawn_child(
     config: &Config,
     folder: &Path,
+    place: &Place,
     id: usize,
     incarnation: u64,
     deadline: u64,
@@ -1094,7 +1570,11 @@ fn spawn_child(
     let log = fs::File::create(folder.join(format!("child-{id}.{incarnation}.log")))
         .expect("create a child's log");
     let seed = config.seed ^ (id as u64) << 32 ^ incarnation;
-    let child = Command::new(&config.child_command[0])
+    let mut command = Command::new(&config.child_command[0]);
+    place
+        .named(&format!("torture-{id}.{incarnation}"))
+        .to_env(&mut command);
+    let child = command
         .args(&config.child_command[1..])
         .env(CHILD_ENV, folder)
         .env("TORTURE_ID", id.to_string())
@@ -1107,6 +1587,10 @@ fn spawn_child(
             config.heartbeat.as_millis().to_string(),
         )
         .env("TORTURE_DEADLINE", deadline.to_string())
+        .env(
+            "TORTURE_SKEW_MS",
+            clock_skew(config.backend, id).to_string(),
+        )
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("share the log"))
         .stderr(log)
@@ -1191,13 +1675,18 @@ fn wait_for_exit(child: &mut Child, limit: Duration) -> bool {
 }
 
 /// After one lease, a fresh owner's write transaction deletes the rows of killed children that
-/// ran out; then every row left in the file is counted, live or not.
-fn final_count(config: &Config, db: &Path) -> Result<u64, Box<dyn std::error::Error>> {
+/// ran out; then every row left in the database is counted, live or not.
+fn final_count(
+    config: &Config,
+    store: &Store,
+    folder: &Path,
+) -> Result<u64, Box<dyn std::error::Error>> {
     std::thread::sleep(config.lease + config.heartbeat);
-    let cleaner = LockManager::builder()
+    let builder = LockManager::builder()
         .lease(config.lease)
-        .heartbeat(config.heartbeat)
-        .open(db)?;
+        .heartbeat(config.heartbeat);
+    let place = store.place(folder).named("torture-cleaner");
+    let cleaner = smol::block_on(place.manager(builder))?;
     smol::block_on(async {
         let guard = cleaner
             .try_acquire(LockRequest::exclusive("torture/clean-up", "clean-up"))
@@ -1208,9 +1697,5 @@ fn final_count(config: &Config, db: &Path) -> Result<u64, Box<dyn std::error::Er
         cleaner.shutdown().await
     })?;
     drop(cleaner);
-    let connection = sqlite::open(db)?;
-    // The row with key '' is the ticket counter, not a lock.
-    let mut statement = connection.prepare("SELECT COUNT(*) FROM locks WHERE key <> ''")?;
-    statement.next()?;
-    Ok(statement.read::<i64, _>(0)? as u64)
+    store.count_rows(folder)
 }

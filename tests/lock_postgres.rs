@@ -196,6 +196,90 @@ fn a_guard_survives_its_connection_being_cut() {
     });
 }
 
+/// A connection cut while idle is found dead by the next transaction, which begins again on a
+/// new connection: the caller sees no error.
+#[test]
+fn an_acquisition_right_after_a_cut_succeeds() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    if server.conninfo().is_none() {
+        return; // an external server: the test cannot cut connections there
+    }
+    block_on(async {
+        let schema = pg_support::schema("cut_idle");
+        let name = format!("app_{schema}");
+        let locks = manager(
+            &server.url_with(&format!("application_name={name}")),
+            &schema,
+        )
+        .await;
+        let guard = locks.exclusive("k", "before").await.unwrap();
+        guard.release().await.unwrap();
+        let cut = server.terminate_backends(&format!("application_name = '{name}'"));
+        assert!(cut >= 1, "no connection of the manager was cut");
+        let guard = locks.exclusive("k", "after").await.unwrap();
+        guard.release().await.unwrap();
+    });
+}
+
+/// Not yet: a connection cut in the middle of a write transaction (here while its first read
+/// waits for a table lock that another session holds) fails the caller with a storage error,
+/// though nothing was committed and a new connection would do. The torture run's cuts land
+/// inside a transaction about once in fifteen. Run it with `--ignored`.
+#[test]
+#[ignore = "known gap: a cut inside a write transaction fails its caller"]
+fn an_acquisition_whose_connection_is_cut_inside_its_transaction_succeeds() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(socket) = server.conninfo() else {
+        return; // an external server: the test cannot cut connections there
+    };
+    block_on(async {
+        let schema = pg_support::schema("cut_inside");
+        let name = format!("app_{schema}");
+        let locks = manager(
+            &server.url_with(&format!("application_name={name}")),
+            &schema,
+        )
+        .await;
+        let mut blocker = server
+            .psql_command(socket)
+            .arg("-c")
+            .arg(format!(
+                "BEGIN; LOCK TABLE \"{schema}\".locks; SELECT pg_sleep(3); COMMIT"
+            ))
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        within(5_000, "the other session holds the table", || async {
+            server.sql(&format!(
+                "SELECT count(*) FROM pg_locks WHERE granted AND mode = 'AccessExclusiveLock' \
+                 AND relation = '\"{schema}\".locks'::regclass"
+            )) == "1"
+        })
+        .await;
+        let acquisition = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("k", "cut").await })
+        };
+        let waiting = format!("application_name = '{name}' AND wait_event_type = 'Lock'");
+        within(5_000, "the transaction waits for the table", || async {
+            server.sql(&format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE {waiting}"
+            )) == "1"
+        })
+        .await;
+        assert_eq!(server.terminate_backends(&waiting), 1);
+        match join_within(10_000, "the acquisition", acquisition).await {
+            Exit::Success(Ok(guard)) => guard.release().await.unwrap(),
+            other => panic!("{other:?}"),
+        }
+        blocker.wait().unwrap();
+    });
+}
+
 #[test]
 fn a_password_never_appears_in_errors_or_debug_output() {
     let Some(server) = pg_support::server() else {

@@ -151,6 +151,14 @@ fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
     }
 }
 
+/// Whether `error` ended the session: the connection broke, or the server ended it (shut down,
+/// restarted, or terminated the backend: SQLSTATE class 57P).
+fn session_ended(error: &postgres::Error) -> bool {
+    error
+        .as_db_error()
+        .is_none_or(|db| db.code().code().starts_with("57P"))
+}
+
 /// A connection to the server, with the schema in place and the statements prepared.
 pub(crate) struct Postgres {
     config: Config,
@@ -624,9 +632,21 @@ impl Storage for Postgres {
             sql.push_str(&format!(" SELECT {};", calls.join(", ")));
         }
         sql.push_str(" SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint");
-        let messages = self.with("starting a write transaction", |client| {
-            client.simple_query(&sql)
-        })?;
+        let mut again = true;
+        let messages = loop {
+            match self.client()?.simple_query(&sql) {
+                Ok(messages) => break messages,
+                // The session was found ended (its connection cut, or the server restarted
+                // since the last call): nothing was begun in it, so begin once more, on a new
+                // connection.
+                Err(error) if again && session_ended(&error) => {
+                    again = false;
+                    self.client = None;
+                    self.statements.clear();
+                }
+                Err(error) => return Err(storage_error("starting a write transaction", &error)),
+            }
+        };
         let now = messages
             .iter()
             .rev()

@@ -177,14 +177,22 @@ enum Failure {
 pub fn server() -> Option<&'static Server> {
     static SERVER: OnceLock<Result<Server, Failure>> = OnceLock::new();
     shared(SERVER.get_or_init(|| match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => Ok(Server {
-            url,
-            conninfo: None,
-            secret: None,
-            local: None,
-        }),
+        Ok(url) if !url.is_empty() => Ok(existing(url)),
         _ => start_local(Tls::Off),
     }))
+}
+
+/// An existing server named by `url`, which the harness neither starts nor stops: its
+/// [`sql`](Server::sql) connects to `url` (as the role the URL names), and what needs a server
+/// the harness controls ([`restart`](Server::restart), [`conninfo`](Server::conninfo)) is not
+/// there.
+pub fn existing(url: String) -> Server {
+    Server {
+        url,
+        conninfo: None,
+        secret: None,
+        local: None,
+    }
 }
 
 /// The shared server with TLS on, started on first use; `None` (reason printed) when skipped,
