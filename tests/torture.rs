@@ -75,10 +75,6 @@ fn a_short_torture_run_on_postgres_passes_every_check() {
         url: std::env::var("LEASEHOLD_POSTGRES_URL")
             .ok()
             .filter(|url| !url.is_empty()),
-        // Not yet: a connection cut in the middle of a write transaction still fails that
-        // transaction's callers with a storage error (about one cut in fifteen), which would
-        // make this test fail now and then. The full run (`--backend postgres`) cuts them.
-        cut_connections: false,
         ..short_run(8.0, Backend::Postgres)
     };
     let Some(store) = Store::open(&config) else {

@@ -153,6 +153,15 @@ fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
 
 /// Whether `error` ended the session: the connection broke, or the server ended it (shut down,
 /// restarted, or terminated the backend: SQLSTATE class 57P).
+/// Whether `error` is the server giving up on a statement for a reason that passes: a statement
+/// or lock timeout (`57014`, `55P03`), a deadlock it broke (`40P01`), a serialisation failure
+/// (`40001`). The same work done again may succeed.
+fn passing(error: &postgres::Error) -> bool {
+    error
+        .as_db_error()
+        .is_some_and(|db| matches!(db.code().code(), "57014" | "55P03" | "40P01" | "40001"))
+}
+
 fn session_ended(error: &postgres::Error) -> bool {
     error
         .as_db_error()
@@ -168,6 +177,10 @@ pub(crate) struct Postgres {
     statements: HashMap<&'static str, Statement>,
     /// When to connect again after a failed attempt.
     reconnect: Reconnect,
+    /// Whether the last failure was a passing one (see `Storage::again`), and the busy
+    /// schedule's run for doing failed work again.
+    transient: bool,
+    retry: ScheduleRun,
     /// The server's time less this process's monotonic time, as of the last reading (micros).
     offset: i64,
     /// The keys (by digest) the open transaction freed or promoted rows on, to announce with
@@ -240,6 +253,8 @@ impl Postgres {
             client: None,
             statements: HashMap::new(),
             reconnect: Reconnect::new(busy.clone()),
+            transient: false,
+            retry: busy.start(SystemClock.monotonic()),
             offset: 0,
             announcing: Vec::new(),
             started: Instant::now(),
@@ -309,7 +324,20 @@ impl Postgres {
         doing: &str,
         f: impl FnOnce(&mut Client) -> std::result::Result<T, postgres::Error>,
     ) -> Result<T> {
-        f(self.client()?).map_err(|e| storage_error(doing, &e))
+        let result = f(self.client()?);
+        result.map_err(|e| self.failed(doing, &e))
+    }
+
+    /// The error of a call that failed; a session found ended is dropped (the next call opens
+    /// a new one). Remembers whether the failure was a passing one (`Storage::again`).
+    fn failed(&mut self, doing: &str, error: &postgres::Error) -> LockError {
+        let ended = session_ended(error);
+        if ended {
+            self.client = None;
+            self.statements.clear();
+        }
+        self.transient = ended || passing(error);
+        storage_error(doing, error)
     }
 
     /// The prepared statement named `name`, whose text `sql` names the schema `{s}`.
@@ -320,9 +348,10 @@ impl Postgres {
         }
         let text = sql.replace("{s}", &quote(&self.schema));
         let client = self.client.as_mut().expect("connected above");
-        let statement = client
-            .prepare(&text)
-            .map_err(|e| storage_error(&format!("preparing {name}"), &e))?;
+        let statement = match client.prepare(&text) {
+            Ok(statement) => statement,
+            Err(error) => return Err(self.failed(&format!("preparing {name}"), &error)),
+        };
         self.statements.insert(name, statement.clone());
         Ok(statement)
     }
@@ -601,6 +630,24 @@ impl Storage for Postgres {
         true
     }
 
+    fn again(&mut self) -> bool {
+        let now = SystemClock.monotonic();
+        if !std::mem::take(&mut self.transient) {
+            self.retry.reset(now);
+            return false;
+        }
+        match self.retry.next_at(now) {
+            Some(at) => {
+                std::thread::sleep(at.saturating_sub(now));
+                true
+            }
+            None => {
+                self.retry.reset(now);
+                false
+            }
+        }
+    }
+
     /// What the listener heard; everything, while it is not listening.
     fn changes(&mut self) -> Result<Changes> {
         let mut heard = lock(&self.heard);
@@ -620,6 +667,7 @@ impl Storage for Postgres {
     /// both can stand in the text.)
     fn begin(&mut self, keys: &[String]) -> Result<i64> {
         self.announcing.clear();
+        self.transient = false;
         let mut locks: Vec<i32> = keys.iter().map(|key| key_lock(&self.schema, key)).collect();
         locks.sort_unstable();
         locks.dedup();
@@ -644,7 +692,7 @@ impl Storage for Postgres {
                     self.client = None;
                     self.statements.clear();
                 }
-                Err(error) => return Err(storage_error("starting a write transaction", &error)),
+                Err(error) => return Err(self.failed("starting a write transaction", &error)),
             }
         };
         let now = messages

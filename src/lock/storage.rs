@@ -53,6 +53,13 @@ pub(crate) trait Storage {
     fn announce(&mut self, freed: &[String], promoted: &[String]) -> Result<()>;
     /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
     fn rollback(&mut self);
+    /// After a failed transaction: whether it failed for a passing reason (its connection
+    /// ended, a statement or a lock wait timed out, a deadlock was broken), in which case this
+    /// waits the next delay of the busy schedule, and the work is to be done again, whole.
+    /// False for any other failure, and once the schedule gives up.
+    fn again(&mut self) -> bool {
+        false
+    }
     /// Whether this owner has waiters, so that other managers' announcements should reach it
     /// at once. Said inside the transaction that decides to wait, before its commit, and again
     /// once nothing waits. A backend that wakes managers some other way ignores it.

@@ -436,38 +436,47 @@ impl<S: Storage> Worker<S> {
 
     /// Runs `writes` in one transaction; if that fails, each alone, so one bad write does not
     /// fail the others.
+    ///
+    /// A batch that failed for a passing reason (its connection cut, the server restarted, a
+    /// timeout: see `Storage::again`) is done again, whole, after the busy schedule's delay,
+    /// rather than failing its callers.
     fn write(&mut self, writes: Vec<Write>) {
-        let keys = self.keys_of_batch(&writes);
-        let outcome = self.transaction(&keys, |worker, now| {
-            let mut decided = Vec::with_capacity(writes.len());
-            for write in &writes {
-                decided.push(worker.apply(write, now)?);
-            }
-            Ok((decided, now))
-        });
-        match outcome {
-            Ok(((decided, now), freed)) => {
-                for (write, decided) in writes.into_iter().zip(decided) {
-                    self.deliver(write, decided, now);
-                }
-                self.after_commit(&freed);
-            }
-            Err(error) => {
-                // Rolled back, most likely: the ids recorded for this batch's acquisitions point
-                // at nothing. But a failure of the commit itself (a connection cut as it was
-                // sent) cannot tell whether it committed: their rows are deleted, if there, by
-                // the next transaction, so that a retried acquisition is never there twice, and
-                // no row lives on, renewed by this owner's heartbeats, for a caller who was told
-                // it failed.
+        loop {
+            let keys = self.keys_of_batch(&writes);
+            let outcome = self.transaction(&keys, |worker, now| {
+                let mut decided = Vec::with_capacity(writes.len());
                 for write in &writes {
-                    if let Write::Acquire { request, .. } = write {
-                        if let Some(written) = self.requests.remove(request) {
-                            self.doubtful.push(written);
-                        }
+                    decided.push(worker.apply(write, now)?);
+                }
+                Ok((decided, now))
+            });
+            let error = match outcome {
+                Ok(((decided, now), freed)) => {
+                    for (write, decided) in writes.into_iter().zip(decided) {
+                        self.deliver(write, decided, now);
+                    }
+                    self.after_commit(&freed);
+                    return;
+                }
+                Err(error) => error,
+            };
+            // Rolled back, most likely: the ids recorded for this batch's acquisitions point at
+            // nothing. But a failure of the commit itself (a connection cut as it was sent)
+            // cannot tell whether it committed: their rows are deleted, if there, by the next
+            // transaction, so that a retried acquisition is never there twice, and no row lives
+            // on, renewed by this owner's heartbeats, for a caller who was told it failed.
+            for write in &writes {
+                if let Write::Acquire { request, .. } = write {
+                    if let Some(written) = self.requests.remove(request) {
+                        self.doubtful.push(written);
                     }
                 }
-                self.retry_alone(writes, error);
             }
+            if !self.storage.again() {
+                self.retry_alone(writes, error);
+                return;
+            }
+            tracing::debug!(%error, "a write failed for a passing reason; once more");
         }
     }
 
