@@ -594,7 +594,9 @@ impl<S: Storage> Worker<S> {
         let judged = now;
         let now = self.now();
         self.check_own_rows(now)?;
-        self.next_deadline = self.storage.next_foreign_expiry(&self.common.owner, judged)?;
+        self.next_deadline = self
+            .storage
+            .next_foreign_expiry(&self.common.owner, judged)?;
         Ok(())
     }
 
