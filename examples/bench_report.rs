@@ -1058,6 +1058,26 @@ impl Report {
             took.as_secs_f64(),
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
+        println!("verdict: {}", self.overall());
+    }
+
+    /// The run in one phrase: a run with rounds spread too wide, or a failed round, does not
+    /// pass, whatever its medians say.
+    fn overall(&self) -> String {
+        let (failed, wide) = (self.count("round failed"), self.count("spread too wide"));
+        let missed = self.count("NO");
+        if failed > 0 {
+            format!("ROUND FAILED ({failed} targets cannot be judged)")
+        } else if wide > 0 {
+            format!(
+                "SPREAD TOO WIDE ({wide} targets; repeat on a quieter machine), {missed} targets \
+                 missed"
+            )
+        } else if missed > 0 {
+            format!("{missed} targets missed")
+        } else {
+            "every target met".into()
+        }
     }
 }
 
