@@ -344,3 +344,70 @@ fn a_busy_database_is_reported_once_the_busy_schedule_is_done() {
         assert!(matches!(refused, Err(LockError::Storage(_))), "{refused:?}");
     });
 }
+
+/// Each renewal renews every row of its owner, so renewals asked for together (the beats of
+/// many waiters, due at one moment) are one write, whose time every one of them is told.
+#[test]
+fn renewals_asked_for_together_are_one_write() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let clock = TestClock::new();
+        let open = || {
+            LockManager::builder()
+                .clock(Arc::new(clock.clone()))
+                .lease(Duration::from_secs(3))
+                .heartbeat(Duration::from_secs(1))
+                .open(&path)
+                .unwrap()
+        };
+        let (holder, locks) = (open(), open());
+        let mut held = Vec::new();
+        let mut waiters = Vec::new();
+        for i in 0..20 {
+            held.push(holder.exclusive(format!("k{i}"), "holder").await.unwrap());
+            let locks = locks.clone();
+            waiters.push(fork_daemon(async move {
+                locks.exclusive(format!("k{i}"), "waiter").await
+            }));
+        }
+        // The waiters' heartbeats, and the holder's.
+        within(
+            5_000,
+            "every waiter queued with its heartbeat asleep",
+            || async {
+                clock.sleepers() >= 21
+                    && locks
+                        .inspect(None)
+                        .await
+                        .unwrap()
+                        .iter()
+                        .filter(|e| e.operation == "waiter")
+                        .count()
+                        == 20
+            },
+        )
+        .await;
+        let before = locks.stats().heartbeats;
+        let write_lock = WriteLock::take(&path);
+        let blocker = stall_worker(&locks);
+        clock.advance(Duration::from_secs(1));
+        within(5_000, "every heartbeat woke", || async {
+            clock.sleepers() == 0
+        })
+        .await;
+        drop(write_lock);
+        drop(join_within(10_000, "the blocker", blocker).await);
+        within(5_000, "the waiters renewed", || async {
+            clock.sleepers() >= 21
+        })
+        .await;
+        assert_eq!(locks.stats().heartbeats, before + 1, "one renewal for all");
+        for guard in held {
+            guard.release().await.unwrap();
+        }
+        for waiter in waiters {
+            let guard = join_within(5_000, "a waiter", waiter).await;
+            guard.success().unwrap().unwrap().release().await.unwrap();
+        }
+    });
+}

@@ -143,7 +143,11 @@ impl Shared {
     /// Renews this owner's rows (or finds them renewed recently); returns when, in clock time.
     pub(super) async fn renew(&self) -> Result<Duration, LockError> {
         let at = self
-            .call(|reply| Command::Write(Write::Renew { reply }))
+            .call(|reply| {
+                Command::Write(Write::Renew {
+                    replies: vec![reply],
+                })
+            })
             .await?;
         Ok(from_micros(at))
     }

@@ -44,7 +44,8 @@ pub(crate) enum Write {
     },
     /// Renew this owner's live rows, unless that was done less than half a heartbeat ago.
     /// Replies with when the rows were last renewed (micros, by the manager's clock).
-    Renew { reply: Reply<i64> },
+    /// Every renewal asked for in one batch is one write: its replies.
+    Renew { replies: Vec<Reply<i64>> },
     /// Delete every row of this owner and stop.
     Shutdown { reply: Reply<()> },
 }

@@ -316,7 +316,14 @@ impl<S: Storage> Worker<S> {
                         let _ = reply.send(Ok(false));
                     }
                 }
-                Command::Write(Write::Renew { reply }) => {
+                Command::Write(Write::Renew { replies }) => {
+                    // One renewal per batch, whoever asked: each renews every row of the owner.
+                    if let Some(Write::Renew { replies: joined }) =
+                        writes.iter_mut().find(|w| matches!(w, Write::Renew { .. }))
+                    {
+                        joined.extend(replies);
+                        continue;
+                    }
                     let now = self.now();
                     let half_beat = micros(self.common.heartbeat / 2);
                     match self.last_renewal {
@@ -324,7 +331,9 @@ impl<S: Storage> Worker<S> {
                         // caller is told when, and beats again one heartbeat after that, so the
                         // rows keep their whole margin; lost leases are looked for then.
                         Some(at) if now < at + half_beat => {
-                            let _ = reply.send(Ok(self.local(at)));
+                            for reply in replies {
+                                let _ = reply.send(Ok(self.local(at)));
+                            }
                         }
                         _ => {
                             for request in std::mem::take(&mut self.failed_removals) {
@@ -333,7 +342,7 @@ impl<S: Storage> Worker<S> {
                                     reply: None,
                                 });
                             }
-                            writes.push(Write::Renew { reply });
+                            writes.push(Write::Renew { replies });
                         }
                     }
                 }
@@ -716,7 +725,7 @@ impl<S: Storage> Worker<S> {
                     let _ = reply.send(Ok(matches!(decided, Decided::Removed(true))));
                 }
             }
-            (Write::Renew { reply }, _) => {
+            (Write::Renew { replies }, _) => {
                 self.last_renewal = Some(now);
                 let local = self.local(now);
                 self.common.last_renewal.store(
@@ -724,8 +733,8 @@ impl<S: Storage> Worker<S> {
                     std::sync::atomic::Ordering::SeqCst,
                 );
                 Counters::bump(&self.counters().heartbeats);
-                let checked = self.check_own_rows(now);
-                let _ = reply.send(checked.map(|()| local));
+                let checked = self.check_own_rows(now).map(|()| local);
+                send_all(replies, checked);
             }
             (Write::Shutdown { reply }, _) => {
                 self.requests.clear();
@@ -932,11 +941,25 @@ fn fail(write: Write, error: LockError, failed_removals: &mut Vec<u64>) {
                 let _ = reply.send(Err(error));
             }
         }
-        Write::Renew { reply } => {
-            let _ = reply.send(Err(error));
-        }
+        Write::Renew { replies } => send_all(replies, Err(error)),
         Write::Shutdown { reply } => {
             let _ = reply.send(Err(error));
         }
+    }
+}
+
+/// Sends `result` to every one of `replies`; an error is repeated by its message.
+fn send_all(replies: Vec<super::protocol::Reply<i64>>, result: Result<i64, LockError>) {
+    let again = |result: &Result<i64, LockError>| match result {
+        Ok(at) => Ok(*at),
+        Err(error) => Err(LockError::Storage(error.to_string())),
+    };
+    let mut replies = replies.into_iter();
+    let first = replies.next();
+    for reply in replies {
+        let _ = reply.send(again(&result));
+    }
+    if let Some(reply) = first {
+        let _ = reply.send(result);
     }
 }
