@@ -403,14 +403,16 @@ impl Storage for Db<'_> {
     }
 
     fn commit(&mut self) -> Result<()> {
-        self.run_retrying_busy("committing", "COMMIT")?;
+        self.run_retrying_busy("committing", "COMMIT")
+    }
+
+    fn wake_others(&mut self) {
         if std::mem::take(&mut self.ring) {
             #[cfg(unix)]
             if let Some(doorbell) = &mut self.doorbell {
                 doorbell.ring();
             }
         }
-        Ok(())
     }
 
     fn rollback(&mut self) {

@@ -60,6 +60,10 @@ pub(crate) trait Storage {
     fn again(&mut self) -> bool {
         false
     }
+    /// After a commit that announced something, once this process's own waiters are woken: a
+    /// backend that wakes other processes' managers directly does it here, off the path of the
+    /// local handoff.
+    fn wake_others(&mut self) {}
     /// Whether this owner has waiters, so that other managers' announcements should reach it
     /// at once. Said inside the transaction that decides to wait, before its commit, and again
     /// once nothing waits. A backend that wakes managers some other way ignores it.

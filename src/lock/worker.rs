@@ -30,7 +30,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
@@ -44,6 +44,11 @@ use crate::sync::lock;
 
 /// At most this many commands go into one transaction.
 const MAX_BATCH: usize = 256;
+
+/// How long this owner stays marked as waiting (`Storage::waiting`) once its last wait ended: a
+/// task that waits again soon (a busy lock, taken in turns) keeps the marker, rather than putting
+/// it up and taking it down at every turn.
+const MARKER_LINGER: Duration = Duration::from_secs(1);
 
 /// How long the worker keeps looking for the next command before it blocks.
 const SPIN: Duration = Duration::from_micros(100);
@@ -113,8 +118,10 @@ pub(crate) struct Worker<S> {
     pass: BTreeSet<String>,
     /// Look at every watched key at the next tick, changed or not.
     look_all: bool,
-    /// Whether storage was last told that this owner has waiters (`Storage::waiting`).
+    /// Whether storage was last told that this owner has waiters (`Storage::waiting`), and
+    /// since when it has had none.
     marked_waiting: bool,
+    idle_since: Option<Instant>,
     /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
     /// deleted (if there) by the next transaction.
     doubtful: Vec<Written>,
@@ -143,6 +150,7 @@ impl<S: Storage> Worker<S> {
             pass: BTreeSet::new(),
             look_all: false,
             marked_waiting: false,
+            idle_since: None,
             doubtful: Vec::new(),
             failed_removals: Vec::new(),
         }
@@ -179,7 +187,10 @@ impl<S: Storage> Worker<S> {
                             let left = at.saturating_sub(self.common.clock.monotonic());
                             self.rx.recv_timeout(left)
                         }
-                        None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                        None => match self.marker_left() {
+                            Some(left) => self.rx.recv_timeout(left),
+                            None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                        },
                     };
                     self.common.replies.worker_wakes();
                     received
@@ -209,8 +220,14 @@ impl<S: Storage> Worker<S> {
                 self.last_look = self.common.clock.monotonic();
                 self.next_look = self.look_after(self.last_look);
             }
-            if !self.has_waiters() {
-                self.mark_waiting(false);
+            if self.has_waiters() {
+                self.idle_since = None;
+            } else if self.marked_waiting {
+                let since = *self.idle_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= MARKER_LINGER {
+                    self.mark_waiting(false);
+                    self.idle_since = None;
+                }
             }
         }
     }
@@ -381,6 +398,12 @@ impl<S: Storage> Worker<S> {
             self.waits.refuse(&keys);
         }
         refused
+    }
+
+    /// How long until the waiting marker, still up with no waiter, is to be taken down.
+    fn marker_left(&self) -> Option<Duration> {
+        let since = self.idle_since.filter(|_| self.marked_waiting)?;
+        Some(MARKER_LINGER.saturating_sub(since.elapsed()))
     }
 
     /// Tells storage whether this owner has waiters, when that changes.
@@ -641,7 +664,12 @@ impl<S: Storage> Worker<S> {
                 ..
             } => {
                 let keys = keys_of(requests);
-                self.storage.delete_expired(&keys, now)?;
+                if self.storage.keys_locked() {
+                    // Lapsed rows are ignored by the rule either way; where renewals run beside
+                    // this transaction, they must also be gone before it decides (see
+                    // `Storage::rows_on_keys`).
+                    self.storage.delete_expired(&keys, now)?;
+                }
                 let mut rows = Vec::new();
                 self.storage.rows_on_keys(&keys, now, &mut rows)?;
                 let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
@@ -763,6 +791,7 @@ impl<S: Storage> Worker<S> {
             self.common.changed.notify(usize::MAX);
             super::siblings::poke(&self.common);
         }
+        self.storage.wake_others();
     }
 
     /// Compares this owner's live rows with its guards and waits: a guard whose rows are gone
