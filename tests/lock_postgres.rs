@@ -528,3 +528,48 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
         assert!(waiting.stats().change_checks > checks);
     });
 }
+
+/// A transaction on more keys than the server would lock one by one (its lock table holds about
+/// 64 per connection) locks the schema instead: a `many` of 200 keys, and a shutdown of an owner
+/// of 2,000 locks, work, and keep others out while they run.
+#[test]
+fn transactions_on_thousands_of_keys_work() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("many_keys");
+        let locks = manager(server.url(), &schema).await;
+        let other = manager(server.url(), &schema).await;
+        let requests: Vec<LockRequest> = (0..200)
+            .map(|i| LockRequest::exclusive(format!("m{i}"), "many"))
+            .collect();
+        let all = locks.many(requests).await.unwrap();
+        assert!(other
+            .try_acquire(LockRequest::exclusive("m199", "other"))
+            .await
+            .unwrap()
+            .is_none());
+        all.release().await.unwrap();
+        let mut guards = Vec::new();
+        for i in 0..2_000 {
+            let request = LockRequest::exclusive(format!("k{i}"), "held");
+            guards.push(locks.try_acquire(request).await.unwrap().unwrap());
+        }
+        let waiter = {
+            let other = other.clone();
+            fork_daemon(async move { other.exclusive("k1999", "waiter").await })
+        };
+        within(5_000, "the waiter queued", || async {
+            states(&other, "k1999").await.len() == 2
+        })
+        .await;
+        locks.shutdown().await.unwrap();
+        let guard = match join_within(5_000, "the waiter", waiter).await {
+            Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(other.inspect(None).await.unwrap().len(), 1);
+        guard.release().await.unwrap();
+    });
+}

@@ -57,6 +57,16 @@ pub(crate) const SCHEMA_VERSION: i32 = 2;
 /// locks do not collide with an application's own advisory locks on other classes.
 const LOCK_CLASS: i32 = 0x4c48_4c44; // "LHLD"
 
+/// The class of the lock on a whole schema: taken shared, before its key locks, by a transaction
+/// that decides on a few keys, and alone, exclusive, by one that decides on more than
+/// [`MAX_KEY_LOCKS`] (a shutdown of an owner of thousands of locks, a `many` of hundreds of
+/// keys), which then needs no key lock: the server's lock table holds only about 64 locks per
+/// connection, and a statement at most 1,664 expressions.
+const SCHEMA_CLASS: i32 = LOCK_CLASS + 1;
+
+/// The most keys a transaction locks one by one.
+const MAX_KEY_LOCKS: usize = 32;
+
 /// The default schema.
 pub(crate) const DEFAULT_SCHEMA: &str = "leasehold";
 
@@ -671,13 +681,23 @@ impl Storage for Postgres {
         let mut locks: Vec<i32> = keys.iter().map(|key| key_lock(&self.schema, key)).collect();
         locks.sort_unstable();
         locks.dedup();
+        let schema_lock = key_lock(&self.schema, "");
         let mut sql = String::from("BEGIN;");
-        if !locks.is_empty() {
+        if locks.len() > MAX_KEY_LOCKS {
+            // Too many keys to lock one by one (the server's lock table is small): the whole
+            // schema, alone.
+            sql.push_str(&format!(
+                " SELECT pg_advisory_xact_lock({SCHEMA_CLASS}, {schema_lock});"
+            ));
+        } else if !locks.is_empty() {
             let calls: Vec<String> = locks
                 .iter()
                 .map(|id| format!("pg_advisory_xact_lock({LOCK_CLASS}, {id})"))
                 .collect();
-            sql.push_str(&format!(" SELECT {};", calls.join(", ")));
+            sql.push_str(&format!(
+                " SELECT pg_advisory_xact_lock_shared({SCHEMA_CLASS}, {schema_lock}), {};",
+                calls.join(", ")
+            ));
         }
         sql.push_str(" SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint");
         let mut again = true;
