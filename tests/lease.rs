@@ -137,6 +137,36 @@ fn a_frozen_owners_lock_goes_to_a_waiter_after_its_lease_and_not_before() {
     });
 }
 
+/// The waiting owner looks when the frozen owner's lease runs out, not only when its poll says:
+/// here the poll is an hour.
+#[test]
+fn a_frozen_owners_lock_passes_on_when_its_lease_ends_however_long_the_poll() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let frozen_clock = TestClock::new();
+        let live_clock = TestClock::new();
+        let frozen = manager(&path, &frozen_clock);
+        let live = LockManager::builder()
+            .lease(LEASE)
+            .heartbeat(BEAT)
+            .poll(Duration::from_secs(3_600))
+            .clock(Arc::new(live_clock.clone()))
+            .open(&path)
+            .unwrap();
+        let stale = frozen.exclusive("k", "frozen").await.unwrap();
+        let waiter = queue_behind_the_holder(&live, "waiter").await;
+        advance_with_heartbeats_until(&live_clock, &live, LEASE + BEAT, || waiter.is_finished())
+            .await;
+        let guard = match lock_support::join_within(5_000, "the waiter", waiter).await {
+            leasehold::Exit::Success(Ok(guard)) => guard,
+            other => panic!("{other:?}"),
+        };
+        assert!(guard.fencing_token() > stale.fencing_token());
+        guard.release().await.unwrap();
+    });
+}
+
 #[test]
 fn a_heartbeat_renews_a_thousand_locks_in_one_transaction() {
     block_on(async {

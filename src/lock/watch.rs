@@ -179,6 +179,14 @@ impl Waits {
         (due, refused_due)
     }
 
+    /// The earliest time at which a watched key may be freed, if any is known.
+    pub(crate) fn first_deadline(&self) -> Option<i64> {
+        self.by_time
+            .iter()
+            .map(|&(at, _)| at)
+            .find(|&at| at != i64::MAX)
+    }
+
     fn forget_if_unwatched(&mut self, key: &str) {
         if !self.by_key.contains_key(key) && !self.refused.contains(key) {
             self.forget(key);

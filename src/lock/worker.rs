@@ -1,12 +1,12 @@
 //! The storage worker: one OS thread per manager that owns its storage (see `storage.rs`).
 //!
-//! Callers send `Command`s (see `protocol.rs`) and await a reply (see `reply.rs`); no storage call happens on
-//! a caller's executor thread.
+//! Callers send `Command`s (see `protocol.rs`) and await a reply (see `reply.rs`); no storage call
+//! happens on a caller's executor thread.
 //!
 //! Invariants:
 //!
 //! 1. Commands are handled in the order they were sent. Writes that are ready together run in one
-//!    `BEGIN IMMEDIATE` transaction; replies go out only after it commits. Reads in the same batch
+//!    transaction; replies go out only after it commits. Reads in the same batch
 //!    run after the writes, so a caller that released (even by dropping a guard) and then
 //!    inspects sees its release.
 //! 2. Every transaction that deletes rows (release, cancel, shutdown) also promotes, on the keys
@@ -17,12 +17,13 @@
 //!    written until they are deleted. The caller sends `Remove` by that id, so it is right
 //!    whether the acquisition was granted, queued or promoted; and since commands are handled in
 //!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows.
-//! 4. While this owner has waiters, the worker asks storage, when the poll's schedule says (on
-//!    the monotonic time of the manager's clock), or when poked, what other connections changed (`Storage::changes`, a cheap check), and remembers, per key it
-//!    waits on, when the first other owner's row there runs out. It reads a key's rows only when
-//!    the key changed or such a lease ran out, and writes only when a waiter is grantable. A
-//!    lease that runs out frees its key without anyone writing: the waiting owners' own
-//!    deadlines are how they find out.
+//! 4. While this owner has waiters, the worker asks storage what other connections changed
+//!    (`Storage::changes`, a cheap check) when the poll's schedule says (on the monotonic time of
+//!    the manager's clock) or when poked, and remembers, per key it waits on, when the first
+//!    other owner's row there runs out (`watch.rs`). It reads a key's rows only when the key
+//!    changed or such a lease ran out, and writes only when a waiter is grantable. A lease that
+//!    runs out frees its key without anyone writing: the waiting owners' own deadlines are how
+//!    they find out.
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
@@ -35,7 +36,7 @@ use std::time::{Duration, Instant};
 use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
 use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
-use super::storage::{micros, Changes, Deleted, OwnedRequest, Storage};
+use super::storage::{from_micros, micros, Changes, Deleted, OwnedRequest, Storage};
 use super::watch::{first_foreign_expiries, Look, Waits};
 use super::{Common, LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
@@ -242,7 +243,10 @@ impl<S: Storage> Worker<S> {
 
     /// When the poll looks next, if it looks at all: only while this owner has waiters. When a
     /// wait begins after none, the poll's schedule starts over from the last look, so that the
-    /// first look comes one delay after it (at once if that was long ago).
+    /// first look comes one delay after it (at once if that was long ago). And at the latest
+    /// when another owner's row on a watched key runs out, however long the poll's delay (or
+    /// if its schedule has ended): a crashed owner's lock passes on when its lease ends. (Not
+    /// right after a look that failed: the poll's schedule spaces the tries then.)
     fn next_look(&mut self) -> Option<Duration> {
         if !self.has_waiters() {
             self.next_look = NextLook::Idle;
@@ -252,9 +256,24 @@ impl<S: Storage> Worker<S> {
             self.poll.reset(self.last_look);
             self.next_look = self.look_after(self.last_look);
         }
-        match self.next_look {
+        let polled = match self.next_look {
             NextLook::At(at) => Some(at),
             NextLook::Idle | NextLook::Over => None,
+        };
+        let freed = self
+            .waits
+            .first_deadline()
+            .filter(|_| !self.look_all)
+            .map(|deadline| {
+                // From the storage's time to the manager's clock's monotonic time.
+                let clock = &*self.common.clock;
+                let local = deadline - self.storage.ahead_of(clock);
+                let left = local.saturating_sub(micros(clock.now()));
+                clock.monotonic() + from_micros(left)
+            });
+        match (polled, freed) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
