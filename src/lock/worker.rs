@@ -634,7 +634,13 @@ impl<S: Storage> Worker<S> {
         now: i64,
     ) -> Result<(usize, Vec<u64>, Vec<String>), LockError> {
         let list: Vec<String> = keys.iter().cloned().collect();
-        let mut expired = self.storage.delete_expired(&list, now)?;
+        // Where renewals run beside this transaction, lapsed rows must be gone before it reads
+        // (see `Storage::rows_on_keys`); a lone writer ignores them, and its heartbeat sweeps.
+        let delete_lapsed = self.storage.keys_locked();
+        let mut expired = 0;
+        if delete_lapsed {
+            expired += self.storage.delete_expired(&list, now)?;
+        }
         let mut rows = Vec::new();
         self.storage.rows_on_keys(&list, now, &mut rows)?;
         let mut read = keys.clone();
@@ -656,7 +662,9 @@ impl<S: Storage> Worker<S> {
             }
         }
         if !more.is_empty() {
-            expired += self.storage.delete_expired(&more, now)?;
+            if delete_lapsed {
+                expired += self.storage.delete_expired(&more, now)?;
+            }
             self.storage.rows_on_keys(&more, now, &mut rows)?;
             read.extend(more);
         }
@@ -666,7 +674,11 @@ impl<S: Storage> Worker<S> {
         for row in rows.iter().filter(|row| !row.held) {
             if promoted.binary_search(&row.ticket).is_ok() {
                 self.storage.promote(&row.key, row.ticket, now)?;
-                announced.insert(row.key.clone());
+                // Another owner learns of its grant from the announcement; this one, as it
+                // commits (`after_commit`).
+                if row.owner != self.common.owner {
+                    announced.insert(row.key.clone());
+                }
             }
         }
         Ok((expired, promoted, announced.into_iter().collect()))
