@@ -573,3 +573,55 @@ fn transactions_on_thousands_of_keys_work() {
         guard.release().await.unwrap();
     });
 }
+
+/// The advisory lock the library takes for `key` in `schema` (its class, and the key's digest:
+/// FNV-1a of the schema, a NUL and the key, folded to 32 bits), so that a test can hold it.
+fn key_lock(schema: &str, key: &str) -> (i32, i32) {
+    let digest = format!("{schema}\0{key}")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+    (0x4c48_4c44, ((digest ^ (digest >> 32)) as u32) as i32)
+}
+
+/// A transaction that waits for its key's lock longer than the lock timeout (half a heartbeat,
+/// at least a second) fails as it begins; it is ended and done again, so the caller gets the
+/// lock once the other session lets go, and the manager goes on working.
+#[test]
+fn a_begin_that_times_out_on_its_key_lock_is_done_again() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(socket) = server.conninfo() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("lock_timeout");
+        let locks = manager(server.url(), &schema).await;
+        let (class, id) = key_lock(&schema, "k");
+        let mut other = server
+            .psql_command(socket)
+            .arg("-c")
+            .arg(format!(
+                "SELECT pg_advisory_lock({class}, {id}); SELECT pg_sleep(2.5)"
+            ))
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        within(5_000, "the other session holds the key's lock", || async {
+            server.sql(&format!(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                 AND classid = {} AND objid = {}",
+                class as u32, id as u32
+            )) == "1"
+        })
+        .await;
+        let guard = bounded(20_000, "the acquisition", locks.exclusive("k", "late"))
+            .await
+            .unwrap();
+        other.wait().unwrap();
+        guard.release().await.unwrap();
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}

@@ -161,17 +161,21 @@ fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
     }
 }
 
-/// Whether `error` ended the session: the connection broke, or the server ended it (shut down,
-/// restarted, or terminated the backend: SQLSTATE class 57P).
 /// Whether `error` is the server giving up on a statement for a reason that passes: a statement
 /// or lock timeout (`57014`, `55P03`), a deadlock it broke (`40P01`), a serialisation failure
-/// (`40001`). The same work done again may succeed.
+/// (`40001`), a transaction left aborted by an earlier failure (`25P02`, ended by the rollback
+/// that follows every failure). The same work done again may succeed.
 fn passing(error: &postgres::Error) -> bool {
-    error
-        .as_db_error()
-        .is_some_and(|db| matches!(db.code().code(), "57014" | "55P03" | "40P01" | "40001"))
+    error.as_db_error().is_some_and(|db| {
+        matches!(
+            db.code().code(),
+            "57014" | "55P03" | "40P01" | "40001" | "25P02"
+        )
+    })
 }
 
+/// Whether `error` ended the session: the connection broke, or the server ended it (shut down,
+/// restarted, or terminated the backend: SQLSTATE class 57P).
 fn session_ended(error: &postgres::Error) -> bool {
     error
         .as_db_error()

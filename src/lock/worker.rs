@@ -573,6 +573,9 @@ impl<S: Storage> Worker<S> {
         let now = match self.storage.begin(keys) {
             Ok(now) => now,
             Err(error) => {
+                // A begin that failed half-way (a lock wait that timed out) may leave a
+                // transaction open, in which every later statement would fail: end it.
+                self.storage.rollback();
                 self.doubtful = doubtful;
                 return Err(error);
             }
