@@ -277,41 +277,12 @@ async fn waits_for(locks: &LockManager, operation: &str) -> bool {
 #[test]
 fn a_lock_is_handed_over_from_a_child_process_within_about_one_poll() {
     let (_dir, folder, db) = folder_and_db();
-    let mut child = ChildProcess::spawn("hold-then-release", &db, &folder, "0");
-    child.await_marker(&folder, "held", Duration::from_secs(20));
-    block_on(async {
-        let locks = LockManager::open(&db).unwrap();
-        let waiter = {
-            let locks = locks.clone();
-            fork_daemon(async move { locks.exclusive("k", "parent").await })
-        };
-        within(5_000, "the parent queued behind the child", || {
-            waits_for(&locks, "parent")
-        })
-        .await;
-        // However long it waits, it is not granted while the child holds.
-        smol::Timer::after(Duration::from_millis(50)).await;
-        assert!(!waiter.is_finished(), "granted while the child held");
-        assert!(locks.is_locked("k").await.unwrap());
-
-        mark(&folder, "release", "");
-        let guard = match join_within(10_000, "the parent's grant", waiter).await {
-            Exit::Success(Ok(guard)) => guard,
-            other => panic!("{other:?}\n{}", child.output()),
-        };
-        let granted_at = unix_micros();
-        let releasing = fs::read_to_string(folder.join("releasing"))
-            .expect("granted before the child began to release");
-        let releasing: u64 = releasing.parse().unwrap();
-        let waited = Duration::from_micros(granted_at.saturating_sub(releasing));
-        assert!(
-            waited < Duration::from_secs(2),
-            "granted {waited:?} after the child released (poll 10 ms)"
-        );
-        assert_eq!(guard.requests()[0].operation, "parent");
-        guard.release().await.unwrap();
-    });
-    child.assert_success(Duration::from_secs(20));
+    handed_over_by(
+        &folder,
+        &db,
+        Duration::from_millis(10),
+        Duration::from_secs(2),
+    );
 }
 
 #[test]
@@ -591,6 +562,10 @@ fn handed_over_by(folder: &Path, db: &Path, poll: Duration, limit: Duration) {
             waits_for(&locks, "parent")
         })
         .await;
+        // However long it waits, it is not granted while the child holds.
+        smol::Timer::after(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "granted while the child held");
+        assert!(locks.is_locked("k").await.unwrap());
         mark(folder, "release", "");
         let guard = match join_within(10_000, "the parent's grant", waiter).await {
             Exit::Success(Ok(guard)) => guard,
@@ -606,6 +581,7 @@ fn handed_over_by(folder: &Path, db: &Path, poll: Duration, limit: Duration) {
             waited < limit,
             "granted {waited:?} after the child released (poll {poll:?})"
         );
+        assert_eq!(guard.requests()[0].operation, "parent");
         guard.release().await.unwrap();
     });
     child.assert_success(Duration::from_secs(20));
