@@ -336,6 +336,14 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
         let guard = other.exclusive("k", "holder").await.unwrap();
         let waiter = queue_behind_the_holder(&locks, "waiter").await;
         let queued_until = clock.now() + LEASE;
+        // The row is written before the waiting task hears that it queued, and forks its
+        // heartbeat: start nothing before the heartbeat is there to start.
+        within(
+            5_000,
+            "the waiter's heartbeat handed to the spawner",
+            || async { !late.0.lock().unwrap().is_empty() },
+        )
+        .await;
 
         clock.advance(BEAT);
         late.start();
