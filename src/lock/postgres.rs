@@ -795,26 +795,29 @@ impl Storage for Postgres {
         let ticket = sql_ticket(ticket);
         let acquired_at = held.then_some(now);
         let keys = encode_keys(requests);
-        for request in requests {
-            self.execute(
-                "writing a lock row",
-                "INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
-                                        acquired_at, expires_at, heartbeat_at, keys)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $7, $10)",
-                &[
-                    &request.key,
-                    &mode_code(request.mode),
-                    &request.operation,
-                    &owner,
-                    &ticket,
-                    &held,
-                    &now,
-                    &acquired_at,
-                    &expires_at,
-                    &keys,
-                ],
-            )?;
-        }
+        // One statement for every row of the request, whatever its number of keys.
+        let names: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
+        let modes: Vec<i16> = requests.iter().map(|r| mode_code(r.mode)).collect();
+        let operations: Vec<&str> = requests.iter().map(|r| r.operation.as_str()).collect();
+        self.execute(
+            "writing a request's rows",
+            "INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
+                                    acquired_at, expires_at, heartbeat_at, keys)
+             SELECT r.key, r.mode, r.operation, $4, $5, $6, $7, $8, $9, $7, $10
+             FROM unnest($1::text[], $2::int2[], $3::text[]) AS r(key, mode, operation)",
+            &[
+                &names,
+                &modes,
+                &operations,
+                &owner,
+                &ticket,
+                &held,
+                &now,
+                &acquired_at,
+                &expires_at,
+                &keys,
+            ],
+        )?;
         Ok(())
     }
 
@@ -830,26 +833,24 @@ impl Storage for Postgres {
         Ok(())
     }
 
-    fn delete_row(&mut self, owner: &str, key: &str, ticket: u64, now: i64) -> Result<Deleted> {
-        let ticket = sql_ticket(ticket);
-        if self.execute(
-            "deleting a live row",
-            "DELETE FROM {s}.locks
-             WHERE key = $1 AND ticket = $2 AND owner = $3 AND expires_at > $4",
-            &[&key, &ticket, &owner, &now],
-        )? > 0
-        {
-            return Ok(Deleted::Live);
-        }
-        if self.execute(
-            "deleting an expired row",
-            "DELETE FROM {s}.locks WHERE key = $1 AND ticket = $2 AND owner = $3",
-            &[&key, &ticket, &owner],
-        )? > 0
-        {
-            return Ok(Deleted::Expired);
-        }
-        Ok(Deleted::Missing)
+    /// One statement for all the request's rows, telling which were live.
+    fn delete_request(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        now: i64,
+    ) -> Result<Deleted> {
+        let rows = self.query(
+            "deleting a request's rows",
+            "DELETE FROM {s}.locks WHERE key = ANY($1) AND ticket = $2 AND owner = $3
+             RETURNING expires_at > $4",
+            &[&keys, &sql_ticket(ticket), &owner, &now],
+        )?;
+        Ok(Deleted {
+            rows: rows.len(),
+            live: rows.iter().filter(|row| row.get::<_, bool>(0)).count(),
+        })
     }
 
     fn delete_owner(&mut self, owner: &str) -> Result<usize> {

@@ -595,9 +595,16 @@ impl Storage for Db<'_> {
 
     /// Deletes this owner's row of `ticket` on `key` (held or waiting); says whether there was
     /// one and whether its lease had run out.
-    fn delete_row(&mut self, owner: &str, key: &str, ticket: u64, now: i64) -> Result<Deleted> {
+    /// Per key, the live row first, in one statement: the usual case.
+    fn delete_request(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        now: i64,
+    ) -> Result<Deleted> {
         let doing = "deleting a request's rows";
-        let delete = |sql: &'static str| -> Result<bool> {
+        let delete = |sql: &'static str, key: &str| -> Result<bool> {
             let mut statement = self.prepare(doing, sql)?;
             bind(doing, &mut statement, 1, key)?;
             bind(doing, &mut statement, 2, sql_ticket(ticket))?;
@@ -606,18 +613,22 @@ impl Storage for Db<'_> {
             step(doing, &mut statement)?;
             Ok(self.conn.change_count() > 0)
         };
-        // The live row first, in one statement: the usual case.
-        if delete(
-            "DELETE FROM locks WHERE key = ?1 AND ticket = ?2 AND owner = ?3 AND expires_at > ?4",
-        )? {
-            return Ok(Deleted::Live);
+        let mut deleted = Deleted::default();
+        for key in keys {
+            if delete(
+                "DELETE FROM locks WHERE key = ?1 AND ticket = ?2 AND owner = ?3 AND expires_at > ?4",
+                key,
+            )? {
+                deleted.rows += 1;
+                deleted.live += 1;
+            } else if delete(
+                "DELETE FROM locks WHERE key = ?1 AND ticket = ?2 AND owner = ?3 AND expires_at <= ?4",
+                key,
+            )? {
+                deleted.rows += 1;
+            }
         }
-        if delete(
-            "DELETE FROM locks WHERE key = ?1 AND ticket = ?2 AND owner = ?3 AND expires_at <= ?4",
-        )? {
-            return Ok(Deleted::Expired);
-        }
-        Ok(Deleted::Missing)
+        Ok(deleted)
     }
 
     /// Deletes every row of this owner; returns how many there were.

@@ -90,8 +90,14 @@ pub(crate) trait Storage {
     /// Turns the waiting row of `ticket` on `key` into a held row, keeping the ticket, with a
     /// whole lease (the row's own) from `now`.
     fn promote(&mut self, key: &str, ticket: u64, now: i64) -> Result<()>;
-    /// Deletes `owner`'s row of `ticket` on `key`, held or waiting.
-    fn delete_row(&mut self, owner: &str, key: &str, ticket: u64, now: i64) -> Result<Deleted>;
+    /// Deletes `owner`'s rows of `ticket` on `keys`, held or waiting.
+    fn delete_request(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        now: i64,
+    ) -> Result<Deleted>;
     /// Deletes every row of `owner`; returns how many there were.
     fn delete_owner(&mut self, owner: &str) -> Result<usize>;
     /// Deletes the lapsed rows on `keys`; returns how many.
@@ -186,15 +192,12 @@ pub(crate) struct OwnedRequest {
     pub(crate) expires_at: i64,
 }
 
-/// What deleting one row found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Deleted {
-    /// A row whose lease had not run out.
-    Live,
-    /// A row whose lease had run out (invisible to every decision already).
-    Expired,
-    /// No row.
-    Missing,
+/// What deleting a request's rows found: how many rows there were, and how many of them had a
+/// lease that had not run out (a lapsed row is invisible to every decision already).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Deleted {
+    pub(crate) rows: usize,
+    pub(crate) live: usize,
 }
 
 pub(crate) fn micros(time: Duration) -> i64 {

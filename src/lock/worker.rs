@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
 use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
-use super::storage::{from_micros, micros, Changes, Deleted, OwnedRequest, Storage};
+use super::storage::{from_micros, micros, Changes, OwnedRequest, Storage};
 use super::watch::{first_foreign_expiries, Look, Waits};
 use super::{Common, LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
@@ -585,12 +585,12 @@ impl<S: Storage> Worker<S> {
         let result = (|| {
             let owner = self.common.owner.clone();
             for written in &doubtful {
-                for key in &written.keys {
-                    let deleted = self.storage.delete_row(&owner, key, written.ticket, now)?;
-                    if deleted != Deleted::Missing {
-                        self.deleted = true;
-                        pass.insert(key.clone());
-                    }
+                let deleted =
+                    self.storage
+                        .delete_request(&owner, &written.keys, written.ticket, now)?;
+                if deleted.rows > 0 {
+                    self.deleted = true;
+                    pass.extend(written.keys.iter().cloned());
                 }
             }
             let value = body(self, now)?;
@@ -735,11 +735,11 @@ impl<S: Storage> Worker<S> {
             Write::Remove { request, .. } => {
                 let mut live = true;
                 if let Some(written) = self.requests.get(request) {
-                    for key in &written.keys {
-                        let deleted = self.storage.delete_row(owner, key, written.ticket, now)?;
-                        self.deleted |= deleted != Deleted::Missing;
-                        live &= deleted == Deleted::Live;
-                    }
+                    let deleted =
+                        self.storage
+                            .delete_request(owner, &written.keys, written.ticket, now)?;
+                    self.deleted |= deleted.rows > 0;
+                    live = deleted.live == written.keys.len();
                     self.pass.extend(written.keys.iter().cloned());
                 }
                 Ok(Decided::Removed(live))
