@@ -821,14 +821,17 @@ impl Storage for Postgres {
         Ok(())
     }
 
-    fn promote(&mut self, key: &str, ticket: u64, now: i64) -> Result<()> {
+    /// One statement for all the request's rows. It locks them in the order its scan meets
+    /// them, which may differ from the key order renewals take: a deadlock the server breaks
+    /// there (`40P01`) is a passing failure, and the transaction is done again.
+    fn promote(&mut self, keys: &[String], ticket: u64, now: i64) -> Result<()> {
         self.execute(
             "promoting a waiting request",
             "UPDATE {s}.locks SET held = true, acquired_at = $1,
                  expires_at = GREATEST(expires_at, $1 + (expires_at - heartbeat_at)),
                  heartbeat_at = GREATEST(heartbeat_at, $1)
-             WHERE key = $2 AND ticket = $3 AND NOT held",
-            &[&now, &key, &sql_ticket(ticket)],
+             WHERE key = ANY($2) AND ticket = $3 AND NOT held",
+            &[&now, &keys, &sql_ticket(ticket)],
         )?;
         Ok(())
     }

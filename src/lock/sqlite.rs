@@ -577,7 +577,7 @@ impl Storage for Db<'_> {
     /// what is left of the waiter's last renewal. The lease is the row's own (its owner's
     /// setting, which may differ from the promoter's): the length its last renewal gave it. A
     /// promoter whose clock is behind the row's last renewal never shortens it.
-    fn promote(&mut self, key: &str, ticket: u64, now: i64) -> Result<()> {
+    fn promote(&mut self, keys: &[String], ticket: u64, now: i64) -> Result<()> {
         let doing = "promoting a waiting request";
         let mut statement = self.prepare(
             doing,
@@ -586,16 +586,18 @@ impl Storage for Db<'_> {
                               heartbeat_at = MAX(heartbeat_at, ?1)
              WHERE key = ?2 AND ticket = ?3 AND held = 0",
         )?;
-        bind(doing, &mut statement, 1, now)?;
-        bind(doing, &mut statement, 2, key)?;
-        bind(doing, &mut statement, 3, sql_ticket(ticket))?;
-        step(doing, &mut statement)?;
+        for key in keys {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, now)?;
+            bind(doing, &mut statement, 2, key.as_str())?;
+            bind(doing, &mut statement, 3, sql_ticket(ticket))?;
+            step(doing, &mut statement)?;
+        }
         Ok(())
     }
 
-    /// Deletes this owner's row of `ticket` on `key` (held or waiting); says whether there was
-    /// one and whether its lease had run out.
-    /// Per key, the live row first, in one statement: the usual case.
+    /// Deletes this owner's rows of `ticket` on `keys` (held or waiting), counting those whose
+    /// lease had not run out: per key, the live row first, in one statement (the usual case).
     fn delete_request(
         &mut self,
         owner: &str,

@@ -87,9 +87,9 @@ pub(crate) trait Storage {
         now: i64,
         expires_at: i64,
     ) -> Result<()>;
-    /// Turns the waiting row of `ticket` on `key` into a held row, keeping the ticket, with a
-    /// whole lease (the row's own) from `now`.
-    fn promote(&mut self, key: &str, ticket: u64, now: i64) -> Result<()>;
+    /// Turns the waiting rows of `ticket` on `keys` (sorted) into held rows, keeping the ticket,
+    /// each with a whole lease (the row's own) from `now`.
+    fn promote(&mut self, keys: &[String], ticket: u64, now: i64) -> Result<()>;
     /// Deletes `owner`'s rows of `ticket` on `keys`, held or waiting.
     fn delete_request(
         &mut self,

@@ -27,7 +27,7 @@
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
@@ -672,16 +672,21 @@ impl<S: Storage> Worker<S> {
             read.extend(more);
         }
         let promoted = promotable_within(&rows, &read);
-        // Row by row in key order, as every transaction changes rows.
-        rows.sort_by(|a, b| (&a.key, a.ticket).cmp(&(&b.key, b.ticket)));
+        // Each request at once, its keys in order, as every transaction changes rows.
+        let mut by_ticket: BTreeMap<u64, Vec<&RowView>> = BTreeMap::new();
         for row in rows.iter().filter(|row| !row.held) {
             if promoted.binary_search(&row.ticket).is_ok() {
-                self.storage.promote(&row.key, row.ticket, now)?;
-                // Another owner learns of its grant from the announcement; this one, as it
-                // commits (`after_commit`).
-                if row.owner != self.common.owner {
-                    announced.insert(row.key.clone());
-                }
+                by_ticket.entry(row.ticket).or_default().push(row);
+            }
+        }
+        for (ticket, mut own) in by_ticket {
+            own.sort_by(|a, b| a.key.cmp(&b.key));
+            let keys: Vec<String> = own.iter().map(|row| row.key.clone()).collect();
+            self.storage.promote(&keys, ticket, now)?;
+            // Another owner learns of its grant from the announcement; this one, as it commits
+            // (`after_commit`).
+            if own[0].owner != self.common.owner {
+                announced.extend(keys);
             }
         }
         Ok((expired, promoted, announced.into_iter().collect()))
