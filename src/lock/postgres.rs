@@ -42,16 +42,16 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use super::grant::RowView;
 use super::protocol::Command;
 use super::storage::{
-    decode_keys, encode_keys, fnv1a, key_hash, mode_code, mode_of, sql_ticket, ticket_of, Changes,
-    Deleted, OwnedRequest, Result, Row, Storage,
+    by_ticket, decode_keys, encode_keys, fnv1a, key_hash, mode_code, mode_of, sql_ticket,
+    ticket_of, Changes, Decision, Deleted, OwnedRequest, Removal, Result, Row, Storage,
 };
-use super::{LockError, LockRequest};
+use super::{LockError, LockRequest, Mode};
 use crate::clock::{Clock, SystemClock};
 use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 2;
+pub(crate) const SCHEMA_VERSION: i32 = 3;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -119,7 +119,21 @@ impl Target {
     /// server that vanished is noticed within about a heartbeat.
     pub(crate) fn bound_by(mut self, heartbeat: Duration) -> Target {
         let limit = (heartbeat / 2).max(Duration::from_secs(1)).as_millis();
-        let ours = format!("-c statement_timeout={limit} -c lock_timeout={limit}");
+        // And planner settings for statements that all find their rows by an index:
+        // - Generic plans, made once per connection: a custom plan, which the server otherwise
+        //   makes for each of a statement's first calls and keeps making while it estimates it
+        //   cheaper, costs more to plan (about 0.4 ms) than the statement costs to run.
+        // - Plain index scans, whatever the table's statistics say: a plan made while the table
+        //   looked empty would scan it whole once it holds thousands of rows. And no bitmap
+        //   scans: each acquisition inserts a row and each release deletes it, so a busy key's
+        //   index entries are mostly dead ones until the next vacuum. An index scan marks those
+        //   it meets as dead, and later scans skip them; a bitmap scan (which the planner picks
+        //   for `key = ANY(..)`) never does, and walks them all every time.
+        let ours = format!(
+            "-c statement_timeout={limit} -c lock_timeout={limit} \
+             -c plan_cache_mode=force_generic_plan -c enable_seqscan=off \
+             -c enable_bitmapscan=off"
+        );
         let options = match self.config.get_options() {
             Some(given) if !given.is_empty() => format!("{given} {ours}"),
             _ => ours,
@@ -400,6 +414,119 @@ impl Postgres {
         Ok(rows[0].get(0))
     }
 
+    /// The advisory locks of `keys` (sorted, without repeats) and of the schema: what every
+    /// write transaction takes (`lock_keys` in `FUNCTIONS`).
+    fn key_locks(&self, keys: &[String]) -> (Vec<i32>, i32) {
+        let mut locks: Vec<i32> = keys.iter().map(|key| key_lock(&self.schema, key)).collect();
+        locks.sort_unstable();
+        locks.dedup();
+        (locks, key_lock(&self.schema, ""))
+    }
+
+    fn acquire_in_one(
+        &mut self,
+        owner: &str,
+        requests: &[LockRequest],
+        queue: bool,
+        lease: i64,
+    ) -> Result<Decision> {
+        self.transient = false;
+        let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
+        let (locks, schema_lock) = self.key_locks(&keys);
+        let modes: Vec<i16> = requests.iter().map(|r| mode_code(r.mode)).collect();
+        let operations: Vec<&str> = requests.iter().map(|r| r.operation.as_str()).collect();
+        let all_keys = encode_keys(requests);
+        let rows = self.query(
+            "acquiring",
+            "SELECT * FROM {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            &[
+                &owner,
+                &keys,
+                &modes,
+                &operations,
+                &all_keys,
+                &queue,
+                &lease,
+                &locks,
+                &schema_lock,
+            ],
+        )?;
+        let row = rows
+            .first()
+            .ok_or_else(|| LockError::Storage("while acquiring: no answer".into()))?;
+        let now: i64 = row.get(0);
+        self.offset = now - self.monotonic();
+        let list = |at: usize| {
+            row.get::<_, Option<Vec<Option<String>>>>(at)
+                .unwrap_or_default()
+        };
+        let (row_keys, row_owners, row_all_keys) = (list(3), list(7), list(9));
+        let row_modes: Option<Vec<i16>> = row.get(4);
+        let row_tickets: Option<Vec<i64>> = row.get(5);
+        let row_held: Option<Vec<bool>> = row.get(6);
+        let row_expiries: Option<Vec<i64>> = row.get(8);
+        let rows = (0..row_keys.len())
+            .map(|i| RowView {
+                key: row_keys[i].clone().unwrap_or_default(),
+                mode: mode_of(i64::from(row_modes.as_ref().map_or(0, |m| m[i]))),
+                ticket: ticket_of(row_tickets.as_ref().map_or(0, |t| t[i])),
+                held: row_held.as_ref().is_some_and(|h| h[i]),
+                owner: row_owners[i].clone().unwrap_or_default(),
+                expires_at: row_expiries.as_ref().map_or(0, |e| e[i]),
+                keys: row_all_keys[i]
+                    .as_deref()
+                    .map_or_else(Vec::new, decode_keys),
+            })
+            .collect();
+        Ok(Decision {
+            now,
+            ticket: row.get::<_, Option<i64>>(1).map(ticket_of),
+            granted: row.get(2),
+            rows,
+        })
+    }
+
+    fn remove_in_one(&mut self, owner: &str, keys: &[String], ticket: u64) -> Result<Removal> {
+        self.transient = false;
+        let (locks, schema_lock) = self.key_locks(keys);
+        let mut hashes: Vec<i64> = keys.iter().map(|key| key_hash(key)).collect();
+        hashes.sort_unstable();
+        hashes.dedup();
+        let rows = self.query(
+            "releasing",
+            "SELECT * FROM {s}.release($1, $2, $3, $4, $5, $6, $7)",
+            &[
+                &owner,
+                &keys,
+                &sql_ticket(ticket),
+                &locks,
+                &schema_lock,
+                &channel(&self.schema),
+                &payload(&hashes),
+            ],
+        )?;
+        let row = rows
+            .first()
+            .ok_or_else(|| LockError::Storage("while releasing: no answer".into()))?;
+        let now: i64 = row.get(0);
+        self.offset = now - self.monotonic();
+        let count = |at: usize| usize::try_from(row.get::<_, i64>(at)).unwrap_or(0);
+        Ok(Removal {
+            now,
+            deleted: Deleted {
+                rows: count(1),
+                live: count(2),
+            },
+            freed: row.get(3),
+            promoted: row
+                .get::<_, Option<Vec<i64>>>(4)
+                .unwrap_or_default()
+                .into_iter()
+                .map(ticket_of)
+                .collect(),
+        })
+    }
+
     fn simple(&mut self, doing: &str, sql: &str) -> Result<()> {
         self.with(doing, |client| client.batch_execute(sql))
     }
@@ -545,6 +672,121 @@ fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// The server-side halves of the two commonest writes, so that each takes one round trip and
+/// one transaction (`Storage::acquire_at_once`, `Storage::remove_at_once`). They take the same
+/// advisory locks as `begin`, read the time once they hold them, and delete the lapsed rows of
+/// their keys before they read them, as every decision does.
+///
+/// The grant rule is written here a second time, in SQL, for the two questions these functions
+/// ask (see `grant.rs` for the rule): whether a new request is granted now (`grantable_now`),
+/// and which waiting requests on one key a release lets through (`promotable`, for requests on
+/// that key alone: a request on several keys is left to its owner, whom the announcement of the
+/// release wakes, and whose own look promotes it). `tests/lock_postgres.rs` checks the two
+/// writings against each other on generated rows.
+const FUNCTIONS: &str = r#"
+CREATE OR REPLACE FUNCTION {s}.lock_keys(p_locks int4[], p_schema_lock int4)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    l int4;
+BEGIN
+    IF cardinality(p_locks) > {max_locks} THEN
+        PERFORM pg_advisory_xact_lock({schema_class}, p_schema_lock);
+    ELSE
+        PERFORM pg_advisory_xact_lock_shared({schema_class}, p_schema_lock);
+        FOREACH l IN ARRAY p_locks LOOP
+            PERFORM pg_advisory_xact_lock({lock_class}, l);
+        END LOOP;
+    END IF;
+    RETURN (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+END $$;
+
+CREATE OR REPLACE FUNCTION {s}.acquire(
+    p_owner text, p_keys text[], p_modes int2[], p_operations text[], p_all_keys text,
+    p_queue boolean, p_lease bigint, p_locks int4[], p_schema_lock int4,
+    OUT now bigint, OUT ticket bigint, OUT granted boolean,
+    OUT row_keys text[], OUT row_modes int2[], OUT row_tickets int8[], OUT row_held boolean[],
+    OUT row_owners text[], OUT row_expiries int8[], OUT row_all_keys text[])
+LANGUAGE plpgsql AS $$
+DECLARE
+    lapsed bigint;
+    blocked boolean;
+BEGIN
+    now := {s}.lock_keys(p_locks, p_schema_lock);
+    SELECT count(*) FILTER (WHERE o.expires_at <= now),
+           bool_or(o.expires_at > now AND (r.mode = {exclusive} OR o.mode = {exclusive}))
+    INTO lapsed, blocked
+    FROM {s}.locks AS o JOIN unnest(p_keys, p_modes) AS r(key, mode) ON o.key = r.key;
+    IF lapsed > 0 THEN
+        DELETE FROM {s}.locks AS d WHERE d.key = ANY(p_keys) AND d.expires_at <= now;
+    END IF;
+    granted := NOT coalesce(blocked, false);
+    IF NOT granted THEN
+        SELECT array_agg(o.key ORDER BY o.key, o.ticket),
+               array_agg(o.mode ORDER BY o.key, o.ticket),
+               array_agg(o.ticket ORDER BY o.key, o.ticket),
+               array_agg(o.held ORDER BY o.key, o.ticket),
+               array_agg(o.owner ORDER BY o.key, o.ticket),
+               array_agg(o.expires_at ORDER BY o.key, o.ticket),
+               array_agg(o.keys ORDER BY o.key, o.ticket)
+        INTO row_keys, row_modes, row_tickets, row_held, row_owners, row_expiries, row_all_keys
+        FROM {s}.locks AS o WHERE o.key = ANY(p_keys) AND o.expires_at > now;
+    END IF;
+    IF granted OR p_queue THEN
+        ticket := nextval('{s}.tickets');
+        INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
+                               acquired_at, expires_at, heartbeat_at, keys)
+        SELECT r.key, r.mode, r.operation, p_owner, ticket, granted, now,
+               CASE WHEN granted THEN now END, now + p_lease, now, p_all_keys
+        FROM unnest(p_keys, p_modes, p_operations) AS r(key, mode, operation);
+    END IF;
+END $$;
+
+CREATE OR REPLACE FUNCTION {s}.release(
+    p_owner text, p_keys text[], p_ticket bigint, p_locks int4[], p_schema_lock int4,
+    p_channel text, p_payload text,
+    OUT now bigint, OUT deleted bigint, OUT live bigint, OUT freed boolean,
+    OUT promoted int8[])
+LANGUAGE plpgsql AS $$
+DECLARE
+    expired bigint;
+BEGIN
+    now := {s}.lock_keys(p_locks, p_schema_lock);
+    WITH d AS (
+        DELETE FROM {s}.locks AS d
+        WHERE d.key = ANY(p_keys)
+          AND ((d.ticket = p_ticket AND d.owner = p_owner) OR d.expires_at <= now)
+        RETURNING d.ticket = p_ticket AND d.owner = p_owner AS own, d.expires_at > now AS live)
+    SELECT count(*) FILTER (WHERE d.own), count(*) FILTER (WHERE d.own AND d.live),
+           count(*) FILTER (WHERE NOT d.own)
+    INTO deleted, live, expired FROM d;
+    WITH p AS (
+        UPDATE {s}.locks AS w SET held = true, acquired_at = now,
+            expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
+            heartbeat_at = GREATEST(w.heartbeat_at, now)
+        WHERE w.key = ANY(p_keys) AND NOT w.held AND w.keys IS NULL AND w.expires_at > now
+          AND NOT EXISTS (
+              SELECT 1 FROM {s}.locks AS o
+              WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
+                AND (w.mode = {exclusive} OR o.mode = {exclusive}))
+        RETURNING w.ticket)
+    SELECT array_agg(p.ticket) INTO promoted FROM p;
+    freed := deleted > 0 OR expired > 0 OR promoted IS NOT NULL;
+    IF freed THEN
+        PERFORM pg_notify(p_channel, p_payload);
+    END IF;
+END $$;
+"#;
+
+/// `FUNCTIONS` for `schema`.
+fn functions(schema: &str) -> String {
+    FUNCTIONS
+        .replace("{s}", &quote(schema))
+        .replace("{max_locks}", &MAX_KEY_LOCKS.to_string())
+        .replace("{schema_class}", &SCHEMA_CLASS.to_string())
+        .replace("{lock_class}", &LOCK_CLASS.to_string())
+        .replace("{exclusive}", &mode_code(Mode::Exclusive).to_string())
+}
+
 /// Creates the schema and its tables if missing, under an advisory lock so that several
 /// processes starting at once do it once; refuses a schema from a newer version.
 fn migrate(client: &mut Client, schema: &str) -> Result<()> {
@@ -588,6 +830,16 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 ))
                 .map_err(|e| storage_error("migrating the schema to version 2", &e))?;
         }
+        if found < 3 {
+            // One round trip per acquisition and per release: the functions of `FUNCTIONS`.
+            transaction
+                .batch_execute(&format!(
+                    "{}
+                     UPDATE {s}.meta SET version = 3;",
+                    functions(schema)
+                ))
+                .map_err(|e| storage_error("migrating the schema to version 3", &e))?;
+        }
     } else {
         transaction
             .batch_execute(&format!(
@@ -614,7 +866,9 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                      PRIMARY KEY (key, ticket)
                  );
                  CREATE INDEX ON {s}.locks (owner);
-                 CREATE INDEX ON {s}.locks (expires_at);"
+                 CREATE INDEX ON {s}.locks (expires_at);
+                 {}",
+                functions(schema)
             ))
             .map_err(|e| storage_error(doing, &e))?;
     }
@@ -677,33 +931,18 @@ impl Storage for Postgres {
     }
 
     /// One round trip: the transaction, the advisory locks of its keys, and the server's time
-    /// once it holds them. (The lock numbers are integers, and the schema name is validated, so
-    /// both can stand in the text.)
+    /// once it holds them (`lock_keys`, in `FUNCTIONS`). The lock numbers are integers, and the
+    /// schema name is validated and quoted, so both can stand in the text.
     fn begin(&mut self, keys: &[String]) -> Result<i64> {
         self.announcing.clear();
         self.transient = false;
-        let mut locks: Vec<i32> = keys.iter().map(|key| key_lock(&self.schema, key)).collect();
-        locks.sort_unstable();
-        locks.dedup();
-        let schema_lock = key_lock(&self.schema, "");
-        let mut sql = String::from("BEGIN;");
-        if locks.len() > MAX_KEY_LOCKS {
-            // Too many keys to lock one by one (the server's lock table is small): the whole
-            // schema, alone.
-            sql.push_str(&format!(
-                " SELECT pg_advisory_xact_lock({SCHEMA_CLASS}, {schema_lock});"
-            ));
-        } else if !locks.is_empty() {
-            let calls: Vec<String> = locks
-                .iter()
-                .map(|id| format!("pg_advisory_xact_lock({LOCK_CLASS}, {id})"))
-                .collect();
-            sql.push_str(&format!(
-                " SELECT pg_advisory_xact_lock_shared({SCHEMA_CLASS}, {schema_lock}), {};",
-                calls.join(", ")
-            ));
-        }
-        sql.push_str(" SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint");
+        let (locks, schema_lock) = self.key_locks(keys);
+        let locks: Vec<String> = locks.iter().map(i32::to_string).collect();
+        let sql = format!(
+            "BEGIN; SELECT {}.lock_keys('{{{}}}'::int4[], {schema_lock})",
+            quote(&self.schema),
+            locks.join(",")
+        );
         let mut again = true;
         let messages = loop {
             match self.client()?.simple_query(&sql) {
@@ -902,6 +1141,40 @@ impl Storage for Postgres {
         Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
     }
 
+    /// One round trip: the function `acquire` (see `FUNCTIONS`).
+    fn acquire_at_once(
+        &mut self,
+        owner: &str,
+        requests: &[LockRequest],
+        queue: bool,
+        lease: i64,
+    ) -> Option<Result<Decision>> {
+        Some(self.acquire_in_one(owner, requests, queue, lease))
+    }
+
+    /// One round trip: the function `release` (see `FUNCTIONS`).
+    fn remove_at_once(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+    ) -> Option<Result<Removal>> {
+        Some(self.remove_in_one(owner, keys, ticket))
+    }
+
+    fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>> {
+        let rows = self.query(
+            "reading this owner's requests",
+            "SELECT ticket, key FROM {s}.locks WHERE owner = $1 ORDER BY ticket, key",
+            &[&owner],
+        )?;
+        Ok(by_ticket(
+            rows.iter()
+                .map(|row| (ticket_of(row.get(0)), row.get(1)))
+                .collect(),
+        ))
+    }
+
     fn owned_requests(&mut self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>> {
         let rows = self.query(
             "reading this owner's rows",
@@ -971,9 +1244,268 @@ impl Storage for Postgres {
     }
 }
 
+/// The tests' PostgreSQL harness, for the tests below that need a server.
+#[cfg(test)]
+#[path = "../../tests/pg_support/mod.rs"]
+#[allow(unreachable_pub, clippy::all)]
+mod pg_support;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    mod the_rule_in_sql {
+        //! The server-side functions (`FUNCTIONS`) against the grant rule of `grant.rs`, on
+        //! generated rows: whether a new request is granted, and which waiters a release lets
+        //! through.
+        use super::super::pg_support;
+        use super::super::*;
+        use crate::lock::grant::{grantable_now, promotable};
+        use proptest::prelude::*;
+
+        /// A row to plant: key (0 or 1), exclusive, held, lapsed, owner (0 or 1), and whether
+        /// its request names both keys. Tickets follow the order of the rows.
+        type Planted = (u8, bool, bool, bool, u8, bool);
+
+        fn planted() -> impl Strategy<Value = Vec<Planted>> {
+            prop::collection::vec(
+                (
+                    0..2u8,
+                    any::<bool>(),
+                    any::<bool>(),
+                    prop::bool::weighted(0.2),
+                    0..2u8,
+                    prop::bool::weighted(0.2),
+                ),
+                0..7,
+            )
+        }
+
+        const KEYS: [&str; 2] = ["a", "b"];
+
+        struct Case {
+            client: Client,
+            schema: String,
+        }
+
+        impl Case {
+            fn new() -> Option<Case> {
+                let server = pg_support::server()?;
+                let schema = pg_support::schema("rule_in_sql");
+                let mut client = Client::connect(server.url(), NoTls).expect("connect");
+                client
+                    .batch_execute(
+                        "SET plan_cache_mode = force_generic_plan; \
+                         SET enable_seqscan = off; SET enable_bitmapscan = off",
+                    )
+                    .unwrap();
+                migrate(&mut client, &schema).expect("the schema");
+                // Planted tickets are small; new ones come after them.
+                client
+                    .query_one(
+                        &format!("SELECT setval('{}.tickets', 1000)", quote(&schema)),
+                        &[],
+                    )
+                    .unwrap();
+                Some(Case { client, schema })
+            }
+
+            /// Runs `test` on the case of this test binary (one schema for all), if there is a
+            /// server.
+            fn with(
+                test: impl FnOnce(&mut Case) -> std::result::Result<(), TestCaseError>,
+            ) -> std::result::Result<(), TestCaseError> {
+                static CASE: std::sync::OnceLock<Mutex<Option<Case>>> = std::sync::OnceLock::new();
+                let mut case = lock(CASE.get_or_init(|| Mutex::new(Case::new())));
+                match case.as_mut() {
+                    Some(case) => test(case),
+                    None => Ok(()),
+                }
+            }
+
+            /// Empties the table and plants `rows`; returns the server's time and the rows as
+            /// the rule sees them (live ones only).
+            fn plant(&mut self, rows: &[Planted]) -> (i64, Vec<RowView>) {
+                let s = quote(&self.schema);
+                self.client
+                    .batch_execute(&format!("DELETE FROM {s}.locks"))
+                    .unwrap();
+                let now: i64 = self
+                    .client
+                    .query_one(
+                        "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+                        &[],
+                    )
+                    .unwrap()
+                    .get(0);
+                let hour = 3_600_000_000_i64;
+                let mut live = Vec::new();
+                for (i, &(key, exclusive, held, lapsed, owner, both)) in rows.iter().enumerate() {
+                    let key = KEYS[usize::from(key)];
+                    let mode = if exclusive {
+                        Mode::Exclusive
+                    } else {
+                        Mode::Shared
+                    };
+                    let ticket = i as i64 + 1;
+                    let owner = format!("o{owner}");
+                    let expires_at = if lapsed { now - hour } else { now + hour };
+                    let keys = both.then(|| "1:a1:b".to_owned());
+                    self.client
+                        .execute(
+                            &format!(
+                                "INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held,
+                                     requested_at, expires_at, heartbeat_at, keys)
+                                 VALUES ($1, $2, 'op', $3, $4, $5, $6, $7, $6, $8)"
+                            ),
+                            &[
+                                &key,
+                                &mode_code(mode),
+                                &owner,
+                                &ticket,
+                                &held,
+                                &(now - hour * 2),
+                                &expires_at,
+                                &keys,
+                            ],
+                        )
+                        .unwrap();
+                    if !lapsed {
+                        live.push(RowView {
+                            key: key.to_owned(),
+                            mode,
+                            ticket: ticket as u64,
+                            held,
+                            owner,
+                            expires_at,
+                            keys: if both {
+                                vec!["a".into(), "b".into()]
+                            } else {
+                                Vec::new()
+                            },
+                        });
+                    }
+                }
+                (now, live)
+            }
+
+            fn locks(&self, keys: &[String]) -> (Vec<i32>, i32) {
+                let mut locks: Vec<i32> = keys.iter().map(|k| key_lock(&self.schema, k)).collect();
+                locks.sort_unstable();
+                locks.dedup();
+                (locks, key_lock(&self.schema, ""))
+            }
+
+            /// How many lapsed rows are left on `keys`.
+            fn lapsed_on(&mut self, keys: &[String], now: i64) -> i64 {
+                let s = quote(&self.schema);
+                self.client
+                    .query_one(
+                        &format!("SELECT count(*) FROM {s}.locks WHERE key = ANY($1) AND expires_at <= $2"),
+                        &[&keys, &now],
+                    )
+                    .unwrap()
+                    .get(0)
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
+
+            #[test]
+            fn a_new_request_is_granted_in_sql_as_by_the_rule(
+                rows in planted(),
+                wanted in prop::sample::subsequence(vec![0u8, 1], 1..=2),
+                exclusive in any::<[bool; 2]>(),
+            ) {
+                Case::with(|case| {
+                let (now, live) = case.plant(&rows);
+                let requests: Vec<LockRequest> = wanted
+                    .iter()
+                    .map(|&k| {
+                        let key = KEYS[usize::from(k)];
+                        if exclusive[usize::from(k)] {
+                            LockRequest::exclusive(key, "new")
+                        } else {
+                            LockRequest::shared(key, "new")
+                        }
+                    })
+                    .collect();
+                let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
+                let modes: Vec<i16> = requests.iter().map(|r| mode_code(r.mode)).collect();
+                let operations: Vec<&str> = requests.iter().map(|_| "new").collect();
+                let (locks, schema_lock) = case.locks(&keys);
+                let sql = format!(
+                    "SELECT granted, ticket FROM {}.acquire($1, $2, $3, $4, $5, false, 1000000, $6, $7)",
+                    quote(&case.schema)
+                );
+                let row = case
+                    .client
+                    .query_one(&sql, &[&"o9", &keys, &modes, &operations, &encode_keys(&requests), &locks, &schema_lock])
+                    .unwrap();
+                let granted: bool = row.get(0);
+                let expected = grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &live);
+                prop_assert_eq!(granted, expected, "rows {:?}", rows);
+                prop_assert_eq!(row.get::<_, Option<i64>>(1).is_some(), expected);
+                prop_assert_eq!(case.lapsed_on(&keys, now), 0, "lapsed rows are deleted first");
+                Ok(())
+                })?;
+            }
+
+            #[test]
+            fn a_release_promotes_in_sql_whom_the_rule_lets_through(
+                rows in planted(),
+                released in any::<prop::sample::Index>(),
+            ) {
+                Case::with(|case| {
+                let (_, live) = case.plant(&rows);
+                if rows.is_empty() {
+                    return Ok(());
+                }
+                // Release one planted request (all its rows), live or lapsed, held or not.
+                let at = released.index(rows.len());
+                let (key, _, _, _, owner, both) = rows[at];
+                let keys: Vec<String> = if both {
+                    vec!["a".into(), "b".into()]
+                } else {
+                    vec![KEYS[usize::from(key)].to_owned()]
+                };
+                let ticket = at as i64 + 1;
+                let (locks, schema_lock) = case.locks(&keys);
+                let sql = format!(
+                    "SELECT deleted, promoted FROM {}.release($1, $2, $3, $4, $5, 'nobody', '')",
+                    quote(&case.schema)
+                );
+                let row = case
+                    .client
+                    .query_one(&sql, &[&format!("o{owner}"), &keys, &ticket, &locks, &schema_lock])
+                    .unwrap();
+                let deleted: i64 = row.get(0);
+                let mut promoted: Vec<u64> = row
+                    .get::<_, Option<Vec<i64>>>(1)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|t| t as u64)
+                    .collect();
+                promoted.sort_unstable();
+                // The rows planted under that ticket on those keys are gone (a planted row on
+                // one key only names its own key: it is deleted only through it).
+                prop_assert_eq!(deleted, 1);
+                let left: Vec<RowView> = live
+                    .into_iter()
+                    .filter(|r| r.ticket != ticket as u64 && keys.contains(&r.key))
+                    .collect();
+                let mut expected: Vec<u64> = promotable(&left)
+                    .into_iter()
+                    .filter(|t| left.iter().any(|r| r.ticket == *t && r.keys.is_empty()))
+                    .collect();
+                expected.sort_unstable();
+                prop_assert_eq!(promoted, expected, "rows {:?}, released {}", rows, at);
+                Ok(())
+                })?;
+            }
+        }
+    }
 
     #[test]
     fn reconnects_back_off_on_the_busy_schedule_and_start_over_after_a_success_or_its_end() {

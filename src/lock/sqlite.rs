@@ -16,8 +16,8 @@ use sqlite::{Connection, OpenFlags, State, Statement};
 
 use super::grant::RowView;
 use super::storage::{
-    decode_keys, encode_keys, key_hash, micros, mode_code, mode_of, sql_ticket, ticket_of, Changes,
-    Deleted, OwnedRequest, Result, Row, Storage,
+    by_ticket, decode_keys, encode_keys, key_hash, micros, mode_code, mode_of, sql_ticket,
+    ticket_of, Changes, Deleted, OwnedRequest, Result, Row, Storage,
 };
 use super::{LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
@@ -689,6 +689,23 @@ impl Storage for Db<'_> {
         bind(doing, &mut statement, 4, now)?;
         step(doing, &mut statement)?;
         Ok(self.conn.change_count())
+    }
+
+    fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>> {
+        let doing = "reading this owner's requests";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT ticket, key FROM locks WHERE owner = ? ORDER BY ticket, key",
+        )?;
+        bind(doing, &mut statement, 1, owner)?;
+        let mut rows = Vec::new();
+        while step(doing, &mut statement)? {
+            rows.push((
+                ticket_of(read(doing, &statement, 0)?),
+                read::<String>(doing, &statement, 1)?,
+            ));
+        }
+        Ok(by_ticket(rows))
     }
 
     /// This owner's live requests: ticket, whether held, and how many rows.

@@ -109,12 +109,66 @@ pub(crate) trait Storage {
     /// Renews every live row of `owner` until `expires_at`; never touches an expired row.
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize>;
 
+    /// Decides a new request in one round trip and one transaction of its own, where the
+    /// backend can (`None` where it cannot: the worker then runs `begin`, the reads and writes,
+    /// and `commit`). Decides as that sequence would: the lapsed rows of its keys deleted, the
+    /// grant rule asked (`grantable_now`), and rows written under a new ticket, held if granted,
+    /// else waiting if `queue`.
+    fn acquire_at_once(
+        &mut self,
+        _owner: &str,
+        _requests: &[LockRequest],
+        _queue: bool,
+        _lease: i64,
+    ) -> Option<Result<Decision>> {
+        None
+    }
+    /// Deletes `owner`'s rows of `ticket` on `keys` in one round trip and one transaction of its
+    /// own, where the backend can (else `None`), and promotes the waiters on those keys that
+    /// the grant rule now lets through, whoever owns them, and announces what it freed. A
+    /// waiting request on several keys is left to its owner, who hears the announcement.
+    fn remove_at_once(
+        &mut self,
+        _owner: &str,
+        _keys: &[String],
+        _ticket: u64,
+    ) -> Option<Result<Removal>> {
+        None
+    }
+    /// Every request of `owner` with a row, live or not: its ticket and keys, by ticket. How
+    /// the worker finds a request written by a call whose reply was lost.
+    fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>>;
+
     /// `owner`'s live requests: ticket, whether held, how many rows, earliest expiry.
     fn owned_requests(&mut self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>>;
     /// Live rows, of one key or all, ordered by key and ticket.
     fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>>;
     /// Whether `key` has a live held row.
     fn is_held(&mut self, key: &str, now: i64) -> Result<bool>;
+}
+
+/// What `Storage::acquire_at_once` decided.
+#[derive(Clone, Debug)]
+pub(crate) struct Decision {
+    /// The time it decided at.
+    pub(crate) now: i64,
+    /// The ticket of the rows written, if any were.
+    pub(crate) ticket: Option<u64>,
+    pub(crate) granted: bool,
+    /// When not granted, the live rows on the request's keys before its own were written.
+    pub(crate) rows: Vec<RowView>,
+}
+
+/// What `Storage::remove_at_once` did.
+#[derive(Clone, Debug)]
+pub(crate) struct Removal {
+    /// The time it decided at.
+    pub(crate) now: i64,
+    pub(crate) deleted: Deleted,
+    /// Whether it deleted or promoted any row (and so announced its keys).
+    pub(crate) freed: bool,
+    /// The tickets it promoted, whoever owns them.
+    pub(crate) promoted: Vec<u64>,
 }
 
 /// What other connections changed since the last look (`Storage::changes`).
@@ -129,6 +183,18 @@ pub(crate) enum Changes {
     /// Something may have been committed, and what is not known (a log read too late, a
     /// notification channel that was down): every key waited for must be looked at.
     Unknown,
+}
+
+/// (ticket, key) pairs in ticket order, grouped by ticket: what `Storage::requests_of` returns.
+pub(crate) fn by_ticket(rows: Vec<(u64, String)>) -> Vec<(u64, Vec<String>)> {
+    let mut requests: Vec<(u64, Vec<String>)> = Vec::new();
+    for (ticket, key) in rows {
+        match requests.last_mut() {
+            Some((last, keys)) if *last == ticket => keys.push(key),
+            _ => requests.push((ticket, vec![key])),
+        }
+    }
+    requests
 }
 
 /// A stable digest of `bytes` (FNV-1a), the same in every process and version, unlike the

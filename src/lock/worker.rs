@@ -126,6 +126,10 @@ pub(crate) struct Worker<S> {
     /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
     /// deleted (if there) by the next transaction.
     doubtful: Vec<Written>,
+    /// Whether an acquisition decided in one call (`Storage::acquire_at_once`) failed, perhaps
+    /// after it committed: its rows, if there, are found (`find_lost_requests`) and deleted
+    /// by the next transaction, as `doubtful` ones are.
+    lost_replies: bool,
     /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
     /// live on, renewed with this owner's others.
     failed_removals: Vec<u64>,
@@ -153,6 +157,7 @@ impl<S: Storage> Worker<S> {
             marked_waiting: false,
             idle_since: None,
             doubtful: Vec::new(),
+            lost_replies: false,
             failed_removals: Vec::new(),
         }
     }
@@ -491,8 +496,28 @@ impl<S: Storage> Worker<S> {
     /// A batch that failed for a passing reason (its connection cut, the server restarted, a
     /// timeout: see `Storage::again`) is done again, whole, after the busy schedule's delay,
     /// rather than failing its callers.
-    fn write(&mut self, writes: Vec<Write>) {
+    fn write(&mut self, mut writes: Vec<Write>) {
+        // Acquisitions and removals one by one, each in one call, while the storage can decide
+        // them so (`Storage::acquire_at_once`) and no other work is due in a transaction.
+        while matches!(
+            writes.first(),
+            Some(Write::Acquire { .. } | Write::Remove { .. })
+        ) {
+            self.find_lost_requests();
+            if !self.doubtful.is_empty() || !self.pass.is_empty() {
+                break;
+            }
+            let write = writes.remove(0);
+            if let Err(write) = self.at_once(write) {
+                writes.insert(0, write);
+                break;
+            }
+        }
+        if writes.is_empty() {
+            return;
+        }
         loop {
+            self.find_lost_requests();
             let keys = self.keys_of_batch(&writes);
             let outcome = self.transaction(&keys, |worker, now| {
                 let mut decided = Vec::with_capacity(writes.len());
@@ -528,6 +553,119 @@ impl<S: Storage> Worker<S> {
                 return;
             }
             tracing::debug!(%error, "a write failed for a passing reason; once more");
+        }
+    }
+
+    /// Does `write` (an acquisition or a removal) in one call to storage, or gives it back if
+    /// the storage cannot, or if it failed perhaps after writing rows that must be found first.
+    /// A failure for a passing reason is tried again after the busy schedule's delay.
+    fn at_once(&mut self, write: Write) -> Result<(), Write> {
+        let owner = self.common.owner.clone();
+        let lease = micros(self.common.lease);
+        loop {
+            let error = match &write {
+                Write::Acquire {
+                    request,
+                    requests,
+                    queue,
+                    ..
+                } => {
+                    let Some(outcome) = self
+                        .storage
+                        .acquire_at_once(&owner, requests, *queue, lease)
+                    else {
+                        return Err(write);
+                    };
+                    match outcome {
+                        Ok(decision) => {
+                            Counters::bump(&self.counters().write_transactions);
+                            let keys = keys_of(requests);
+                            let decided = match decision.ticket {
+                                Some(ticket) => self.written(
+                                    *request,
+                                    requests,
+                                    ticket,
+                                    decision.granted.then_some(decision.now + lease),
+                                ),
+                                None => Decided::NotNow,
+                            };
+                            if !decision.granted {
+                                self.not_granted(&keys, &decision.rows, *queue);
+                            }
+                            self.deliver(write, decided, decision.now);
+                            return Ok(());
+                        }
+                        Err(error) => {
+                            self.lost_replies = true;
+                            error
+                        }
+                    }
+                }
+                Write::Remove { request, .. } => {
+                    let Some(written) = self.requests.get(request) else {
+                        // Nothing was ever written for it, or it is gone already.
+                        let now = self.now();
+                        self.deliver(write, Decided::Removed(true), now);
+                        return Ok(());
+                    };
+                    let (ticket, keys) = (written.ticket, written.keys.clone());
+                    let Some(outcome) = self.storage.remove_at_once(&owner, &keys, ticket) else {
+                        return Err(write);
+                    };
+                    match outcome {
+                        Ok(removal) => {
+                            Counters::bump(&self.counters().write_transactions);
+                            let live = removal.deleted.live == keys.len();
+                            self.deliver(write, Decided::Removed(live), removal.now);
+                            self.after_commit(&Freed {
+                                any: removal.freed,
+                                promoted: removal.promoted,
+                                at: removal.now,
+                            });
+                            return Ok(());
+                        }
+                        Err(error) => error,
+                    }
+                }
+                _ => return Err(write),
+            };
+            if !self.storage.again() {
+                fail(write, error, &mut self.failed_removals);
+                return Ok(());
+            }
+            tracing::debug!(%error, "a write failed for a passing reason; once more");
+            self.find_lost_requests();
+            if !self.doubtful.is_empty() {
+                return Err(write);
+            }
+        }
+    }
+
+    /// After an acquisition in one call failed (`lost_replies`): this owner's requests that the
+    /// worker does not know of are such acquisitions, committed though their callers were told
+    /// they failed; they become `doubtful`, and the next transaction deletes them. If storage
+    /// cannot be read, the next write tries again.
+    fn find_lost_requests(&mut self) {
+        if !self.lost_replies {
+            return;
+        }
+        let owner = self.common.owner.clone();
+        match self.storage.requests_of(&owner) {
+            Ok(requests) => {
+                self.lost_replies = false;
+                let known: BTreeSet<u64> = (self.requests.values())
+                    .chain(&self.doubtful)
+                    .map(|written| written.ticket)
+                    .collect();
+                for (ticket, keys) in requests {
+                    if !known.contains(&ticket) {
+                        self.doubtful.push(Written { ticket, keys });
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::debug!(%error, "could not read this owner's requests; later");
+            }
         }
     }
 
@@ -714,14 +852,10 @@ impl<S: Storage> Worker<S> {
                 let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
                 let granted = grantable_now(wanted, &rows);
                 if !granted {
-                    // It waits, queued or not: until another owner's row here runs out, or
-                    // another owner, committing after this transaction, wakes it.
-                    self.mark_waiting(true);
-                    self.watch(&keys, &rows, Look::Pending);
-                }
-                if !granted && !queue {
-                    self.waits.refuse(&keys);
-                    return Ok(Decided::NotNow);
+                    self.not_granted(&keys, &rows, *queue);
+                    if !queue {
+                        return Ok(Decided::NotNow);
+                    }
                 }
                 let ticket = self.storage.next_ticket()?;
                 let expires_at = now + micros(self.common.lease);
@@ -729,13 +863,7 @@ impl<S: Storage> Worker<S> {
                     .insert_request(owner, ticket, requests, granted, now, expires_at)?;
                 // Recorded now, not after the commit, so that a `Remove` later in this batch
                 // finds it; `write` forgets it again if the transaction rolls back.
-                let keys = requests.iter().map(|r| r.key.clone()).collect();
-                self.requests.insert(*request, Written { ticket, keys });
-                Ok(if granted {
-                    Decided::Granted(Grant { ticket, expires_at })
-                } else {
-                    Decided::Queued(ticket)
-                })
+                Ok(self.written(*request, requests, ticket, granted.then_some(expires_at)))
             }
             Write::Remove { request, .. } => {
                 let mut live = true;
@@ -759,6 +887,34 @@ impl<S: Storage> Worker<S> {
                 self.delete_own_rows(now)?;
                 Ok(Decided::Done)
             }
+        }
+    }
+
+    /// A request on `keys` was not granted, `rows` being the live rows there: it waits, queued
+    /// or not, until another owner's row there runs out, or another owner, committing after
+    /// this decision, wakes it. Without a queue position, it is refused for now.
+    fn not_granted(&mut self, keys: &[String], rows: &[RowView], queue: bool) {
+        self.mark_waiting(true);
+        self.watch(keys, rows, Look::Pending);
+        if !queue {
+            self.waits.refuse(keys);
+        }
+    }
+
+    /// Records the rows written for `request` under `ticket`, held until `expires_at` if
+    /// granted; what that decided.
+    fn written(
+        &mut self,
+        request: u64,
+        requests: &[LockRequest],
+        ticket: u64,
+        granted_until: Option<i64>,
+    ) -> Decided {
+        let keys = requests.iter().map(|r| r.key.clone()).collect();
+        self.requests.insert(request, Written { ticket, keys });
+        match granted_until {
+            Some(expires_at) => Decided::Granted(Grant { ticket, expires_at }),
+            None => Decided::Queued(ticket),
         }
     }
 
