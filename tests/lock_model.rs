@@ -24,6 +24,8 @@
 //! `src/lock/grant.rs`; this is the manager built around it.
 
 mod lock_support;
+#[cfg(feature = "postgres")]
+mod pg_support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -159,8 +161,72 @@ fn op() -> impl Strategy<Value = Op> {
 
 struct Owner {
     locks: LockManager,
-    clock: TestClock,
+    /// The clock the manager reads.
+    clock: Arc<dyn Clock>,
+    /// That clock, where the test moves it (SQLite); `None` where time is the server's.
+    test_clock: Option<TestClock>,
     frozen: bool,
+}
+
+impl Owner {
+    fn test_clock(&self) -> &TestClock {
+        self.test_clock
+            .as_ref()
+            .expect("time is moved only where the test owns the clocks")
+    }
+}
+
+/// Where the owners keep their rows.
+enum Store {
+    /// A SQLite file; each owner has a `TestClock`, which the test moves.
+    Sqlite(std::path::PathBuf),
+    /// A schema on a PostgreSQL server, whose clock judges leases: no step moves time there,
+    /// and the owners heartbeat in real time.
+    #[cfg(feature = "postgres")]
+    Postgres { url: String, schema: String },
+}
+
+impl Store {
+    /// A manager on this store, reading `clock` (a fresh `TestClock` if `None`, on SQLite).
+    async fn open(
+        &self,
+        clock: Option<TestClock>,
+    ) -> (LockManager, Arc<dyn Clock>, Option<TestClock>) {
+        let builder = LockManager::builder()
+            .lease(LEASE)
+            .heartbeat(HEARTBEAT)
+            .poll(POLL);
+        match self {
+            Store::Sqlite(path) => {
+                let clock = clock.unwrap_or_default();
+                let locks = builder
+                    .clock(Arc::new(clock.clone()))
+                    .open(path)
+                    .expect("open a manager");
+                (locks, Arc::new(clock.clone()), Some(clock))
+            }
+            #[cfg(feature = "postgres")]
+            Store::Postgres { url, schema } => {
+                let locks = builder
+                    .schema(schema)
+                    .connect(url)
+                    .await
+                    .expect("connect a manager");
+                (locks, Arc::new(leasehold::SystemClock), None)
+            }
+        }
+    }
+
+    /// How much of its lease a held row of a live owner keeps, at least, once settled: a lease
+    /// less one heartbeat where the test moves time (one late beat never loses a lock); less
+    /// two in real time, where a beat may also be late by however busy the machine is.
+    fn margin(&self) -> Duration {
+        match self {
+            Store::Sqlite(_) => LEASE - HEARTBEAT,
+            #[cfg(feature = "postgres")]
+            Store::Postgres { .. } => LEASE - 2 * HEARTBEAT,
+        }
+    }
 }
 
 enum State {
@@ -287,6 +353,7 @@ struct Try {
 }
 
 struct World {
+    store: Store,
     owners: Vec<Owner>,
     keys: Vec<String>,
     requests: Vec<Request>,
@@ -299,26 +366,20 @@ struct World {
 }
 
 impl World {
-    fn open(owners: usize, keys: usize) -> (tempfile::TempDir, World) {
-        let (dir, path) = temp_db();
-        let owners = (0..owners)
-            .map(|_| {
-                let clock = TestClock::new();
-                let locks = LockManager::builder()
-                    .lease(LEASE)
-                    .heartbeat(HEARTBEAT)
-                    .poll(POLL)
-                    .clock(Arc::new(clock.clone()))
-                    .open(&path)
-                    .expect("open a manager");
-                Owner {
-                    locks,
-                    clock,
-                    frozen: false,
-                }
-            })
-            .collect();
-        let world = World {
+    async fn open(store: Store, owners: usize, keys: usize) -> World {
+        let mut opened = Vec::new();
+        for _ in 0..owners {
+            let (locks, clock, test_clock) = store.open(None).await;
+            opened.push(Owner {
+                locks,
+                clock,
+                test_clock,
+                frozen: false,
+            });
+        }
+        let owners = opened;
+        World {
+            store,
             owners,
             keys: (0..keys).map(|k| format!("key{k}")).collect(),
             requests: Vec::new(),
@@ -326,8 +387,7 @@ impl World {
             next_name: 0,
             max_ticket: 0,
             log: Vec::new(),
-        };
-        (dir, world)
+        }
     }
 
     /// A live owner: the model's view of the database is the live owners' view.
@@ -846,7 +906,7 @@ impl World {
         for tick in 1..=ticks {
             self.heartbeats_asleep().await;
             for o in self.owners.iter().filter(|o| !o.frozen) {
-                o.clock.advance(HEARTBEAT);
+                o.test_clock().advance(HEARTBEAT);
             }
             if tick == ticks {
                 // The frozen owner's rows have just run out: let `settle` judge what follows.
@@ -881,7 +941,7 @@ impl World {
                 .iter()
                 .any(|r| r.owner == o && matches!(r.state, State::Held(_)));
             let beats = waiting + usize::from(holding);
-            let clock = &self.owners[o].clock;
+            let clock = self.owners[o].test_clock();
             lock_support::within(SETTLE_MS, "heartbeats asleep", || async {
                 clock.sleepers() >= beats
             })
@@ -895,12 +955,12 @@ impl World {
         self.log.push(format!("advance {by:?}"));
         self.heartbeats_asleep().await;
         for o in self.owners.iter().filter(|o| !o.frozen) {
-            o.clock.advance(by);
+            o.test_clock().advance(by);
         }
         self.heartbeats_asleep().await;
     }
 
-    /// Every held row of a live owner has at least a lease less one heartbeat left, by its
+    /// Every held row of a live owner has at least `Store::margin` of its lease left, by its
     /// owner's clock: one late heartbeat does not lose it.
     fn check_margins(&self, rows: &[LockEntry]) {
         for row in rows
@@ -915,11 +975,11 @@ impl World {
                 continue;
             };
             let left = row.expires_at.saturating_sub(owner.clock.now());
-            if left < LEASE - HEARTBEAT {
+            let margin = self.store.margin();
+            if left < margin {
                 self.fail(
                     &format!(
-                        "{} holds {} with {left:?} of its lease left, less than a lease less a \
-                         heartbeat",
+                        "{} holds {} with {left:?} of its lease left, less than {margin:?}",
                         row.operation, row.key
                     ),
                     rows,
@@ -1129,7 +1189,7 @@ impl World {
 
     /// Everyone lets go: the waiting are interrupted (from the back of the queues, so that no
     /// interruption grants anyone), the holders release, and nothing is left.
-    async fn finish(mut self, path: &std::path::Path) {
+    async fn finish(mut self) {
         loop {
             let last = (0..self.requests.len())
                 .filter(|&r| self.requests[r].is_pending())
@@ -1156,12 +1216,7 @@ impl World {
         for owner in &self.owners {
             owner.locks.shutdown().await.expect("shutdown");
         }
-        let fresh = LockManager::builder()
-            .lease(LEASE)
-            .heartbeat(HEARTBEAT)
-            .clock(Arc::new(TestClock::new()))
-            .open(path)
-            .unwrap();
+        let (fresh, _, _) = self.store.open(None).await;
         let left = entries(&fresh).await;
         if !left.is_empty() {
             self.fail("rows left after every owner shut down", &left);
@@ -1184,11 +1239,53 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..=30),
     ) {
         block_on(async {
-            let (dir, mut world) = World::open(owners, keys);
+            let (dir, path) = temp_db();
+            let mut world = World::open(Store::Sqlite(path), owners, keys).await;
             for op in &ops {
                 world.step(op).await;
             }
-            world.finish(&dir.path().join("locks.db")).await;
+            world.finish().await;
+            drop(dir);
+        });
+    }
+}
+
+#[cfg(feature = "postgres")]
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 32,
+        failure_persistence: None,
+        max_shrink_time: 60_000,
+        ..ProptestConfig::default()
+    })]
+
+    /// The same on PostgreSQL, where the server's clock judges leases: every step but those
+    /// that move time (the expiry of a frozen owner, fractions of a heartbeat). Fewer cases, as
+    /// each connects its managers anew.
+    #[test]
+    fn the_manager_on_postgres_grants_what_the_rule_says(
+        owners in 2..=3usize,
+        keys in 2..=3usize,
+        ops in proptest::collection::vec(
+            op().prop_filter("time moves only on SQLite", |op| {
+                !matches!(op, Op::Expire { .. } | Op::Advance { .. })
+            }),
+            1..=30,
+        ),
+    ) {
+        let Some(server) = pg_support::server() else {
+            return Ok(());
+        };
+        block_on(async {
+            let store = Store::Postgres {
+                url: server.url().to_owned(),
+                schema: pg_support::schema("model"),
+            };
+            let mut world = World::open(store, owners, keys).await;
+            for op in &ops {
+                world.step(op).await;
+            }
+            world.finish().await;
         });
     }
 }
