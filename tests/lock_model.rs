@@ -22,6 +22,9 @@
 //! a live owner has at least a lease less one heartbeat left: one late heartbeat never loses a
 //! lock, whether it was granted at once or from the queue. The pure rule is unit-tested in
 //! `src/lock/grant.rs`; this is the manager built around it.
+//!
+//! With the `postgres` feature the same runs on a PostgreSQL server too (`pg_support`), without
+//! the steps that move time: there the server's clock judges leases, and owners beat in real time.
 
 mod lock_support;
 #[cfg(feature = "postgres")]
