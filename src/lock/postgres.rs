@@ -799,11 +799,18 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
             &[&LOCK_CLASS, &schema],
         )
         .map_err(|e| storage_error(doing, &e))?;
+    // The planner as the server has it, for these queries of the catalog (`Target::bound_by`
+    // sets it for the lock statements).
+    transaction
+        .batch_execute(
+            "SET LOCAL plan_cache_mode = auto; SET LOCAL enable_seqscan = on;
+             SET LOCAL enable_bitmapscan = on",
+        )
+        .map_err(|e| storage_error(doing, &e))?;
     let exists: bool = transaction
         .query_one(
-            "SELECT EXISTS (SELECT 1 FROM information_schema.tables
-                            WHERE table_schema = $1 AND table_name = 'meta')",
-            &[&schema],
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&format!("{s}.meta")],
         )
         .map_err(|e| storage_error(doing, &e))?
         .get(0);
