@@ -538,30 +538,58 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
         return;
     };
     block_on(async {
+        // Neither the waiter's poll (30 s) nor the holder's lease running out (10 s) could
+        // wake the waiter within the bound: only the announcement can.
         let schema = pg_support::schema("notify");
-        let holder = manager(server.url(), &schema).await;
+        let holder = LockManager::builder()
+            .schema(&schema)
+            .lease(Duration::from_secs(10))
+            .heartbeat(Duration::from_secs(2))
+            .connect(server.url())
+            .await
+            .unwrap();
         let waiting = LockManager::builder()
             .schema(&schema)
             .poll(Duration::from_secs(30))
             .connect(socket)
             .await
             .unwrap();
-        let guard = holder.exclusive("k", "holder").await.unwrap();
-        let waiter = {
-            let waiting = waiting.clone();
-            fork_daemon(async move { waiting.exclusive("k", "waiter").await })
-        };
-        within(5_000, "queued", || async {
-            states(&holder, "k").await.len() == 2
-        })
-        .await;
-        let checks = waiting.stats().change_checks;
-        guard.release().await.unwrap();
-        match join_within(5_000, "the grant, long before the next poll", waiter).await {
-            Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
-            other => panic!("{other:?}"),
+        // A queued waiter (with a row), then a `many` (without one: noted as a watcher).
+        for queued in [true, false] {
+            let guard = holder.exclusive("k", "holder").await.unwrap();
+            let waiter = {
+                let waiting = waiting.clone();
+                fork_daemon(async move {
+                    if queued {
+                        waiting.exclusive("k", "waiter").await
+                    } else {
+                        let requests = [
+                            LockRequest::exclusive("k", "waiter"),
+                            LockRequest::shared("other", "waiter"),
+                        ];
+                        waiting.many(requests).await
+                    }
+                })
+            };
+            within(5_000, "waiting", || async {
+                if queued {
+                    states(&holder, "k").await.len() == 2
+                } else {
+                    server.sql(&format!(
+                        "SELECT count(*) FROM \"{schema}\".watchers WHERE owner = '{}'",
+                        waiting.owner_id()
+                    )) == "2"
+                }
+            })
+            .await;
+            let checks = waiting.stats().change_checks;
+            guard.release().await.unwrap();
+            match join_within(3_000, "the grant, long before the next poll", waiter).await {
+                Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
+                other => panic!("queued {queued}: {other:?}"),
+            }
+            assert!(waiting.stats().change_checks > checks);
         }
-        assert!(waiting.stats().change_checks > checks);
     });
 }
 

@@ -731,6 +731,12 @@ BEGIN
         INTO row_keys, row_modes, row_tickets, row_held, row_owners, row_expiries, row_all_keys
         FROM {s}.locks AS o WHERE o.key = ANY(p_keys) AND o.expires_at > now;
     END IF;
+    IF NOT granted AND NOT p_queue THEN
+        -- A caller that waits without a row: releases on these keys announce themselves.
+        INSERT INTO {s}.watchers AS w (key, owner, expires_at)
+        SELECT k, p_owner, now + 2 * p_lease FROM unnest(p_keys) AS k
+        ON CONFLICT (key, owner) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+    END IF;
     IF granted OR p_queue THEN
         ticket := nextval('{s}.tickets');
         INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
@@ -771,11 +777,30 @@ BEGIN
         RETURNING w.ticket)
     SELECT array_agg(p.ticket) INTO promoted FROM p;
     freed := deleted > 0 OR expired > 0 OR promoted IS NOT NULL;
-    IF freed THEN
+    -- Announced only if someone may be waiting: a promoted request, a waiting row left, or a
+    -- caller waiting without a row (`watchers`).
+    IF freed AND (promoted IS NOT NULL
+            OR EXISTS (SELECT 1 FROM {s}.locks AS w
+                       WHERE w.key = ANY(p_keys) AND NOT w.held AND w.expires_at > now)
+            OR EXISTS (SELECT 1 FROM {s}.watchers AS w
+                       WHERE w.key = ANY(p_keys) AND w.expires_at > now)) THEN
         PERFORM pg_notify(p_channel, p_payload);
     END IF;
 END $$;
 "#;
+
+/// Callers that wait without a row (`many`, which takes no queue position): a row per key and
+/// owner, written when such a request is refused, until twice its lease from then (each retry
+/// writes it again). A release announces itself only if someone may be waiting: these, or a
+/// waiting row. Lapsed ones are swept.
+const WATCHERS: &str = "
+CREATE TABLE {s}.watchers (
+    key text NOT NULL,
+    owner text NOT NULL,
+    expires_at bigint NOT NULL,
+    PRIMARY KEY (key, owner)
+);
+CREATE INDEX ON {s}.watchers (expires_at);";
 
 /// `FUNCTIONS` for `schema`.
 fn functions(schema: &str) -> String {
@@ -842,7 +867,9 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
             transaction
                 .batch_execute(&format!(
                     "{}
+                     {}
                      UPDATE {s}.meta SET version = 3;",
+                    WATCHERS.replace("{s}", &s),
                     functions(schema)
                 ))
                 .map_err(|e| storage_error("migrating the schema to version 3", &e))?;
@@ -874,7 +901,9 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                  );
                  CREATE INDEX ON {s}.locks (owner);
                  CREATE INDEX ON {s}.locks (expires_at);
+                 {}
                  {}",
+                WATCHERS.replace("{s}", &s),
                 functions(schema)
             ))
             .map_err(|e| storage_error(doing, &e))?;
@@ -1132,7 +1161,28 @@ impl Storage for Postgres {
                  SELECT ctid FROM {s}.locks WHERE expires_at <= $1 FOR UPDATE SKIP LOCKED)",
             &[&now],
         )?;
+        self.execute(
+            "sweeping lapsed watchers",
+            "DELETE FROM {s}.watchers WHERE ctid IN (
+                 SELECT ctid FROM {s}.watchers WHERE expires_at <= $1 FOR UPDATE SKIP LOCKED)",
+            &[&now],
+        )?;
         Ok(())
+    }
+
+    fn watching(&mut self, owner: &str, keys: &[String], now: i64, lease: i64) -> Result<()> {
+        self.execute(
+            "noting a caller that waits without a row",
+            "INSERT INTO {s}.watchers AS w (key, owner, expires_at)
+             SELECT k, $2, $3 FROM unnest($1::text[]) AS k
+             ON CONFLICT (key, owner) DO UPDATE SET expires_at = EXCLUDED.expires_at",
+            &[&keys, &owner, &(now + 2 * lease)],
+        )?;
+        Ok(())
+    }
+
+    fn refuses_by_reads(&self) -> bool {
+        false
     }
 
     /// In key order, as promotions change rows, so that the two never deadlock.

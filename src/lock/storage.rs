@@ -69,6 +69,20 @@ pub(crate) trait Storage {
     /// once nothing waits. A backend that wakes managers some other way ignores it.
     fn waiting(&mut self, _waiting: bool) {}
 
+    /// Called in a write transaction that refused a request on `keys` (sorted) without a queue
+    /// position: its caller waits without a row, so later commits that free these keys must
+    /// announce them, at least until `lease` after `now`. A backend that announces every
+    /// commit ignores it.
+    fn watching(&mut self, _owner: &str, _keys: &[String], _now: i64, _lease: i64) -> Result<()> {
+        Ok(())
+    }
+    /// Whether a request without a queue position may be refused by a read alone, outside a
+    /// write transaction (saving one while a caller retries). Not where a waiter must be noted
+    /// under the locks of its keys for commits to announce themselves to it (`watching`).
+    fn refuses_by_reads(&self) -> bool {
+        true
+    }
+
     /// Appends the live rows on `keys`, in key and ticket order. A write transaction deletes the
     /// lapsed rows of a key (`delete_expired`) before it reads the key to decide: a row it
     /// judged lapsed is then gone, and no renewal by its owner, judged by an earlier time, can

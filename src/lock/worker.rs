@@ -331,6 +331,7 @@ impl<S: Storage> Worker<S> {
                     reply,
                 }) => {
                     if !queue
+                        && self.storage.refuses_by_reads()
                         && !writes.iter().any(Write::may_free)
                         && self.refused_by_a_read(&requests)
                     {
@@ -854,6 +855,8 @@ impl<S: Storage> Worker<S> {
                 if !granted {
                     self.not_granted(&keys, &rows, *queue);
                     if !queue {
+                        let lease = micros(self.common.lease);
+                        self.storage.watching(owner, &keys, now, lease)?;
                         return Ok(Decided::NotNow);
                     }
                 }
