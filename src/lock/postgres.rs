@@ -755,6 +755,7 @@ CREATE OR REPLACE FUNCTION {s}.release(
 LANGUAGE plpgsql AS $$
 DECLARE
     expired bigint;
+    others_promoted boolean;
 BEGIN
     now := {s}.lock_keys(p_locks, p_schema_lock);
     WITH d AS (
@@ -774,12 +775,14 @@ BEGIN
               SELECT 1 FROM {s}.locks AS o
               WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
                 AND (w.mode = {exclusive} OR o.mode = {exclusive}))
-        RETURNING w.ticket)
-    SELECT array_agg(p.ticket) INTO promoted FROM p;
+        RETURNING w.ticket, w.owner)
+    SELECT array_agg(p.ticket), coalesce(bool_or(p.owner <> p_owner), false)
+    INTO promoted, others_promoted FROM p;
     freed := deleted > 0 OR expired > 0 OR promoted IS NOT NULL;
-    -- Announced only if someone may be waiting: a promoted request, a waiting row left, or a
-    -- caller waiting without a row (`watchers`).
-    IF freed AND (promoted IS NOT NULL
+    -- Announced only if someone else may be waiting: another owner's promoted request, a
+    -- waiting row left, or a caller waiting without a row (`watchers`). This owner learns of
+    -- its own promotions from the answer.
+    IF freed AND (others_promoted
             OR EXISTS (SELECT 1 FROM {s}.locks AS w
                        WHERE w.key = ANY(p_keys) AND NOT w.held AND w.expires_at > now)
             OR EXISTS (SELECT 1 FROM {s}.watchers AS w
