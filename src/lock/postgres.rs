@@ -460,23 +460,26 @@ impl Postgres {
             row.get::<_, Option<Vec<Option<String>>>>(at)
                 .unwrap_or_default()
         };
-        let (row_keys, row_owners, row_all_keys) = (list(3), list(7), list(9));
-        let row_modes: Option<Vec<i16>> = row.get(4);
-        let row_tickets: Option<Vec<i64>> = row.get(5);
-        let row_held: Option<Vec<bool>> = row.get(6);
-        let row_expiries: Option<Vec<i64>> = row.get(8);
-        let rows = (0..row_keys.len())
-            .map(|i| RowView {
-                key: row_keys[i].clone().unwrap_or_default(),
-                mode: mode_of(i64::from(row_modes.as_ref().map_or(0, |m| m[i]))),
-                ticket: ticket_of(row_tickets.as_ref().map_or(0, |t| t[i])),
-                held: row_held.as_ref().is_some_and(|h| h[i]),
-                owner: row_owners[i].clone().unwrap_or_default(),
-                expires_at: row_expiries.as_ref().map_or(0, |e| e[i]),
-                keys: row_all_keys[i]
-                    .as_deref()
-                    .map_or_else(Vec::new, decode_keys),
-            })
+        // The rows, one array per column (all of one length, from one query).
+        let (keys, owners, all_keys) = (list(3), list(7), list(9));
+        let modes: Vec<i16> = row.get::<_, Option<_>>(4).unwrap_or_default();
+        let tickets: Vec<i64> = row.get::<_, Option<_>>(5).unwrap_or_default();
+        let held: Vec<bool> = row.get::<_, Option<_>>(6).unwrap_or_default();
+        let expiries: Vec<i64> = row.get::<_, Option<_>>(8).unwrap_or_default();
+        let rows = (keys.into_iter().zip(owners).zip(all_keys))
+            .zip(modes.into_iter().zip(tickets))
+            .zip(held.into_iter().zip(expiries))
+            .map(
+                |((((key, owner), all_keys), (mode, ticket)), (held, expires_at))| RowView {
+                    key: key.unwrap_or_default(),
+                    mode: mode_of(i64::from(mode)),
+                    ticket: ticket_of(ticket),
+                    held,
+                    owner: owner.unwrap_or_default(),
+                    expires_at,
+                    keys: all_keys.as_deref().map_or_else(Vec::new, decode_keys),
+                },
+            )
             .collect();
         Ok(Decision {
             now,
@@ -681,8 +684,8 @@ fn quote(name: &str) -> String {
 /// ask (see `grant.rs` for the rule): whether a new request is granted now (`grantable_now`),
 /// and which waiting requests on one key a release lets through (`promotable`, for requests on
 /// that key alone: a request on several keys is left to its owner, whom the announcement of the
-/// release wakes, and whose own look promotes it). `tests/lock_postgres.rs` checks the two
-/// writings against each other on generated rows.
+/// release wakes, and whose own look promotes it). The tests below (`the_rule_in_sql`) check the
+/// two writings against each other on generated rows, and the model test runs on both backends.
 const FUNCTIONS: &str = r#"
 CREATE OR REPLACE FUNCTION {s}.lock_keys(p_locks int4[], p_schema_lock int4)
 RETURNS bigint LANGUAGE plpgsql AS $$

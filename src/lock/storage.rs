@@ -139,8 +139,9 @@ pub(crate) trait Storage {
     }
     /// Deletes `owner`'s rows of `ticket` on `keys` in one round trip and one transaction of its
     /// own, where the backend can (else `None`), and promotes the waiters on those keys that
-    /// the grant rule now lets through, whoever owns them, and announces what it freed. A
-    /// waiting request on several keys is left to its owner, who hears the announcement.
+    /// the grant rule now lets through, whoever owns them; announces the keys if another owner
+    /// may be waiting there. A waiting request on several keys is left to its owner, who hears
+    /// the announcement.
     fn remove_at_once(
         &mut self,
         _owner: &str,
@@ -179,7 +180,7 @@ pub(crate) struct Removal {
     /// The time it decided at.
     pub(crate) now: i64,
     pub(crate) deleted: Deleted,
-    /// Whether it deleted or promoted any row (and so announced its keys).
+    /// Whether it deleted or promoted any row.
     pub(crate) freed: bool,
     /// The tickets it promoted, whoever owns them.
     pub(crate) promoted: Vec<u64>,
