@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::executor::block_on;
 use leasehold::{
-    fork_daemon, AbortController, EntryState, Exit, LockError, LockManager, LockRequest,
+    fork_daemon, AbortController, EntryState, Exit, LockError, LockManager, LockRequest, Schedule,
 };
 use lock_support::{bounded, join_within, within};
 
@@ -223,11 +223,6 @@ fn an_acquisition_right_after_a_cut_succeeds() {
     });
 }
 
-/// A connection cut in the middle of a write transaction (here while its first statement waits
-/// for a table lock that another session holds) does not fail the caller: nothing was
-/// committed, and the whole transaction is done again on a new connection (where it waits for
-/// the table again, with timeouts that are passing failures too, until the other session is
-/// done).
 /// Takes "k" on a manager in a schema named after `test`, cutting the acquisition's connection
 /// while it waits inside its transaction (for a table lock another session holds); `before` runs
 /// first, with the server, the manager and the schema. Returns the manager.
@@ -281,6 +276,11 @@ async fn acquire_through_a_cut(
     Some(locks)
 }
 
+/// A connection cut in the middle of a write transaction (here while its first statement waits
+/// for a table lock that another session holds) does not fail the caller: nothing was
+/// committed, and the whole transaction is done again on a new connection (where it waits for
+/// the table again, with timeouts that are passing failures too, until the other session is
+/// done).
 #[test]
 fn an_acquisition_whose_connection_is_cut_inside_its_transaction_succeeds() {
     block_on(async {
@@ -288,6 +288,40 @@ fn an_acquisition_whose_connection_is_cut_inside_its_transaction_succeeds() {
             return;
         };
         assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+/// The busy schedule bounds the retries of one piece of work, from its first failure: a
+/// schedule that allows 300 ms of retries still retries a cut that comes long after the
+/// manager started (it once ran from the start, and gave up at once after its end).
+#[test]
+fn a_cut_long_after_the_start_is_still_retried() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    if server.conninfo().is_none() {
+        return; // an external server: the test cannot cut connections there
+    }
+    block_on(async {
+        let schema = pg_support::schema("cut_later");
+        let name = format!("app_{schema}");
+        let allowed = Duration::from_millis(300);
+        let locks = LockManager::builder()
+            .schema(&schema)
+            .busy_schedule(Schedule::spaced(Duration::from_millis(20)).up_to(allowed))
+            .connect(&server.url_with(&format!("application_name={name}")))
+            .await
+            .unwrap();
+        // Work for twice as long as the schedule allows retries.
+        let started = std::time::Instant::now();
+        while started.elapsed() < allowed * 2 {
+            let guard = locks.exclusive("k", "before").await.unwrap();
+            guard.release().await.unwrap();
+        }
+        let cut = server.terminate_backends(&format!("application_name = '{name}'"));
+        assert!(cut >= 1, "no connection of the manager was cut");
+        let guard = locks.exclusive("k", "after").await.unwrap();
+        guard.release().await.unwrap();
     });
 }
 

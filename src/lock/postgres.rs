@@ -214,6 +214,10 @@ pub(crate) struct Postgres {
     /// The keys (by digest) the open transaction freed or promoted rows on, to announce with
     /// its commit.
     announcing: Vec<i64>,
+    /// Whether a write transaction is open on the connection: a connection lost inside one is
+    /// an error of that transaction, never replaced by a new one under its later statements
+    /// (which would then run outside it, without its locks).
+    in_transaction: bool,
     started: Instant,
     /// What the listener heard.
     heard: Arc<Mutex<Heard>>,
@@ -285,6 +289,7 @@ impl Postgres {
             retry: busy.start(SystemClock.monotonic()),
             offset: 0,
             announcing: Vec::new(),
+            in_transaction: false,
             started: Instant::now(),
             heard: Arc::new(Mutex::new(Heard::default())),
         };
@@ -314,8 +319,17 @@ impl Postgres {
             self.client = None;
             self.statements.clear();
         }
+        if self.client.is_none() && self.in_transaction {
+            self.transient = true;
+            return Err(LockError::Storage(
+                "the connection was lost inside a write transaction".into(),
+            ));
+        }
         if self.client.is_none() {
+            // A server that cannot be reached now is a passing failure: the work is done again
+            // once the busy schedule allows (`Storage::again`).
             if let Some(left) = self.reconnect.wait_left() {
+                self.transient = true;
                 return Err(LockError::Storage(format!(
                     "while connecting to {}: the last attempt failed; the next in {left:?}",
                     describe(&self.config)
@@ -325,6 +339,7 @@ impl Postgres {
                 Some(tls) => self.config.connect(tls.clone()),
                 None => self.config.connect(NoTls),
             };
+            self.transient = connected.is_err();
             let client = connected
                 .map_err(|e| {
                     storage_error(&format!("connecting to {}", describe(&self.config)), &e)
@@ -414,6 +429,13 @@ impl Postgres {
         Ok(rows[0].get(0))
     }
 
+    /// Work was done: the next failure waits the busy schedule's first delay, and the schedule
+    /// bounds the retries of that work from then (it is a run of `up_to(60 s)` by default:
+    /// started once, it would give up at the first failure a minute later).
+    fn succeeded(&mut self) {
+        self.retry.reset(SystemClock.monotonic());
+    }
+
     /// The advisory locks of `keys` (sorted, without repeats) and of the schema: what every
     /// write transaction takes (`lock_keys` in `FUNCTIONS`).
     fn key_locks(&self, keys: &[String]) -> (Vec<i32>, i32) {
@@ -451,6 +473,7 @@ impl Postgres {
                 &schema_lock,
             ],
         )?;
+        self.succeeded();
         let row = rows
             .first()
             .ok_or_else(|| LockError::Storage("while acquiring: no answer".into()))?;
@@ -508,6 +531,7 @@ impl Postgres {
                 &payload(&hashes),
             ],
         )?;
+        self.succeeded();
         let row = rows
             .first()
             .ok_or_else(|| LockError::Storage("while releasing: no answer".into()))?;
@@ -1011,6 +1035,7 @@ impl Storage for Postgres {
                 LockError::Storage("while starting a write transaction: no server time".into())
             })?;
         self.offset = now - self.monotonic();
+        self.in_transaction = true;
         Ok(now)
     }
 
@@ -1035,11 +1060,16 @@ impl Storage for Postgres {
                 payload(&keys)
             )
         };
-        self.simple("committing", &sql)
+        let committed = self.simple("committing", &sql);
+        self.in_transaction = false;
+        committed?;
+        self.succeeded();
+        Ok(())
     }
 
     fn rollback(&mut self) {
         self.announcing.clear();
+        self.in_transaction = false;
         if let Some(client) = self.client.as_mut() {
             let _ = client.batch_execute("ROLLBACK");
         }
