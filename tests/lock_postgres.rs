@@ -632,6 +632,34 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
     });
 }
 
+/// A refused `try_acquire` does not wait: it writes nothing (a read refuses it), and no release
+/// is announced to it.
+#[test]
+fn a_refused_try_acquire_writes_nothing() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("try_refused");
+        let holder = manager(server.url(), &schema).await;
+        let trying = manager(server.url(), &schema).await;
+        let guard = holder.exclusive("k", "holder").await.unwrap();
+        let writes = trying.stats().write_transactions;
+        for _ in 0..5 {
+            let refused = trying.try_acquire(LockRequest::shared("k", "try")).await;
+            assert!(refused.unwrap().is_none());
+        }
+        assert_eq!(trying.stats().write_transactions, writes);
+        assert_eq!(
+            server.sql(&format!("SELECT count(*) FROM \"{schema}\".watchers")),
+            "0"
+        );
+        guard.release().await.unwrap();
+        let granted = trying.try_acquire(LockRequest::shared("k", "try")).await;
+        granted.unwrap().expect("free now").release().await.unwrap();
+    });
+}
+
 /// A transaction on more keys than the server would lock one by one (its lock table holds about
 /// 64 per connection) locks the schema instead: a `many` of 200 keys, and a shutdown of an owner
 /// of 2,000 locks, work, and keep others out while they run.

@@ -16,7 +16,7 @@ use crate::sync::lock;
 
 use super::guard::Guards;
 use super::protocol;
-use super::protocol::{Acquired, Command, Grant, Write};
+use super::protocol::{Acquired, Command, Grant, Wait, Write};
 use super::reply::Replies;
 use super::storage::{from_micros, micros};
 use super::{LockError, LockRequest};
@@ -95,13 +95,13 @@ impl Shared {
         &self,
         request: u64,
         requests: &[LockRequest],
-        queue: bool,
+        wait: Wait,
     ) -> Result<Acquired, LockError> {
         self.call(|reply| {
             Command::Write(Write::Acquire {
                 request,
                 requests: requests.to_vec(),
-                queue,
+                wait,
                 reply,
             })
         })

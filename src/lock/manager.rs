@@ -12,7 +12,7 @@ use crate::scope::{ExitStatus, Scope, Scoped};
 
 use super::guard::Guard;
 use super::handle::{Common, Shared};
-use super::protocol::{Acquired, Command, Grant, Write};
+use super::protocol::{Acquired, Command, Grant, Wait, Write};
 use super::storage::from_micros;
 use super::types::validate;
 use super::{grant, heartbeat};
@@ -287,7 +287,7 @@ impl LockManager {
         let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
         let undo = RemoveOnDrop::new(&shared, id);
         let grant = loop {
-            let grant = match shared.acquire(id, &requests, false).await? {
+            let grant = match shared.acquire(id, &requests, Wait::No).await? {
                 Acquired::Granted(grant) => grant,
                 Acquired::NotNow | Acquired::Queued(..) => break None,
             };
@@ -484,7 +484,7 @@ async fn acquire_in_scope(
             Policy::Queue => {
                 // No later than the row's lease starts: the heartbeat counts from here.
                 let sent_at = shared.common.clock.monotonic();
-                match shared.acquire(id, &requests, true).await? {
+                match shared.acquire(id, &requests, Wait::Queued).await? {
                     Acquired::Granted(grant) => grant,
                     Acquired::Queued(ticket, slot) => {
                         if !beating {
@@ -516,7 +516,7 @@ async fn acquire_in_scope(
                     // Listen before trying, so a change between the try and the wait is not
                     // missed.
                     let changed = shared.common.changed.listen();
-                    match shared.acquire(id, &requests, false).await? {
+                    match shared.acquire(id, &requests, Wait::Unqueued).await? {
                         Acquired::Granted(grant) => break grant,
                         Acquired::NotNow | Acquired::Queued(..) => changed.await,
                     }

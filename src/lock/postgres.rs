@@ -40,7 +40,7 @@ use postgres::{Client, Config, NoTls, SimpleQueryMessage, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::grant::RowView;
-use super::protocol::Command;
+use super::protocol::{Command, Wait};
 use super::storage::{
     by_ticket, decode_keys, encode_keys, fnv1a, key_hash, mode_code, mode_of, sql_ticket,
     ticket_of, Changes, Decision, Deleted, OwnedRequest, Removal, Result, Row, Storage,
@@ -449,9 +449,10 @@ impl Postgres {
         &mut self,
         owner: &str,
         requests: &[LockRequest],
-        queue: bool,
+        wait: Wait,
         lease: i64,
     ) -> Result<Decision> {
+        let (queue, watch) = (wait == Wait::Queued, wait == Wait::Unqueued);
         self.transient = false;
         let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
         let (locks, schema_lock) = self.key_locks(&keys);
@@ -460,7 +461,7 @@ impl Postgres {
         let all_keys = encode_keys(requests);
         let rows = self.query(
             "acquiring",
-            "SELECT * FROM {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            "SELECT * FROM {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
             &[
                 &owner,
                 &keys,
@@ -468,6 +469,7 @@ impl Postgres {
                 &operations,
                 &all_keys,
                 &queue,
+                &watch,
                 &lease,
                 &locks,
                 &schema_lock,
@@ -729,7 +731,7 @@ END $$;
 
 CREATE OR REPLACE FUNCTION {s}.acquire(
     p_owner text, p_keys text[], p_modes int2[], p_operations text[], p_all_keys text,
-    p_queue boolean, p_lease bigint, p_locks int4[], p_schema_lock int4,
+    p_queue boolean, p_watch boolean, p_lease bigint, p_locks int4[], p_schema_lock int4,
     OUT now bigint, OUT ticket bigint, OUT granted boolean,
     OUT row_keys text[], OUT row_modes int2[], OUT row_tickets int8[], OUT row_held boolean[],
     OUT row_owners text[], OUT row_expiries int8[], OUT row_all_keys text[])
@@ -758,7 +760,7 @@ BEGIN
         INTO row_keys, row_modes, row_tickets, row_held, row_owners, row_expiries, row_all_keys
         FROM {s}.locks AS o WHERE o.key = ANY(p_keys) AND o.expires_at > now;
     END IF;
-    IF NOT granted AND NOT p_queue THEN
+    IF NOT granted AND p_watch THEN
         -- A caller that waits without a row: releases on these keys announce themselves.
         INSERT INTO {s}.watchers AS w (key, owner, expires_at)
         SELECT k, p_owner, now + 2 * p_lease FROM unnest(p_keys) AS k
@@ -1239,10 +1241,10 @@ impl Storage for Postgres {
         &mut self,
         owner: &str,
         requests: &[LockRequest],
-        queue: bool,
+        wait: Wait,
         lease: i64,
     ) -> Option<Result<Decision>> {
-        Some(self.acquire_in_one(owner, requests, queue, lease))
+        Some(self.acquire_in_one(owner, requests, wait, lease))
     }
 
     /// One round trip: the function `release` (see `FUNCTIONS`).
@@ -1529,7 +1531,7 @@ mod tests {
                 let operations: Vec<&str> = requests.iter().map(|_| "new").collect();
                 let (locks, schema_lock) = case.locks(&keys);
                 let sql = format!(
-                    "SELECT granted, ticket FROM {}.acquire($1, $2, $3, $4, $5, false, 1000000, $6, $7)",
+                    "SELECT granted, ticket FROM {}.acquire($1, $2, $3, $4, $5, false, false, 1000000, $6, $7)",
                     quote(&case.schema)
                 );
                 let row = case

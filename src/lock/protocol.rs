@@ -28,12 +28,24 @@ pub(crate) enum Command {
     Poke,
 }
 
+/// What a request does when it cannot be granted at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Takes a place in the queue (waiting rows) until it is granted.
+    Queued,
+    /// Waits without a row (`many`): it is refused (`NotNow`), and asks again whenever its
+    /// keys may have changed.
+    Unqueued,
+    /// Does not wait (`try_acquire`): it is refused.
+    No,
+}
+
 pub(crate) enum Write {
-    /// Grant now, or queue (`queue`), or report `NotNow`.
+    /// Grant now, or queue (`Wait::Queued`), or report `NotNow`.
     Acquire {
         request: u64,
         requests: Vec<LockRequest>,
-        queue: bool,
+        wait: Wait,
         reply: Reply<Acquired>,
     },
     /// Delete this owner's rows of a request, whatever their state (release or cancel).

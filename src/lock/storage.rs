@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use super::grant::RowView;
+use super::protocol::Wait;
 use super::{LockError, LockRequest, Mode};
 use crate::clock::Clock;
 
@@ -127,12 +128,13 @@ pub(crate) trait Storage {
     /// backend can (`None` where it cannot: the worker then runs `begin`, the reads and writes,
     /// and `commit`). Decides as that sequence would: the lapsed rows of its keys deleted, the
     /// grant rule asked (`grantable_now`), and rows written under a new ticket, held if granted,
-    /// else waiting if `queue`.
+    /// else waiting if `wait` is `Queued`; an `Unqueued` caller refused is noted as by
+    /// `watching`.
     fn acquire_at_once(
         &mut self,
         _owner: &str,
         _requests: &[LockRequest],
-        _queue: bool,
+        _wait: Wait,
         _lease: i64,
     ) -> Option<Result<Decision>> {
         None

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
-use super::protocol::{Acquired, Command, Grant, SlotState, WaitSlot, Write};
+use super::protocol::{Acquired, Command, Grant, SlotState, Wait, WaitSlot, Write};
 use super::storage::{from_micros, micros, Changes, OwnedRequest, Storage};
 use super::watch::{first_foreign_expiries, Look, Waits};
 use super::{Common, LockError, LockRequest};
@@ -327,11 +327,13 @@ impl<S: Storage> Worker<S> {
                 Command::Write(Write::Acquire {
                     request,
                     requests,
-                    queue,
+                    wait,
                     reply,
                 }) => {
-                    if !queue
-                        && self.storage.refuses_by_reads()
+                    // A refusal read outside a transaction cannot note an unqueued waiter
+                    // where the storage needs it noted (`Storage::watching`).
+                    if wait != Wait::Queued
+                        && (wait == Wait::No || self.storage.refuses_by_reads())
                         && !writes.iter().any(Write::may_free)
                         && self.refused_by_a_read(&requests)
                     {
@@ -346,7 +348,7 @@ impl<S: Storage> Worker<S> {
                     writes.push(Write::Acquire {
                         request,
                         requests,
-                        queue,
+                        wait,
                         reply,
                     });
                 }
@@ -568,12 +570,11 @@ impl<S: Storage> Worker<S> {
                 Write::Acquire {
                     request,
                     requests,
-                    queue,
+                    wait,
                     ..
                 } => {
-                    let Some(outcome) = self
-                        .storage
-                        .acquire_at_once(&owner, requests, *queue, lease)
+                    let Some(outcome) =
+                        self.storage.acquire_at_once(&owner, requests, *wait, lease)
                     else {
                         return Err(write);
                     };
@@ -591,7 +592,7 @@ impl<S: Storage> Worker<S> {
                                 None => Decided::NotNow,
                             };
                             if !decision.granted {
-                                self.not_granted(&keys, &decision.rows, *queue);
+                                self.not_granted(&keys, &decision.rows, *wait);
                             }
                             self.deliver(write, decided, decision.now);
                             return Ok(());
@@ -838,7 +839,7 @@ impl<S: Storage> Worker<S> {
             Write::Acquire {
                 request,
                 requests,
-                queue,
+                wait,
                 ..
             } => {
                 let keys = keys_of(requests);
@@ -853,10 +854,12 @@ impl<S: Storage> Worker<S> {
                 let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
                 let granted = grantable_now(wanted, &rows);
                 if !granted {
-                    self.not_granted(&keys, &rows, *queue);
-                    if !queue {
+                    self.not_granted(&keys, &rows, *wait);
+                    if *wait == Wait::Unqueued {
                         let lease = micros(self.common.lease);
                         self.storage.watching(owner, &keys, now, lease)?;
+                    }
+                    if *wait != Wait::Queued {
                         return Ok(Decided::NotNow);
                     }
                 }
@@ -896,10 +899,10 @@ impl<S: Storage> Worker<S> {
     /// A request on `keys` was not granted, `rows` being the live rows there: it waits, queued
     /// or not, until another owner's row there runs out, or another owner, committing after
     /// this decision, wakes it. Without a queue position, it is refused for now.
-    fn not_granted(&mut self, keys: &[String], rows: &[RowView], queue: bool) {
+    fn not_granted(&mut self, keys: &[String], rows: &[RowView], wait: Wait) {
         self.mark_waiting(true);
         self.watch(keys, rows, Look::Pending);
-        if !queue {
+        if wait != Wait::Queued {
             self.waits.refuse(keys);
         }
     }
