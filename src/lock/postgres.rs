@@ -17,16 +17,21 @@
 //!    earlier time) cannot revive a row that a decision passed over; renewals and promotions
 //!    change rows in key order, so they do not deadlock either.
 //! 3. **Wake-ups**: a transaction that deletes or promotes rows sends a `NOTIFY` naming their
-//!    keys (by digest). Each manager has a listener thread with a connection of its own that
+//!    keys (by digest); a release by the functions of `FUNCTIONS` only while another owner may
+//!    be waiting there (see `WATCHERS`). Each manager has a listener thread with a connection of its own that
 //!    `LISTEN`s, keeps the digests it hears, and pokes the worker, which looks only at the keys
 //!    it waits on among them. After every `LISTEN` (notifications are not kept across a
 //!    disconnect), and for as long as the listener is not connected (a pooler in transaction
 //!    mode cannot `LISTEN`), the worker looks at every key it waits on at each look of the poll
 //!    instead.
 //!
+//! The two commonest writes, an acquisition and a release, are one round trip each: functions
+//! in the schema (`FUNCTIONS`) that lock, read the time, and decide on the server.
+//!
 //! A connection that fails is opened again on the next call once the manager's busy schedule
-//! (`LockManagerBuilder::busy_schedule`) allows, calls in between failing at once; the schedule
-//! starts over after a success. Rows live on the server, so guards survive a disconnect shorter
+//! (`LockManagerBuilder::busy_schedule`) allows; calls in between fail as passing failures, whose
+//! work the worker does again on that schedule, which starts over after every piece of work
+//! done (`Postgres::succeeded`). Rows live on the server, so guards survive a disconnect shorter
 //! than their lease. The listener's connection backs off on its own run of the same schedule.
 
 use std::collections::HashMap;
