@@ -335,7 +335,7 @@ impl<S: Storage> Worker<S> {
                     if wait != Wait::Queued
                         && (wait == Wait::No || self.storage.refuses_by_reads())
                         && !writes.iter().any(Write::may_free)
-                        && self.refused_by_a_read(&requests)
+                        && self.refused_by_a_read(&requests, wait)
                     {
                         // A waiter without a queue position, still blocked: no need to take the
                         // write lock to tell it so. Only when nothing earlier in this batch may
@@ -410,9 +410,11 @@ impl<S: Storage> Worker<S> {
     /// Whether a read shows `requests` cannot be granted now; if so, their keys are watched
     /// until the caller is woken. (An error answers "not known": the write transaction then
     /// decides.)
-    fn refused_by_a_read(&mut self, requests: &[LockRequest]) -> bool {
-        // Said before the read: a release committed after it will wake this owner.
-        self.mark_waiting(true);
+    fn refused_by_a_read(&mut self, requests: &[LockRequest], wait: Wait) -> bool {
+        if wait == Wait::Unqueued {
+            // Said before the read: a release committed after it will wake this owner.
+            self.mark_waiting(true);
+        }
         let now = self.now();
         let keys = keys_of(requests);
         let mut rows = Vec::new();
@@ -421,8 +423,7 @@ impl<S: Storage> Worker<S> {
         }
         let refused = !grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &rows);
         if refused {
-            self.watch(&keys, &rows, Look::Pending);
-            self.waits.refuse(&keys);
+            self.not_granted(&keys, &rows, wait);
         }
         refused
     }
@@ -896,10 +897,14 @@ impl<S: Storage> Worker<S> {
         }
     }
 
-    /// A request on `keys` was not granted, `rows` being the live rows there: it waits, queued
-    /// or not, until another owner's row there runs out, or another owner, committing after
-    /// this decision, wakes it. Without a queue position, it is refused for now.
+    /// A request on `keys` was not granted, `rows` being the live rows there: unless it does not
+    /// wait at all (`try_acquire`), it waits, queued or not, until another owner's row there
+    /// runs out, or another owner, committing after this decision, wakes it. Without a queue
+    /// position, it is refused for now.
     fn not_granted(&mut self, keys: &[String], rows: &[RowView], wait: Wait) {
+        if wait == Wait::No {
+            return;
+        }
         self.mark_waiting(true);
         self.watch(keys, rows, Look::Pending);
         if wait != Wait::Queued {
