@@ -582,14 +582,24 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
             .connect(server.url())
             .await
             .unwrap();
-        let waiting = LockManager::builder()
-            .schema(&schema)
-            .poll(Duration::from_secs(30))
-            .connect(socket)
-            .await
-            .unwrap();
-        // A queued waiter (with a row), then a `many` (without one: noted as a watcher).
+        // A queued waiter (with a row), then a `many` (without one: noted as a watcher), each
+        // on a manager of its own that is listening before it waits, so that nothing but the
+        // announcement can make it look (or a `many` ask again).
         for queued in [true, false] {
+            let name = format!("waiting_{queued}_{schema}");
+            let waiting = LockManager::builder()
+                .schema(&schema)
+                .poll(Duration::from_secs(30))
+                .connect(&format!("{socket} application_name={name}"))
+                .await
+                .unwrap();
+            within(5_000, "the waiting manager listens", || async {
+                server.sql(&format!(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE application_name = '{name}' AND query LIKE 'LISTEN%'"
+                )) == "1"
+            })
+            .await;
             let guard = holder.exclusive("k", "holder").await.unwrap();
             let waiter = {
                 let waiting = waiting.clone();
