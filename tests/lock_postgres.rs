@@ -583,8 +583,9 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
             .await
             .unwrap();
         // A queued waiter (with a row), then a `many` (without one: noted as a watcher), each
-        // on a manager of its own that is listening before it waits, so that nothing but the
-        // announcement can make it look (or a `many` ask again).
+        // on a manager of its own that is listening before it waits. (Whether the look that
+        // finds the grant is the announcement's own cannot be told: a look under way when the
+        // release commits may read it first.)
         for queued in [true, false] {
             let name = format!("waiting_{queued}_{schema}");
             let waiting = LockManager::builder()
@@ -626,18 +627,11 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
                 }
             })
             .await;
-            let checks = waiting.stats().change_checks;
             guard.release().await.unwrap();
             match join_within(3_000, "the grant, long before the next poll", waiter).await {
                 Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
                 other => panic!("queued {queued}: {other:?}"),
             }
-            // The announcement made the waiting manager look (perhaps after a renewal that
-            // found the grant first).
-            within(2_000, "a look after the announcement", || async {
-                waiting.stats().change_checks > checks
-            })
-            .await;
         }
     });
 }
