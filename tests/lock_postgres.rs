@@ -573,7 +573,8 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
     };
     block_on(async {
         // Neither the waiter's poll (30 s) nor the holder's lease running out (10 s) could
-        // wake the waiter within the bound: only the announcement can.
+        // wake the waiter within the bound: only the announcement can (or a look that was
+        // already under way when the release committed).
         let schema = pg_support::schema("notify");
         let holder = LockManager::builder()
             .schema(&schema)
