@@ -269,6 +269,15 @@ fn parse_payload(payload: &str) -> Option<Vec<i64>> {
         .collect()
 }
 
+/// The advisory locks of `keys` in `schema` (sorted, without repeats) and of the schema: what
+/// every write transaction takes (`lock_keys` in `FUNCTIONS`).
+fn key_locks(schema: &str, keys: &[String]) -> (Vec<i32>, i32) {
+    let mut locks: Vec<i32> = keys.iter().map(|key| key_lock(schema, key)).collect();
+    locks.sort_unstable();
+    locks.dedup();
+    (locks, key_lock(schema, ""))
+}
+
 /// The advisory lock of `key` in `schema`: the second half of `pg_advisory_xact_lock(class, id)`.
 fn key_lock(schema: &str, key: &str) -> i32 {
     let digest = fnv1a(format!("{schema}\0{key}").as_bytes());
@@ -441,13 +450,8 @@ impl Postgres {
         self.retry.reset(SystemClock.monotonic());
     }
 
-    /// The advisory locks of `keys` (sorted, without repeats) and of the schema: what every
-    /// write transaction takes (`lock_keys` in `FUNCTIONS`).
     fn key_locks(&self, keys: &[String]) -> (Vec<i32>, i32) {
-        let mut locks: Vec<i32> = keys.iter().map(|key| key_lock(&self.schema, key)).collect();
-        locks.sort_unstable();
-        locks.dedup();
-        (locks, key_lock(&self.schema, ""))
+        key_locks(&self.schema, keys)
     }
 
     fn acquire_in_one(
@@ -1489,13 +1493,6 @@ mod tests {
                 (now, live)
             }
 
-            fn locks(&self, keys: &[String]) -> (Vec<i32>, i32) {
-                let mut locks: Vec<i32> = keys.iter().map(|k| key_lock(&self.schema, k)).collect();
-                locks.sort_unstable();
-                locks.dedup();
-                (locks, key_lock(&self.schema, ""))
-            }
-
             /// How many lapsed rows are left on `keys`.
             fn lapsed_on(&mut self, keys: &[String], now: i64) -> i64 {
                 let s = quote(&self.schema);
@@ -1534,7 +1531,7 @@ mod tests {
                 let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
                 let modes: Vec<i16> = requests.iter().map(|r| mode_code(r.mode)).collect();
                 let operations: Vec<&str> = requests.iter().map(|_| "new").collect();
-                let (locks, schema_lock) = case.locks(&keys);
+                let (locks, schema_lock) = key_locks(&case.schema, &keys);
                 let sql = format!(
                     "SELECT granted, ticket FROM {}.acquire($1, $2, $3, $4, $5, false, false, 1000000, $6, $7)",
                     quote(&case.schema)
@@ -1571,7 +1568,7 @@ mod tests {
                     vec![KEYS[usize::from(key)].to_owned()]
                 };
                 let ticket = at as i64 + 1;
-                let (locks, schema_lock) = case.locks(&keys);
+                let (locks, schema_lock) = key_locks(&case.schema, &keys);
                 let sql = format!(
                     "SELECT deleted, promoted FROM {}.release($1, $2, $3, $4, $5, 'nobody', '')",
                     quote(&case.schema)
