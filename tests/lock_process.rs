@@ -527,6 +527,56 @@ fn a_waiting_process_is_woken_by_the_doorbell_not_by_the_poll() {
     );
 }
 
+/// A refused `try_acquire` waits for nothing, so its manager puts up no waiting marker (other
+/// processes would ring it at each commit, for nothing); a waiting acquisition does.
+#[cfg(unix)]
+#[test]
+fn a_refused_try_acquire_puts_up_no_waiting_marker() {
+    let (_dir, _folder, db) = folder_and_db();
+    let mut doorbell = db.as_os_str().to_owned();
+    doorbell.push("-doorbell");
+    let doorbell = PathBuf::from(doorbell);
+    let markers = || {
+        fs::read_dir(&doorbell)
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".wait"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    block_on(async {
+        let holder = LockManager::open(&db).unwrap();
+        let trying = LockManager::open(&db).unwrap();
+        let guard = holder.exclusive("k", "holder").await.unwrap();
+        for _ in 0..3 {
+            let refused = trying.try_acquire(LockRequest::shared("k", "try")).await;
+            assert!(refused.unwrap().is_none());
+        }
+        assert_eq!(
+            markers(),
+            0,
+            "a refused try_acquire put up a waiting marker"
+        );
+        let waiter = {
+            let trying = trying.clone();
+            fork_daemon(async move { trying.shared("k", "wait").await })
+        };
+        within(
+            5_000,
+            "a waiting acquisition puts up its marker",
+            || async { markers() == 1 },
+        )
+        .await;
+        guard.release().await.unwrap();
+        match join_within(5_000, "the waiter's grant", waiter).await {
+            Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
 /// With no doorbell (its folder's path taken by a file), the parent still gets the lock, by
 /// polling.
 #[test]
