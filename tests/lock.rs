@@ -7,7 +7,7 @@ mod common;
 mod lock_support;
 mod stores;
 
-use lock_support::within;
+use lock_support::{join_within, within};
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -452,11 +452,24 @@ fn case_12_a_waiter_in_this_process_is_woken_at_once_even_with_a_long_poll() {
         // Same manager, and a second manager (another owner) on the same database.
         let first = slow_poll().await;
         let second = slow_poll().await;
-        for waiter_side in [&first, &second] {
+        // A waiter on one key, and one on two keys (which the release's own storage call may
+        // leave to its owner to promote).
+        let waiters = [
+            vec![LockRequest::exclusive("k", "W")],
+            vec![
+                LockRequest::exclusive("k", "W"),
+                LockRequest::shared("j", "W"),
+            ],
+        ];
+        let mut cases = Vec::new();
+        for side in [&first, &second] {
+            cases.extend(waiters.iter().map(|requests| (side, requests.clone())));
+        }
+        for (waiter_side, requests) in cases {
             let holder = first.exclusive("k", "H").await.unwrap();
             let waiter = {
                 let locks = waiter_side.clone();
-                fork_daemon(async move { locks.exclusive("k", "W").await })
+                fork_daemon(async move { locks.many_queued(requests).await })
             };
             within(5_000, "W queued", || async {
                 queue(&first, "k").await.len() == 2
@@ -464,8 +477,12 @@ fn case_12_a_waiter_in_this_process_is_woken_at_once_even_with_a_long_poll() {
             .await;
             let released = std::time::Instant::now();
             holder.release().await.unwrap();
-            let guard = waiter.join().await.success().unwrap().unwrap();
             // Far sooner than the 30 s poll: only a wake-up can have done it.
+            let guard = join_within(10_000, "the waiter granted", waiter)
+                .await
+                .success()
+                .unwrap()
+                .unwrap();
             assert!(released.elapsed() < Duration::from_secs(10));
             guard.release().await.unwrap();
         }

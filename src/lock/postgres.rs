@@ -48,7 +48,8 @@ use super::grant::RowView;
 use super::protocol::{Command, Wait};
 use super::storage::{
     by_ticket, decode_keys, encode_keys, fnv1a, key_hash, mode_code, mode_of, sql_ticket,
-    ticket_of, Changes, Decision, Deleted, OwnedRequest, Removal, Result, Row, Storage,
+    ticket_of, AtOnce, Changes, Decision, Deleted, Outcome, OwnedRequest, Removal, Result, Row,
+    Storage,
 };
 use super::{LockError, LockRequest, Mode};
 use crate::clock::{Clock, SystemClock};
@@ -56,7 +57,7 @@ use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 3;
+pub(crate) const SCHEMA_VERSION: i32 = 4;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -284,6 +285,128 @@ fn key_lock(schema: &str, key: &str) -> i32 {
     i32::from_ne_bytes(((digest ^ (digest >> 32)) as u32).to_ne_bytes())
 }
 
+/// The call of the function `decide` (see `FUNCTIONS`), for `DecideArgs::params`.
+const DECIDE: &str =
+    "SELECT * FROM {s}.decide($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+
+/// The arguments of the function `decide`: a batch of operations of one owner, with one entry
+/// per operation and one per key of each.
+struct DecideArgs<'a> {
+    owner: &'a str,
+    lease: i64,
+    locks: Vec<i32>,
+    schema_lock: i32,
+    channel: String,
+    ends: Vec<i32>,
+    tickets: Vec<Option<i64>>,
+    waits: Vec<Option<i16>>,
+    all_keys: Vec<Option<String>>,
+    payloads: Vec<Option<String>>,
+    keys: Vec<String>,
+    modes: Vec<i16>,
+    operations: Vec<&'a str>,
+}
+
+impl<'a> DecideArgs<'a> {
+    fn new(schema: &str, owner: &'a str, lease: i64, ops: &[AtOnce<'a>]) -> Self {
+        let mut args = DecideArgs {
+            owner,
+            lease,
+            locks: Vec::new(),
+            schema_lock: 0,
+            channel: channel(schema),
+            ends: Vec::with_capacity(ops.len()),
+            tickets: Vec::with_capacity(ops.len()),
+            waits: Vec::with_capacity(ops.len()),
+            all_keys: Vec::with_capacity(ops.len()),
+            payloads: Vec::with_capacity(ops.len()),
+            keys: Vec::new(),
+            modes: Vec::new(),
+            operations: Vec::new(),
+        };
+        for op in ops {
+            args.push(op);
+        }
+        (args.locks, args.schema_lock) = key_locks(schema, &args.keys);
+        args
+    }
+
+    fn push(&mut self, op: &AtOnce<'a>) {
+        match *op {
+            AtOnce::Acquire { requests, wait } => {
+                for request in requests {
+                    self.keys.push(request.key.clone());
+                    self.modes.push(mode_code(request.mode));
+                    self.operations.push(&request.operation);
+                }
+                self.tickets.push(None);
+                self.waits.push(Some(match wait {
+                    Wait::Queued => 0,
+                    Wait::Unqueued => 1,
+                    Wait::No => 2,
+                }));
+                self.all_keys.push(encode_keys(requests));
+                self.payloads.push(None);
+            }
+            AtOnce::Remove { keys, ticket } => {
+                let mut hashes: Vec<i64> = keys.iter().map(|key| key_hash(key)).collect();
+                hashes.sort_unstable();
+                hashes.dedup();
+                for key in keys {
+                    self.keys.push(key.clone());
+                    self.modes.push(0);
+                    self.operations.push("");
+                }
+                self.tickets.push(Some(sql_ticket(ticket)));
+                self.waits.push(None);
+                self.all_keys.push(None);
+                self.payloads.push(Some(payload(&hashes)));
+            }
+        }
+        self.ends
+            .push(i32::try_from(self.keys.len()).unwrap_or(i32::MAX));
+    }
+
+    /// The parameters of `DECIDE`, in order.
+    fn params(&self) -> [&(dyn ToSql + Sync); 13] {
+        [
+            &self.owner,
+            &self.lease,
+            &self.locks,
+            &self.schema_lock,
+            &self.channel,
+            &self.ends,
+            &self.tickets,
+            &self.waits,
+            &self.all_keys,
+            &self.payloads,
+            &self.keys,
+            &self.modes,
+            &self.operations,
+        ]
+    }
+}
+
+/// An acquisition's answer from `decide`, for a caller who waits as `wait` says.
+fn decision(row: &postgres::Row, wait: Wait) -> Decision {
+    let granted: bool = row.get(2);
+    let others = if granted || wait == Wait::No {
+        Vec::new()
+    } else {
+        let keys: Vec<Option<String>> = row.get::<_, Option<_>>(3).unwrap_or_default();
+        let expiries: Vec<i64> = row.get::<_, Option<_>>(4).unwrap_or_default();
+        (keys.into_iter().map(Option::unwrap_or_default))
+            .zip(expiries)
+            .collect()
+    };
+    Decision {
+        now: row.get(0),
+        ticket: row.get::<_, Option<i64>>(1).map(ticket_of),
+        granted,
+        others,
+    }
+}
+
 impl Postgres {
     /// Connects, creates or migrates the schema, and reads the server's time.
     pub(crate) fn connect(
@@ -454,115 +577,51 @@ impl Postgres {
         key_locks(&self.schema, keys)
     }
 
-    fn acquire_in_one(
+    /// A batch of acquisitions and removals in one call of the function `decide` (see
+    /// `FUNCTIONS`), which takes the locks of all their keys once.
+    fn decide_in_one(
         &mut self,
         owner: &str,
-        requests: &[LockRequest],
-        wait: Wait,
+        ops: &[AtOnce<'_>],
         lease: i64,
-    ) -> Result<Decision> {
-        let (queue, watch) = (wait == Wait::Queued, wait == Wait::Unqueued);
+    ) -> Result<Vec<Outcome>> {
         self.transient = false;
-        let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
-        let (locks, schema_lock) = self.key_locks(&keys);
-        let modes: Vec<i16> = requests.iter().map(|r| mode_code(r.mode)).collect();
-        let operations: Vec<&str> = requests.iter().map(|r| r.operation.as_str()).collect();
-        let all_keys = encode_keys(requests);
-        let rows = self.query(
-            "acquiring",
-            "SELECT * FROM {s}.acquire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-            &[
-                &owner,
-                &keys,
-                &modes,
-                &operations,
-                &all_keys,
-                &queue,
-                &watch,
-                &lease,
-                &locks,
-                &schema_lock,
-            ],
-        )?;
+        let args = DecideArgs::new(&self.schema, owner, lease, ops);
+        let rows = self.query("deciding", DECIDE, &args.params())?;
         self.succeeded();
-        let row = rows
-            .first()
-            .ok_or_else(|| LockError::Storage("while acquiring: no answer".into()))?;
-        let now: i64 = row.get(0);
-        self.offset = now - self.monotonic();
-        let list = |at: usize| {
-            row.get::<_, Option<Vec<Option<String>>>>(at)
-                .unwrap_or_default()
-        };
-        // The rows, one array per column (all of one length, from one query).
-        let (keys, owners, all_keys) = (list(3), list(7), list(9));
-        let modes: Vec<i16> = row.get::<_, Option<_>>(4).unwrap_or_default();
-        let tickets: Vec<i64> = row.get::<_, Option<_>>(5).unwrap_or_default();
-        let held: Vec<bool> = row.get::<_, Option<_>>(6).unwrap_or_default();
-        let expiries: Vec<i64> = row.get::<_, Option<_>>(8).unwrap_or_default();
-        let rows = (keys.into_iter().zip(owners).zip(all_keys))
-            .zip(modes.into_iter().zip(tickets))
-            .zip(held.into_iter().zip(expiries))
-            .map(
-                |((((key, owner), all_keys), (mode, ticket)), (held, expires_at))| RowView {
-                    key: key.unwrap_or_default(),
-                    mode: mode_of(i64::from(mode)),
-                    ticket: ticket_of(ticket),
-                    held,
-                    owner: owner.unwrap_or_default(),
-                    expires_at,
-                    keys: all_keys.as_deref().map_or_else(Vec::new, decode_keys),
-                },
-            )
-            .collect();
-        Ok(Decision {
-            now,
-            ticket: row.get::<_, Option<i64>>(1).map(ticket_of),
-            granted: row.get(2),
-            rows,
-        })
-    }
-
-    fn remove_in_one(&mut self, owner: &str, keys: &[String], ticket: u64) -> Result<Removal> {
-        self.transient = false;
-        let (locks, schema_lock) = self.key_locks(keys);
-        let mut hashes: Vec<i64> = keys.iter().map(|key| key_hash(key)).collect();
-        hashes.sort_unstable();
-        hashes.dedup();
-        let rows = self.query(
-            "releasing",
-            "SELECT * FROM {s}.release($1, $2, $3, $4, $5, $6, $7)",
-            &[
-                &owner,
-                &keys,
-                &sql_ticket(ticket),
-                &locks,
-                &schema_lock,
-                &channel(&self.schema),
-                &payload(&hashes),
-            ],
-        )?;
-        self.succeeded();
-        let row = rows
-            .first()
-            .ok_or_else(|| LockError::Storage("while releasing: no answer".into()))?;
-        let now: i64 = row.get(0);
-        self.offset = now - self.monotonic();
-        let count = |at: usize| usize::try_from(row.get::<_, i64>(at)).unwrap_or(0);
-        Ok(Removal {
-            now,
-            deleted: Deleted {
-                rows: count(1),
-                live: count(2),
-            },
-            freed: row.get(3),
-            promoted: row
-                .get::<_, Option<Vec<i64>>>(4)
-                .unwrap_or_default()
-                .into_iter()
-                .map(ticket_of)
-                .collect(),
-        })
+        if rows.len() != ops.len() {
+            return Err(LockError::Storage(format!(
+                "while deciding: {} answers to {} operations",
+                rows.len(),
+                ops.len()
+            )));
+        }
+        let mut outcomes = Vec::with_capacity(ops.len());
+        for (op, row) in ops.iter().zip(&rows) {
+            let now: i64 = row.get(0);
+            self.offset = now - self.monotonic();
+            outcomes.push(match op {
+                AtOnce::Acquire { wait, .. } => Outcome::Acquired(decision(row, *wait)),
+                AtOnce::Remove { .. } => {
+                    let count = |at: usize| usize::try_from(row.get::<_, i64>(at)).unwrap_or(0);
+                    Outcome::Removed(Removal {
+                        now,
+                        deleted: Deleted {
+                            rows: count(5),
+                            live: count(6),
+                        },
+                        freed: row.get(7),
+                        promoted: row
+                            .get::<_, Option<Vec<i64>>>(8)
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(ticket_of)
+                            .collect(),
+                    })
+                }
+            });
+        }
+        Ok(outcomes)
     }
 
     fn simple(&mut self, doing: &str, sql: &str) -> Result<()> {
@@ -710,8 +769,8 @@ fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// The server-side halves of the two commonest writes, so that each takes one round trip and
-/// one transaction (`Storage::acquire_at_once`, `Storage::remove_at_once`). They take the same
+/// The server-side halves of the two commonest writes, so that a batch of them takes one round
+/// trip and one transaction (`decide`, for `Storage::decide_at_once`). They take the same
 /// advisory locks as `begin`, read the time once they hold them, and delete the lapsed rows of
 /// their keys before they read them, as every decision does.
 ///
@@ -738,95 +797,124 @@ BEGIN
     RETURN (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
 END $$;
 
-CREATE OR REPLACE FUNCTION {s}.acquire(
-    p_owner text, p_keys text[], p_modes int2[], p_operations text[], p_all_keys text,
-    p_queue boolean, p_watch boolean, p_lease bigint, p_locks int4[], p_schema_lock int4,
-    OUT now bigint, OUT ticket bigint, OUT granted boolean,
-    OUT row_keys text[], OUT row_modes int2[], OUT row_tickets int8[], OUT row_held boolean[],
-    OUT row_owners text[], OUT row_expiries int8[], OUT row_all_keys text[])
+-- A batch of acquisitions and releases of one owner, decided in order in one transaction: the
+-- locks of all their keys taken once, the time read afresh for each. The n-th operation's keys
+-- (and modes, operations) are p_keys[p_ends[n-1] + 1 : p_ends[n]]; a release has a ticket, an
+-- acquisition none, and a wait (0: queued, 1: unqueued, 2: not at all). One answer per
+-- operation, in order: `now`, then
+-- - for an acquisition: `ticket` (if rows were written), `granted`, and when it refused a
+--   caller who waits, the other owners' live rows on its keys (`others_keys` and
+--   `others_expiries`: when each key may be freed without anyone writing);
+-- - for a release: the rows it `deleted`, how many of them were `live`, whether it `freed`
+--   anything, and the tickets it `promoted`, whoever owns them.
+-- The other columns are left as they were: what they hold means nothing.
+--
+-- Written for speed: PL/pgSQL compiles each expression once per transaction, so an operation
+-- alone in its call pays for every expression here (hence no resetting of the answer's
+-- columns); and each operation's part of the arrays is copied into variables once.
+CREATE OR REPLACE FUNCTION {s}.decide(
+    p_owner text, p_lease bigint, p_locks int4[], p_schema_lock int4, p_channel text,
+    p_ends int4[], p_tickets int8[], p_waits int2[], p_all_keys text[], p_payloads text[],
+    p_keys text[], p_modes int2[], p_operations text[])
+RETURNS TABLE (
+    now bigint, ticket bigint, granted boolean, others_keys text[], others_expiries int8[],
+    deleted bigint, live bigint, freed boolean, promoted int8[])
 LANGUAGE plpgsql AS $$
 DECLARE
+    n int;
+    lo int := 1;
+    op_keys text[];
+    op_modes int2[];
+    op_ticket int8;
+    op_wait int2;
     lapsed bigint;
     blocked boolean;
-BEGIN
-    now := {s}.lock_keys(p_locks, p_schema_lock);
-    SELECT count(*) FILTER (WHERE o.expires_at <= now),
-           bool_or(o.expires_at > now AND (r.mode = {exclusive} OR o.mode = {exclusive}))
-    INTO lapsed, blocked
-    FROM {s}.locks AS o JOIN unnest(p_keys, p_modes) AS r(key, mode) ON o.key = r.key;
-    IF lapsed > 0 THEN
-        DELETE FROM {s}.locks AS d WHERE d.key = ANY(p_keys) AND d.expires_at <= now;
-    END IF;
-    granted := NOT coalesce(blocked, false);
-    IF NOT granted THEN
-        SELECT array_agg(o.key ORDER BY o.key, o.ticket),
-               array_agg(o.mode ORDER BY o.key, o.ticket),
-               array_agg(o.ticket ORDER BY o.key, o.ticket),
-               array_agg(o.held ORDER BY o.key, o.ticket),
-               array_agg(o.owner ORDER BY o.key, o.ticket),
-               array_agg(o.expires_at ORDER BY o.key, o.ticket),
-               array_agg(o.keys ORDER BY o.key, o.ticket)
-        INTO row_keys, row_modes, row_tickets, row_held, row_owners, row_expiries, row_all_keys
-        FROM {s}.locks AS o WHERE o.key = ANY(p_keys) AND o.expires_at > now;
-    END IF;
-    IF NOT granted AND p_watch THEN
-        -- A caller that waits without a row: releases on these keys announce themselves.
-        INSERT INTO {s}.watchers AS w (key, owner, expires_at)
-        SELECT k, p_owner, now + 2 * p_lease FROM unnest(p_keys) AS k
-        ON CONFLICT (key, owner) DO UPDATE SET expires_at = EXCLUDED.expires_at;
-    END IF;
-    IF granted OR p_queue THEN
-        ticket := nextval('{s}.tickets');
-        INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
-                               acquired_at, expires_at, heartbeat_at, keys)
-        SELECT r.key, r.mode, r.operation, p_owner, ticket, granted, now,
-               CASE WHEN granted THEN now END, now + p_lease, now, p_all_keys
-        FROM unnest(p_keys, p_modes, p_operations) AS r(key, mode, operation);
-    END IF;
-END $$;
-
-CREATE OR REPLACE FUNCTION {s}.release(
-    p_owner text, p_keys text[], p_ticket bigint, p_locks int4[], p_schema_lock int4,
-    p_channel text, p_payload text,
-    OUT now bigint, OUT deleted bigint, OUT live bigint, OUT freed boolean,
-    OUT promoted int8[])
-LANGUAGE plpgsql AS $$
-DECLARE
-    expired bigint;
     others_promoted boolean;
 BEGIN
-    now := {s}.lock_keys(p_locks, p_schema_lock);
-    WITH d AS (
-        DELETE FROM {s}.locks AS d
-        WHERE d.key = ANY(p_keys)
-          AND ((d.ticket = p_ticket AND d.owner = p_owner) OR d.expires_at <= now)
-        RETURNING d.ticket = p_ticket AND d.owner = p_owner AS own, d.expires_at > now AS live)
-    SELECT count(*) FILTER (WHERE d.own), count(*) FILTER (WHERE d.own AND d.live),
-           count(*) FILTER (WHERE NOT d.own)
-    INTO deleted, live, expired FROM d;
-    WITH p AS (
-        UPDATE {s}.locks AS w SET held = true, acquired_at = now,
-            expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
-            heartbeat_at = GREATEST(w.heartbeat_at, now)
-        WHERE w.key = ANY(p_keys) AND NOT w.held AND w.keys IS NULL AND w.expires_at > now
-          AND NOT EXISTS (
-              SELECT 1 FROM {s}.locks AS o
-              WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
-                AND (w.mode = {exclusive} OR o.mode = {exclusive}))
-        RETURNING w.ticket, w.owner)
-    SELECT array_agg(p.ticket), coalesce(bool_or(p.owner <> p_owner), false)
-    INTO promoted, others_promoted FROM p;
-    freed := deleted > 0 OR expired > 0 OR promoted IS NOT NULL;
-    -- Announced only if someone else may be waiting: another owner's promoted request, a
-    -- waiting row left, or a caller waiting without a row (`watchers`). This owner learns of
-    -- its own promotions from the answer.
-    IF freed AND (others_promoted
-            OR EXISTS (SELECT 1 FROM {s}.locks AS w
-                       WHERE w.key = ANY(p_keys) AND NOT w.held AND w.expires_at > now)
-            OR EXISTS (SELECT 1 FROM {s}.watchers AS w
-                       WHERE w.key = ANY(p_keys) AND w.expires_at > now)) THEN
-        PERFORM pg_notify(p_channel, p_payload);
-    END IF;
+    PERFORM {s}.lock_keys(p_locks, p_schema_lock);
+    FOR n IN 1 .. coalesce(cardinality(p_ends), 0) LOOP
+        op_keys := p_keys[lo:p_ends[n]];
+        op_modes := p_modes[lo:p_ends[n]];
+        op_ticket := p_tickets[n];
+        op_wait := p_waits[n];
+        now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+        IF op_ticket IS NULL THEN
+            -- An acquisition: the keys' lapsed rows deleted; granted unless a live row there
+            -- conflicts; rows written under a new ticket if granted or queued. Refused, it
+            -- answers when the other owners' live rows there run out, and a caller without a
+            -- queue position is noted in `watchers`.
+            SELECT count(*) FILTER (WHERE o.expires_at <= now),
+                   bool_or(o.expires_at > now AND (r.mode = {exclusive} OR o.mode = {exclusive}))
+            INTO lapsed, blocked
+            FROM {s}.locks AS o
+            JOIN unnest(op_keys, op_modes) AS r(key, mode) ON o.key = r.key;
+            IF lapsed > 0 THEN
+                DELETE FROM {s}.locks AS d WHERE d.key = ANY(op_keys) AND d.expires_at <= now;
+            END IF;
+            granted := NOT coalesce(blocked, false);
+            IF NOT granted AND op_wait <> 2 THEN
+                SELECT array_agg(o.key), array_agg(o.expires_at)
+                INTO others_keys, others_expiries
+                FROM {s}.locks AS o
+                WHERE o.key = ANY(op_keys) AND o.expires_at > now AND o.owner <> p_owner;
+                IF op_wait = 1 THEN
+                    INSERT INTO {s}.watchers AS w (key, owner, expires_at)
+                    SELECT k, p_owner, now + 2 * p_lease FROM unnest(op_keys) AS k
+                    ON CONFLICT (key, owner) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+                END IF;
+            END IF;
+            ticket := CASE WHEN granted OR op_wait = 0 THEN nextval('{s}.tickets') END;
+            IF ticket IS NOT NULL THEN
+                INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
+                                       acquired_at, expires_at, heartbeat_at, keys)
+                SELECT r.key, r.mode, r.operation, p_owner, ticket, granted, now,
+                       CASE WHEN granted THEN now END, now + p_lease, now, p_all_keys[n]
+                FROM unnest(op_keys, op_modes, p_operations[lo:p_ends[n]])
+                     AS r(key, mode, operation);
+            END IF;
+        ELSE
+            -- A release: the owner's rows of the ticket deleted, with the keys' lapsed rows;
+            -- then the single-key waiters there that the rule now lets through promoted.
+            WITH d AS (
+                DELETE FROM {s}.locks AS d
+                WHERE d.key = ANY(op_keys)
+                  AND ((d.ticket = op_ticket AND d.owner = p_owner) OR d.expires_at <= now)
+                RETURNING d.ticket = op_ticket AND d.owner = p_owner AS own,
+                          d.expires_at > now AS live)
+            SELECT count(*) FILTER (WHERE d.own), count(*) FILTER (WHERE d.own AND d.live),
+                   count(*) FILTER (WHERE NOT d.own)
+            INTO deleted, live, lapsed FROM d;
+            WITH p AS (
+                UPDATE {s}.locks AS w SET held = true, acquired_at = now,
+                    expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
+                    heartbeat_at = GREATEST(w.heartbeat_at, now)
+                WHERE w.key = ANY(op_keys) AND NOT w.held AND w.keys IS NULL
+                  AND w.expires_at > now
+                  AND NOT EXISTS (
+                      SELECT 1 FROM {s}.locks AS o
+                      WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
+                        AND (w.mode = {exclusive} OR o.mode = {exclusive}))
+                RETURNING w.ticket, w.owner)
+            SELECT array_agg(p.ticket), coalesce(bool_or(p.owner <> p_owner), false)
+            INTO promoted, others_promoted FROM p;
+            freed := deleted > 0 OR lapsed > 0 OR promoted IS NOT NULL;
+            -- Announced only if another owner may be waiting: its request promoted, its
+            -- waiting row left, or it waits without a row (`watchers`). This owner learns of
+            -- its own promotions from the answer, and looks for itself at the keys where a
+            -- request of its own on several keys waits.
+            IF freed AND (others_promoted
+                    OR EXISTS (SELECT 1 FROM {s}.locks AS w
+                               WHERE w.key = ANY(op_keys) AND NOT w.held AND w.expires_at > now
+                                 AND w.owner <> p_owner)
+                    OR EXISTS (SELECT 1 FROM {s}.watchers AS w
+                               WHERE w.key = ANY(op_keys) AND w.expires_at > now
+                                 AND w.owner <> p_owner)) THEN
+                PERFORM pg_notify(p_channel, p_payloads[n]);
+            END IF;
+        END IF;
+        RETURN NEXT;
+        lo := p_ends[n] + 1;
+    END LOOP;
 END $$;
 "#;
 
@@ -904,16 +992,22 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 .map_err(|e| storage_error("migrating the schema to version 2", &e))?;
         }
         if found < 3 {
-            // One round trip per acquisition and per release: the functions of `FUNCTIONS`.
+            // Callers that wait without a row (see `WATCHERS`).
+            transaction
+                .batch_execute(&WATCHERS.replace("{s}", &s))
+                .map_err(|e| storage_error("migrating the schema to version 3", &e))?;
+        }
+        if found < SCHEMA_VERSION {
+            // One round trip per batch of acquisitions and releases: the functions of
+            // `FUNCTIONS` (version 3 had one for an acquisition and one for a release).
             transaction
                 .batch_execute(&format!(
-                    "{}
+                    "DROP FUNCTION IF EXISTS {s}.acquire, {s}.release;
                      {}
-                     UPDATE {s}.meta SET version = 3;",
-                    WATCHERS.replace("{s}", &s),
+                     UPDATE {s}.meta SET version = {SCHEMA_VERSION};",
                     functions(schema)
                 ))
-                .map_err(|e| storage_error("migrating the schema to version 3", &e))?;
+                .map_err(|e| storage_error("migrating the schema's functions", &e))?;
         }
     } else {
         transaction
@@ -1245,25 +1339,14 @@ impl Storage for Postgres {
         Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
     }
 
-    /// One round trip: the function `acquire` (see `FUNCTIONS`).
-    fn acquire_at_once(
+    /// One round trip: the function `decide` (see `FUNCTIONS`).
+    fn decide_at_once(
         &mut self,
         owner: &str,
-        requests: &[LockRequest],
-        wait: Wait,
+        ops: &[AtOnce<'_>],
         lease: i64,
-    ) -> Option<Result<Decision>> {
-        Some(self.acquire_in_one(owner, requests, wait, lease))
-    }
-
-    /// One round trip: the function `release` (see `FUNCTIONS`).
-    fn remove_at_once(
-        &mut self,
-        owner: &str,
-        keys: &[String],
-        ticket: u64,
-    ) -> Option<Result<Removal>> {
-        Some(self.remove_in_one(owner, keys, ticket))
+    ) -> Option<Result<Vec<Outcome>>> {
+        Some(self.decide_in_one(owner, ops, lease))
     }
 
     fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>> {
@@ -1529,18 +1612,11 @@ mod tests {
                     })
                     .collect();
                 let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
-                let modes: Vec<i16> = requests.iter().map(|r| mode_code(r.mode)).collect();
-                let operations: Vec<&str> = requests.iter().map(|_| "new").collect();
-                let (locks, schema_lock) = key_locks(&case.schema, &keys);
-                let sql = format!(
-                    "SELECT granted, ticket FROM {}.acquire($1, $2, $3, $4, $5, false, false, 1000000, $6, $7)",
-                    quote(&case.schema)
-                );
-                let row = case
-                    .client
-                    .query_one(&sql, &[&"o9", &keys, &modes, &operations, &encode_keys(&requests), &locks, &schema_lock])
-                    .unwrap();
-                let granted: bool = row.get(0);
+                let op = AtOnce::Acquire { requests: &requests, wait: Wait::No };
+                let args = DecideArgs::new(&case.schema, "o9", 1_000_000, &[op]);
+                let sql = DECIDE.replace("{s}", &quote(&case.schema));
+                let row = case.client.query_one(&sql, &args.params()).unwrap();
+                let granted: bool = row.get(2);
                 let expected = grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &live);
                 prop_assert_eq!(granted, expected, "rows {:?}", rows);
                 prop_assert_eq!(row.get::<_, Option<i64>>(1).is_some(), expected);
@@ -1568,18 +1644,14 @@ mod tests {
                     vec![KEYS[usize::from(key)].to_owned()]
                 };
                 let ticket = at as i64 + 1;
-                let (locks, schema_lock) = key_locks(&case.schema, &keys);
-                let sql = format!(
-                    "SELECT deleted, promoted FROM {}.release($1, $2, $3, $4, $5, 'nobody', '')",
-                    quote(&case.schema)
-                );
-                let row = case
-                    .client
-                    .query_one(&sql, &[&format!("o{owner}"), &keys, &ticket, &locks, &schema_lock])
-                    .unwrap();
-                let deleted: i64 = row.get(0);
+                let owner = format!("o{owner}");
+                let op = AtOnce::Remove { keys: &keys, ticket: ticket as u64 };
+                let args = DecideArgs::new(&case.schema, &owner, 1_000_000, &[op]);
+                let sql = DECIDE.replace("{s}", &quote(&case.schema));
+                let row = case.client.query_one(&sql, &args.params()).unwrap();
+                let deleted: i64 = row.get(5);
                 let mut promoted: Vec<u64> = row
-                    .get::<_, Option<Vec<i64>>>(1)
+                    .get::<_, Option<Vec<i64>>>(8)
                     .unwrap_or_default()
                     .into_iter()
                     .map(|t| t as u64)

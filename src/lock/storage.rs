@@ -124,32 +124,24 @@ pub(crate) trait Storage {
     /// Renews every live row of `owner` until `expires_at`; never touches an expired row.
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize>;
 
-    /// Decides a new request in one round trip and one transaction of its own, where the
-    /// backend can (`None` where it cannot: the worker then runs `begin`, the reads and writes,
-    /// and `commit`). Decides as that sequence would: the lapsed rows of its keys deleted, the
-    /// grant rule asked (`grantable_now`), and rows written under a new ticket, held if granted,
-    /// else waiting if `wait` is `Queued`; an `Unqueued` caller refused is noted as by
-    /// `watching`.
-    fn acquire_at_once(
+    /// Decides a batch of acquisitions and removals of `owner`'s (`ops`, in order) in one round
+    /// trip and one transaction of its own, where the backend can (`None` where it cannot: the
+    /// worker then runs `begin`, the reads and writes, and `commit`). One outcome per operation,
+    /// in order, each decided as that sequence would:
+    ///
+    /// - an acquisition: the lapsed rows of its keys deleted, the grant rule asked
+    ///   (`grantable_now`), and rows written under a new ticket, held if granted, else waiting
+    ///   if its wait is `Queued`; an `Unqueued` caller refused is noted as by `watching`;
+    /// - a removal: `owner`'s rows of its ticket deleted, and the waiters on its keys that the
+    ///   grant rule now lets through promoted, whoever owns them; the keys announced if another
+    ///   owner may be waiting there. A waiting request on several keys is left to its owner:
+    ///   another owner hears the announcement, and `owner` looks at its own.
+    fn decide_at_once(
         &mut self,
         _owner: &str,
-        _requests: &[LockRequest],
-        _wait: Wait,
+        _ops: &[AtOnce<'_>],
         _lease: i64,
-    ) -> Option<Result<Decision>> {
-        None
-    }
-    /// Deletes `owner`'s rows of `ticket` on `keys` in one round trip and one transaction of its
-    /// own, where the backend can (else `None`), and promotes the waiters on those keys that
-    /// the grant rule now lets through, whoever owns them; announces the keys if another owner
-    /// may be waiting there. A waiting request on several keys is left to its owner, who hears
-    /// the announcement.
-    fn remove_at_once(
-        &mut self,
-        _owner: &str,
-        _keys: &[String],
-        _ticket: u64,
-    ) -> Option<Result<Removal>> {
+    ) -> Option<Result<Vec<Outcome>>> {
         None
     }
     /// Every request of `owner` with a row, live or not: its ticket and keys, by ticket. How
@@ -164,7 +156,26 @@ pub(crate) trait Storage {
     fn is_held(&mut self, key: &str, now: i64) -> Result<bool>;
 }
 
-/// What `Storage::acquire_at_once` decided.
+/// An operation of a batch decided in one call (`Storage::decide_at_once`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum AtOnce<'a> {
+    /// A new request on these keys.
+    Acquire {
+        requests: &'a [LockRequest],
+        wait: Wait,
+    },
+    /// The removal of the request written under `ticket` on `keys`.
+    Remove { keys: &'a [String], ticket: u64 },
+}
+
+/// What `Storage::decide_at_once` did with one operation.
+#[derive(Clone, Debug)]
+pub(crate) enum Outcome {
+    Acquired(Decision),
+    Removed(Removal),
+}
+
+/// What `Storage::decide_at_once` decided for an acquisition.
 #[derive(Clone, Debug)]
 pub(crate) struct Decision {
     /// The time it decided at.
@@ -172,11 +183,12 @@ pub(crate) struct Decision {
     /// The ticket of the rows written, if any were.
     pub(crate) ticket: Option<u64>,
     pub(crate) granted: bool,
-    /// When not granted, the live rows on the request's keys before its own were written.
-    pub(crate) rows: Vec<RowView>,
+    /// When refused a caller who waits: the other owners' live rows on the request's keys, by
+    /// key and expiry.
+    pub(crate) others: Vec<(String, i64)>,
 }
 
-/// What `Storage::remove_at_once` did.
+/// What `Storage::decide_at_once` did for a removal.
 #[derive(Clone, Debug)]
 pub(crate) struct Removal {
     /// The time it decided at.

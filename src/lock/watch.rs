@@ -110,6 +110,17 @@ impl Waits {
         self.by_key.keys()
     }
 
+    /// The keys among `keys` on which a queued request on several keys waits.
+    pub(crate) fn spanning(&self, keys: &[String]) -> Vec<String> {
+        (keys.iter())
+            .filter(|key| {
+                (self.by_key.get(*key).into_iter().flatten())
+                    .any(|ticket| self.by_ticket.get(ticket).is_some_and(|w| w.keys.len() > 1))
+            })
+            .cloned()
+            .collect()
+    }
+
     /// The queued keys among those `hashes` name.
     pub(crate) fn named(&self, hashes: &[i64]) -> BTreeSet<String> {
         hashes
@@ -207,23 +218,32 @@ impl Waits {
     }
 }
 
-/// For each key, the earliest expiry among `rows` of other owners than `owner` on it.
-pub(crate) fn first_foreign_expiries<'a>(
-    owner: &str,
+/// For each of `keys`, the earliest expiry among `others` (other owners' live rows, by key and
+/// expiry) on it; `i64::MAX` if none.
+pub(crate) fn first_expiries<'a, 'r>(
     keys: impl IntoIterator<Item = &'a String>,
-    rows: &[super::grant::RowView],
+    others: impl Iterator<Item = (&'r str, i64)> + Clone,
 ) -> BTreeMap<&'a String, i64> {
     keys.into_iter()
         .map(|key| {
-            let first = rows
-                .iter()
-                .filter(|row| &row.key == key && row.owner != owner)
-                .map(|row| row.expires_at)
+            let first = (others.clone())
+                .filter(|(on, _)| on == key)
+                .map(|(_, at)| at)
                 .min()
                 .unwrap_or(i64::MAX);
             (key, first)
         })
         .collect()
+}
+
+/// The rows of `rows` of other owners than `owner`, by key and expiry.
+pub(crate) fn others_rows<'r>(
+    owner: &'r str,
+    rows: &'r [super::grant::RowView],
+) -> impl Iterator<Item = (&'r str, i64)> + Clone + 'r {
+    (rows.iter())
+        .filter(move |row| row.owner != owner)
+        .map(|row| (row.key.as_str(), row.expires_at))
 }
 
 #[cfg(test)]

@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
 use super::protocol::{Acquired, Command, Grant, SlotState, Wait, WaitSlot, Write};
-use super::storage::{from_micros, micros, Changes, OwnedRequest, Storage};
-use super::watch::{first_foreign_expiries, Look, Waits};
+use super::storage::{from_micros, micros, AtOnce, Changes, Outcome, OwnedRequest, Storage};
+use super::watch::{first_expiries, others_rows, Look, Waits};
 use super::{Common, LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
 use crate::schedule::{Schedule, ScheduleRun};
@@ -111,6 +111,10 @@ pub(crate) struct Worker<S> {
     /// Looking for the next command before blocking ([`spin_schedule`]), on real time.
     spin: ScheduleRun,
     poked: bool,
+    /// Keys this owner freed rows on by a call that announced them to other owners only
+    /// (`Storage::decide_at_once`), where a request of its own on several keys waits: the next
+    /// look reads them.
+    own_changes: BTreeSet<String>,
     last_renewal: Option<i64>,
     /// Whether the current transaction deleted a row of this owner.
     deleted: bool,
@@ -150,6 +154,7 @@ impl<S: Storage> Worker<S> {
             last_look,
             spin: spin_schedule().start(Duration::ZERO),
             poked: false,
+            own_changes: BTreeSet::new(),
             last_renewal: None,
             deleted: false,
             pass: BTreeSet::new(),
@@ -423,7 +428,8 @@ impl<S: Storage> Worker<S> {
         }
         let refused = !grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &rows);
         if refused {
-            self.not_granted(&keys, &rows, wait);
+            let common = Arc::clone(&self.common);
+            self.not_granted(&keys, others_rows(&common.owner, &rows), wait);
         }
         refused
     }
@@ -442,10 +448,16 @@ impl<S: Storage> Worker<S> {
         }
     }
 
-    /// Remembers, for each of `keys` (whose live rows are `rows`), when the first other owner's
-    /// row on it runs out: that is when the key may be freed without anyone writing.
-    fn watch(&mut self, keys: &[String], rows: &[RowView], look: Look) {
-        for (key, at) in first_foreign_expiries(&self.common.owner, keys, rows) {
+    /// Remembers, for each of `keys` (where `others` are the other owners' live rows, by key and
+    /// expiry), when the first other owner's row on it runs out: that is when the key may be
+    /// freed without anyone writing.
+    fn watch<'r>(
+        &mut self,
+        keys: &[String],
+        others: impl Iterator<Item = (&'r str, i64)> + Clone,
+        look: Look,
+    ) {
+        for (key, at) in first_expiries(keys, others) {
             self.waits.note(key, at, look);
         }
     }
@@ -501,20 +513,34 @@ impl<S: Storage> Worker<S> {
     /// timeout: see `Storage::again`) is done again, whole, after the busy schedule's delay,
     /// rather than failing its callers.
     fn write(&mut self, mut writes: Vec<Write>) {
-        // Acquisitions and removals one by one, each in one call, while the storage can decide
-        // them so (`Storage::acquire_at_once`) and no other work is due in a transaction.
-        while matches!(
-            writes.first(),
-            Some(Write::Acquire { .. } | Write::Remove { .. })
-        ) {
+        // Acquisitions and removals in one call, while the storage can decide them so
+        // (`Storage::decide_at_once`) and no other work is due in a transaction.
+        loop {
             self.find_lost_requests();
             if !self.doubtful.is_empty() || !self.pass.is_empty() {
                 break;
             }
-            let write = writes.remove(0);
-            if let Err(write) = self.at_once(write) {
-                writes.insert(0, write);
+            if let Some(Write::Remove { request, .. }) = writes.first() {
+                if !self.requests.contains_key(request) {
+                    // Its acquisition, earlier in this batch, wrote nothing: nothing to remove.
+                    let write = writes.remove(0);
+                    let now = self.now();
+                    self.deliver(write, Decided::Removed(true), now);
+                    continue;
+                }
+            }
+            let run = self.at_once_run(&writes);
+            if run == 0 {
                 break;
+            }
+            let rest = writes.split_off(run);
+            match self.at_once(writes) {
+                Ok(()) => writes = rest,
+                Err(mut back) => {
+                    back.extend(rest);
+                    writes = back;
+                    break;
+                }
             }
         }
         if writes.is_empty() {
@@ -560,86 +586,134 @@ impl<S: Storage> Worker<S> {
         }
     }
 
-    /// Does `write` (an acquisition or a removal) in one call to storage, or gives it back if
-    /// the storage cannot, or if it failed perhaps after writing rows that must be found first.
-    /// A failure for a passing reason is tried again after the busy schedule's delay.
-    fn at_once(&mut self, write: Write) -> Result<(), Write> {
+    /// How many of the first `writes` one call can decide: acquisitions, and removals of
+    /// requests written before it (a removal of one acquired in the same run waits for the
+    /// next call, which knows its ticket).
+    fn at_once_run(&self, writes: &[Write]) -> usize {
+        let mut removed = BTreeSet::new();
+        writes
+            .iter()
+            .take_while(|write| match write {
+                Write::Acquire { .. } => true,
+                Write::Remove { request, .. } => {
+                    self.requests.contains_key(request) && removed.insert(*request)
+                }
+                _ => false,
+            })
+            .count()
+    }
+
+    /// Does `writes` (acquisitions and removals: see `at_once_run`) in one call to storage, or
+    /// gives them back if the storage cannot, or if the call failed perhaps after writing rows
+    /// that must be found first. A failure for a passing reason is tried again after the busy
+    /// schedule's delay; any other failure of several writes tries each alone, so that one bad
+    /// write does not fail the others.
+    fn at_once(&mut self, writes: Vec<Write>) -> Result<(), Vec<Write>> {
         let owner = self.common.owner.clone();
         let lease = micros(self.common.lease);
         loop {
-            let error = match &write {
-                Write::Acquire {
-                    request,
-                    requests,
-                    wait,
-                    ..
-                } => {
-                    let Some(outcome) =
-                        self.storage.acquire_at_once(&owner, requests, *wait, lease)
-                    else {
-                        return Err(write);
-                    };
-                    match outcome {
-                        Ok(decision) => {
-                            Counters::bump(&self.counters().write_transactions);
-                            let keys = keys_of(requests);
-                            let decided = match decision.ticket {
-                                Some(ticket) => self.written(
-                                    *request,
-                                    requests,
-                                    ticket,
-                                    decision.granted.then_some(decision.now + lease),
-                                ),
-                                None => Decided::NotNow,
-                            };
-                            if !decision.granted {
-                                self.not_granted(&keys, &decision.rows, *wait);
-                            }
-                            self.deliver(write, decided, decision.now);
-                            return Ok(());
-                        }
-                        Err(error) => {
-                            self.lost_replies = true;
-                            error
-                        }
+            let ops: Vec<AtOnce<'_>> = writes
+                .iter()
+                .filter_map(|write| match write {
+                    Write::Acquire { requests, wait, .. } => Some(AtOnce::Acquire {
+                        requests,
+                        wait: *wait,
+                    }),
+                    Write::Remove { request, .. } => {
+                        let written = self.requests.get(request)?;
+                        Some(AtOnce::Remove {
+                            keys: &written.keys,
+                            ticket: written.ticket,
+                        })
                     }
-                }
-                Write::Remove { request, .. } => {
-                    let Some(written) = self.requests.get(request) else {
-                        // Nothing was ever written for it, or it is gone already.
-                        let now = self.now();
-                        self.deliver(write, Decided::Removed(true), now);
-                        return Ok(());
-                    };
-                    let (ticket, keys) = (written.ticket, written.keys.clone());
-                    let Some(outcome) = self.storage.remove_at_once(&owner, &keys, ticket) else {
-                        return Err(write);
-                    };
-                    match outcome {
-                        Ok(removal) => {
-                            Counters::bump(&self.counters().write_transactions);
-                            let live = removal.deleted.live == keys.len();
-                            self.deliver(write, Decided::Removed(live), removal.now);
-                            self.after_commit(&Freed {
-                                any: removal.freed,
-                                promoted: removal.promoted,
-                                at: removal.now,
-                            });
-                            return Ok(());
-                        }
-                        Err(error) => error,
-                    }
-                }
-                _ => return Err(write),
+                    _ => None,
+                })
+                .collect();
+            if ops.len() != writes.len() {
+                return Err(writes);
+            }
+            let Some(outcome) = self.storage.decide_at_once(&owner, &ops, lease) else {
+                return Err(writes);
             };
+            let error = match outcome {
+                Ok(outcomes) => {
+                    Counters::bump(&self.counters().write_transactions);
+                    for (write, outcome) in writes.into_iter().zip(outcomes) {
+                        self.decided_at_once(write, outcome, lease);
+                    }
+                    return Ok(());
+                }
+                Err(error) => error,
+            };
+            if writes.iter().any(|w| matches!(w, Write::Acquire { .. })) {
+                self.lost_replies = true;
+            }
             if !self.storage.again() {
-                fail(write, error, &mut self.failed_removals);
+                self.retry_alone(writes, error);
                 return Ok(());
             }
             tracing::debug!(%error, "a write failed for a passing reason; once more");
             self.find_lost_requests();
             if !self.doubtful.is_empty() {
-                return Err(write);
+                return Err(writes);
+            }
+        }
+    }
+
+    /// Delivers what one call decided for `write`.
+    fn decided_at_once(&mut self, write: Write, outcome: Outcome, lease: i64) {
+        match (&write, outcome) {
+            (
+                Write::Acquire {
+                    request,
+                    requests,
+                    wait,
+                    ..
+                },
+                Outcome::Acquired(decision),
+            ) => {
+                let (request, wait) = (*request, *wait);
+                let keys = keys_of(requests);
+                let decided = match decision.ticket {
+                    Some(ticket) => self.written(
+                        request,
+                        requests,
+                        ticket,
+                        decision.granted.then_some(decision.now + lease),
+                    ),
+                    None => Decided::NotNow,
+                };
+                if !decision.granted {
+                    let others = decision.others.iter().map(|(key, at)| (key.as_str(), *at));
+                    self.not_granted(&keys, others, wait);
+                }
+                self.deliver(write, decided, decision.now);
+            }
+            (Write::Remove { request, .. }, Outcome::Removed(removal)) => {
+                let keys = (self.requests.get(request))
+                    .map(|written| written.keys.clone())
+                    .unwrap_or_default();
+                let live = removal.deleted.live == keys.len();
+                if removal.freed {
+                    // The storage promoted the single-key waiters it could, and announced the
+                    // keys only to other owners: this owner's own waits on several keys there
+                    // are for its next look.
+                    let spanning = self.waits.spanning(&keys);
+                    if !spanning.is_empty() {
+                        self.own_changes.extend(spanning);
+                        self.poked = true;
+                    }
+                }
+                self.deliver(write, Decided::Removed(live), removal.now);
+                self.after_commit(&Freed {
+                    any: removal.freed,
+                    promoted: removal.promoted,
+                    at: removal.now,
+                });
+            }
+            (_, outcome) => {
+                let error = LockError::Storage(format!("an answer of the wrong kind: {outcome:?}"));
+                fail(write, error, &mut self.failed_removals);
             }
         }
     }
@@ -855,7 +929,8 @@ impl<S: Storage> Worker<S> {
                 let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
                 let granted = grantable_now(wanted, &rows);
                 if !granted {
-                    self.not_granted(&keys, &rows, *wait);
+                    let common = Arc::clone(&self.common);
+                    self.not_granted(&keys, others_rows(&common.owner, &rows), *wait);
                     if *wait == Wait::Unqueued {
                         let lease = micros(self.common.lease);
                         self.storage.watching(owner, &keys, now, lease)?;
@@ -897,16 +972,22 @@ impl<S: Storage> Worker<S> {
         }
     }
 
-    /// A request on `keys` was not granted, `rows` being the live rows there: unless it does not
+    /// A request on `keys` was not granted, `others` being the other owners' live rows there (by
+    /// key and expiry): unless it does not
     /// wait at all (`try_acquire`), it waits, queued or not, until another owner's row there
     /// runs out, or another owner, committing after this decision, wakes it. Without a queue
     /// position, it is refused for now.
-    fn not_granted(&mut self, keys: &[String], rows: &[RowView], wait: Wait) {
+    fn not_granted<'r>(
+        &mut self,
+        keys: &[String],
+        others: impl Iterator<Item = (&'r str, i64)> + Clone,
+        wait: Wait,
+    ) {
         if wait == Wait::No {
             return;
         }
         self.mark_waiting(true);
-        self.watch(keys, rows, Look::Pending);
+        self.watch(keys, others, Look::Pending);
         if wait != Wait::Queued {
             self.waits.refuse(keys);
         }
@@ -1096,6 +1177,7 @@ impl<S: Storage> Worker<S> {
             Changes::Nothing => BTreeSet::new(),
         };
         keys.extend(due);
+        keys.append(&mut self.own_changes);
         if (changes != Changes::Nothing || refused_due) && self.waits.any_refused() {
             // Requests without a queue position have no rows to promote: their callers try
             // again, and are refused (and watched) again if still blocked.
@@ -1113,7 +1195,8 @@ impl<S: Storage> Worker<S> {
         let mut read = keys;
         read.extend(more);
         let read_list: Vec<String> = read.iter().cloned().collect();
-        self.watch(&read_list, &rows, Look::Done);
+        let common = Arc::clone(&self.common);
+        self.watch(&read_list, others_rows(&common.owner, &rows), Look::Done);
         self.settle_waits(&read, &rows);
         if !promotable_within(&rows, &read).is_empty() {
             self.pass = read;
