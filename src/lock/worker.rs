@@ -130,7 +130,7 @@ pub(crate) struct Worker<S> {
     /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
     /// deleted (if there) by the next transaction.
     doubtful: Vec<Written>,
-    /// Whether an acquisition decided in one call (`Storage::acquire_at_once`) failed, perhaps
+    /// Whether an acquisition decided in one call (`Storage::decide_at_once`) failed, perhaps
     /// after it committed: its rows, if there, are found (`find_lost_requests`) and deleted
     /// by the next transaction, as `doubtful` ones are.
     lost_replies: bool,
