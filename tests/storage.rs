@@ -484,3 +484,58 @@ fn eight_processes_hammering_one_file_never_see_busy() {
         assert!(locks.inspect(None).await.unwrap().is_empty());
     });
 }
+
+/// How many rows of the file name their request's other keys (the `keys` column).
+fn rows_naming_their_keys(path: &std::path::Path) -> i64 {
+    let connection = sqlite::open(path).unwrap();
+    let mut count = connection
+        .prepare("SELECT COUNT(*) FROM locks WHERE keys IS NOT NULL")
+        .unwrap();
+    count.next().unwrap();
+    count.read::<i64, _>(0).unwrap()
+}
+
+/// A request on several keys names them all in its rows only while it waits: held, its rows name
+/// none, so a `many` of N keys stores N names, not N × N (with 2,000 keys, 40 MB), and lookups
+/// near its rows stay cheap.
+#[test]
+fn a_held_request_on_several_keys_stores_each_key_once() {
+    futures::executor::block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        let locks = LockManager::open(&path).unwrap();
+        let keys: Vec<String> = (0..2_000).map(|i| format!("key-{i:05}")).collect();
+        let held = locks
+            .many(keys.iter().map(|key| LockRequest::exclusive(key, "held")))
+            .await
+            .unwrap();
+        assert_eq!(rows_naming_their_keys(&path), 0);
+        let size = std::fs::metadata(&path).unwrap().len()
+            + std::fs::metadata(dir.path().join("locks.db-wal")).map_or(0, |m| m.len());
+        assert!(size < 4 << 20, "{size} bytes for 2,000 rows");
+
+        // A waiting request on several keys names them, until it is promoted.
+        let blocker = locks.exclusive("b", "blocker").await.unwrap();
+        let waiter = {
+            let locks = locks.clone();
+            leasehold::fork_daemon(async move {
+                locks
+                    .many_queued([LockRequest::shared("a", "w"), LockRequest::shared("b", "w")])
+                    .await
+            })
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while rows_naming_their_keys(&path) != 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiter never queued"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        blocker.release().await.unwrap();
+        let guard = waiter.join().await.success().unwrap().unwrap();
+        assert_eq!(rows_naming_their_keys(&path), 0);
+        guard.release().await.unwrap();
+        held.release().await.unwrap();
+    });
+}

@@ -26,7 +26,8 @@ pub(crate) struct RowView {
     pub(crate) held: bool,
     pub(crate) owner: String,
     pub(crate) expires_at: i64,
-    /// Every key of its request, when that is more than this row's own (a `many`); else empty.
+    /// Every key of its request, when that is more than this row's own (a `many`) and the row
+    /// waits; else empty (a held row's other keys are never needed).
     pub(crate) keys: Vec<String>,
 }
 

@@ -48,8 +48,8 @@ use super::grant::RowView;
 use super::protocol::{Command, Wait};
 use super::storage::{
     by_ticket, decode_keys, encode_keys, fnv1a, key_hash, mode_code, mode_of, sql_ticket,
-    ticket_of, AtOnce, Changes, Decision, Deleted, Outcome, OwnedRequest, Removal, Result, Row,
-    Storage,
+    stored_keys, ticket_of, AtOnce, Changes, Decision, Deleted, Outcome, OwnedRequest, Removal,
+    Result, Row, Storage,
 };
 use super::{LockError, LockRequest, Mode};
 use crate::clock::{Clock, SystemClock};
@@ -868,7 +868,8 @@ BEGIN
                 INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
                                        acquired_at, expires_at, heartbeat_at, keys)
                 SELECT r.key, r.mode, r.operation, p_owner, ticket, granted, now,
-                       CASE WHEN granted THEN now END, now + p_lease, now, p_all_keys[n]
+                       CASE WHEN granted THEN now END, now + p_lease, now,
+                       CASE WHEN NOT granted THEN p_all_keys[n] END
                 FROM unnest(op_keys, op_modes, p_operations[lo:p_ends[n]])
                      AS r(key, mode, operation);
             END IF;
@@ -1210,7 +1211,7 @@ impl Storage for Postgres {
     ) -> Result<()> {
         let ticket = sql_ticket(ticket);
         let acquired_at = held.then_some(now);
-        let keys = encode_keys(requests);
+        let keys = stored_keys(requests, held);
         // One statement for every row of the request, whatever its number of keys.
         let names: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
         let modes: Vec<i16> = requests.iter().map(|r| mode_code(r.mode)).collect();
@@ -1245,7 +1246,7 @@ impl Storage for Postgres {
             "promoting a waiting request",
             "UPDATE {s}.locks SET held = true, acquired_at = $1,
                  expires_at = GREATEST(expires_at, $1 + (expires_at - heartbeat_at)),
-                 heartbeat_at = GREATEST(heartbeat_at, $1)
+                 heartbeat_at = GREATEST(heartbeat_at, $1), keys = NULL
              WHERE key = ANY($2) AND ticket = $3 AND NOT held",
             &[&now, &keys, &sql_ticket(ticket)],
         )?;

@@ -16,7 +16,7 @@ use sqlite::{Connection, OpenFlags, State, Statement};
 
 use super::grant::RowView;
 use super::storage::{
-    by_ticket, decode_keys, encode_keys, key_hash, micros, mode_code, mode_of, sql_ticket,
+    by_ticket, decode_keys, key_hash, micros, mode_code, mode_of, sql_ticket, stored_keys,
     ticket_of, Changes, Deleted, OwnedRequest, Result, Row, Storage,
 };
 use super::{LockError, LockRequest};
@@ -553,7 +553,7 @@ impl Storage for Db<'_> {
              VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )?;
         let ticket = sql_ticket(ticket);
-        let keys = encode_keys(requests);
+        let keys = stored_keys(requests, held);
         for request in requests {
             statement.reset().map_err(|e| storage_error(doing, &e))?;
             bind(doing, &mut statement, 1, request.key.as_str())?;
@@ -583,7 +583,7 @@ impl Storage for Db<'_> {
             doing,
             "UPDATE locks SET held = 1, acquired_at = ?1,
                               expires_at = MAX(expires_at, ?1 + (expires_at - heartbeat_at)),
-                              heartbeat_at = MAX(heartbeat_at, ?1)
+                              heartbeat_at = MAX(heartbeat_at, ?1), keys = NULL
              WHERE key = ?2 AND ticket = ?3 AND held = 0",
         )?;
         for key in keys {

@@ -91,8 +91,8 @@ pub(crate) trait Storage {
     fn rows_on_keys(&mut self, keys: &[String], now: i64, into: &mut Vec<RowView>) -> Result<()>;
     /// The next ticket of the one sequence every request takes from.
     fn next_ticket(&mut self) -> Result<u64>;
-    /// Writes one row per request, all under `ticket`, held or waiting; a request on several
-    /// keys writes all of them in every row (see `RowView::keys`).
+    /// Writes one row per request, all under `ticket`, held or waiting; a waiting request on
+    /// several keys writes all of them in every row (see `RowView::keys`, and `stored_keys`).
     fn insert_request(
         &mut self,
         owner: &str,
@@ -239,8 +239,16 @@ pub(crate) fn key_hash(key: &str) -> i64 {
     i64::from_ne_bytes(fnv1a(key.as_bytes()).to_ne_bytes())
 }
 
-/// The keys of a request on several keys, as stored in each of its rows: each key preceded by
-/// its length in bytes and `:` (keys may hold any character). `None` for one key.
+/// The `keys` column of a request's rows: for a waiting request on several keys, every key,
+/// which a decision on one of them needs in order to read the others; nothing for a held one,
+/// whose other keys no decision reads (a `many` of 500 keys would otherwise store 500 × 500
+/// names, and make every lookup near its rows read them). A promotion clears it.
+pub(crate) fn stored_keys(requests: &[LockRequest], held: bool) -> Option<String> {
+    encode_keys(requests).filter(|_| !held)
+}
+
+/// The keys of a request on several keys, as stored in its rows while it waits: each key
+/// preceded by its length in bytes and `:` (keys may hold any character). `None` for one key.
 pub(crate) fn encode_keys(requests: &[LockRequest]) -> Option<String> {
     (requests.len() > 1).then(|| {
         requests
