@@ -527,11 +527,12 @@ fn a_waiting_process_is_woken_by_the_doorbell_not_by_the_poll() {
     );
 }
 
-/// A refused `try_acquire` waits for nothing, so its manager puts up no waiting marker (other
-/// processes would ring it at each commit, for nothing); a waiting acquisition does.
+/// A manager's waiting marker makes every other process ring it at each commit that frees rows.
+/// A refused `try_acquire` waits for nothing, and a queued request is rung by name when it is
+/// promoted: neither puts one up. A caller waiting without a row (a `many`) does.
 #[cfg(unix)]
 #[test]
-fn a_refused_try_acquire_puts_up_no_waiting_marker() {
+fn only_a_caller_waiting_without_a_row_puts_up_a_waiting_marker() {
     let (_dir, _folder, db) = folder_and_db();
     let mut doorbell = db.as_os_str().to_owned();
     doorbell.push("-doorbell");
@@ -559,20 +560,33 @@ fn a_refused_try_acquire_puts_up_no_waiting_marker() {
             0,
             "a refused try_acquire put up a waiting marker"
         );
-        let waiter = {
+        // A queued waiter puts up none either: its promoter rings its owner by name.
+        let queued = {
             let trying = trying.clone();
-            fork_daemon(async move { trying.shared("k", "wait").await })
+            fork_daemon(async move { trying.shared("k", "queued").await })
+        };
+        within(5_000, "the queued waiter's row", || async {
+            holder.inspect(Some("k")).await.unwrap().len() == 2
+        })
+        .await;
+        assert_eq!(markers(), 0, "a queued waiter put up a waiting marker");
+        // A caller waiting without a row has nothing else to be found by.
+        let unqueued = {
+            let trying = trying.clone();
+            fork_daemon(async move { trying.many([LockRequest::shared("k", "unqueued")]).await })
         };
         within(
             5_000,
-            "a waiting acquisition puts up its marker",
+            "a caller waiting without a row puts up its marker",
             || async { markers() == 1 },
         )
         .await;
         guard.release().await.unwrap();
-        match join_within(5_000, "the waiter's grant", waiter).await {
-            Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
-            other => panic!("{other:?}"),
+        for waiter in [queued, unqueued] {
+            match join_within(5_000, "the waiter's grant", waiter).await {
+                Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
+                other => panic!("{other:?}"),
+            }
         }
     });
 }
@@ -635,4 +649,50 @@ fn handed_over_by(folder: &Path, db: &Path, poll: Duration, limit: Duration) {
         guard.release().await.unwrap();
     });
     child.assert_success(Duration::from_secs(20));
+}
+
+/// A commit on one key wakes only the managers it concerns: a manager (here of the same process,
+/// on the same file) waiting in the queue of another key is neither poked nor rung, so it does
+/// not look at all while the other key changes hands a hundred times (its `poll` is 30 s); a
+/// commit that promotes its request wakes it at once.
+#[test]
+fn a_commit_on_one_key_does_not_wake_a_manager_waiting_on_another() {
+    let (_dir, _folder, db) = folder_and_db();
+    block_on(async {
+        let slow_poll = || {
+            LockManager::builder()
+                .poll(std::time::Duration::from_secs(30))
+                .open(&db)
+                .unwrap()
+        };
+        let (busy, waiting) = (slow_poll(), slow_poll());
+        let blocker = busy.exclusive("x", "blocker").await.unwrap();
+        let waiter = {
+            let waiting = waiting.clone();
+            fork_daemon(async move { waiting.exclusive("x", "waiter").await })
+        };
+        within(5_000, "the waiter's row", || async {
+            busy.inspect(Some("x")).await.unwrap().len() == 2
+        })
+        .await;
+        let looks = waiting.stats().change_checks;
+        for _ in 0..100 {
+            busy.exclusive("y", "busy")
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            waiting.stats().change_checks - looks,
+            0,
+            "commits on another key woke the waiting manager"
+        );
+        blocker.release().await.unwrap();
+        match join_within(5_000, "the waiter's grant", waiter).await {
+            Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
+            other => panic!("{other:?}"),
+        }
+    });
 }

@@ -1,22 +1,30 @@
 //! Wake-ups across processes for SQLite: a doorbell per manager beside the database file.
 //!
 //! Beside `locks.db` is a folder `locks.db-doorbell`. Each manager binds a Unix datagram socket
-//! there (`<id>.sock`), and a thread of its own waits on it and pokes the storage worker when a
-//! datagram comes. While the manager has waiters, a marker `<id>.wait` says so. A transaction
-//! that freed or promoted rows, once it has committed, sends one byte to every waiting manager's
-//! socket: the worker then looks at once, instead of at its next `poll`.
+//! there (`<id>.sock`, `id` a digest of its owner), and a thread of its own waits on it and
+//! pokes the storage worker when a datagram comes: the worker then looks at once, instead of at
+//! its next `poll`. After a commit, one byte goes to
 //!
-//! The marker is made inside the transaction that decides to wait, before it commits: a
-//! releaser commits after it (one writer at a time), so it sees the marker, and rings. A release
-//! that committed before was seen by the waiting transaction itself. So a doorbell that works
-//! misses nothing; the poll stays as the fallback where it cannot work (another OS, a folder that
-//! cannot be made, a socket path longer than the system allows, a peer that crashed), and the
-//! worker's correctness never depends on it.
+//! - the owner of each request of another owner that the transaction promoted (a promoted row
+//!   names its owner, so the ring is aimed: a commit on one key wakes only whom it concerns);
+//! - every manager with callers waiting without a row (a `many`, refused): they have no row to
+//!   be found by, and any commit that frees rows may let them through. While a manager has such
+//!   callers, a marker `<id>.wait` says so; a commit that freed or promoted rows rings them all.
 //!
-//! Ringing costs one `stat` of the folder when nobody waits (its listing is read again only when
-//! the folder changed), and a `sendto` per waiting manager when some do. A socket whose owner
-//! died (nobody bound: `ECONNREFUSED`) is removed with its marker by whoever rings it.
+//! The marker is put up before the read, or inside the transaction, that refuses such a caller:
+//! a releaser commits after it (one writer at a time), so it sees the marker, and rings. A
+//! release that committed before was seen by the refusal itself. A queued request needs no
+//! marker: its promoter rings it by name. So a doorbell that works misses nothing; the poll
+//! stays as the fallback where it cannot work (another OS, a folder that cannot be made, a
+//! socket path longer than the system allows, a peer that crashed), and the worker's
+//! correctness never depends on it.
+//!
+//! Ringing costs one `stat` of the folder when no marker is up (its listing is read again only
+//! when the folder changed), and a `sendto` per promoted owner and per marked manager. A socket
+//! whose owner died (nobody bound: `ECONNREFUSED`) is removed with its marker by whoever rings
+//! it.
 
+use std::collections::BTreeSet;
 use std::io::ErrorKind;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
@@ -59,7 +67,7 @@ impl Doorbell {
         let mut dir = db.as_os_str().to_owned();
         dir.push("-doorbell");
         let dir = PathBuf::from(dir);
-        let id = format!("{:016x}", fnv1a(owner.as_bytes()));
+        let id = id_of(owner);
         let socket_path = dir.join(format!("{id}.sock"));
         if socket_path.as_os_str().len() > MAX_SOCKET_PATH {
             tracing::debug!(
@@ -122,19 +130,22 @@ impl Doorbell {
         }
     }
 
-    /// Rings every other waiting manager.
-    pub(crate) fn ring(&mut self) {
+    /// Rings every other manager with a marker up, and the managers of `owners`.
+    pub(crate) fn ring(&mut self, owners: &BTreeSet<String>) {
         let modified = std::fs::metadata(&self.dir).and_then(|m| m.modified()).ok();
         if modified.is_none() || modified != self.listed {
             self.listed = modified;
             self.peers = self.waiting_peers();
         }
+        let named = owners.iter().map(|owner| id_of(owner));
+        let peers: BTreeSet<String> = self.peers.iter().cloned().chain(named).collect();
         let mut gone = false;
-        for peer in &self.peers {
+        for peer in peers.iter().filter(|peer| **peer != self.id) {
             let socket = self.dir.join(format!("{peer}.sock"));
             match self.sender.send_to(&[1], &socket) {
                 Ok(_) => {}
-                // Nobody is bound there (its process died): clear its marker and socket.
+                // Nobody is bound there (its process died, or it has no doorbell): clear its
+                // marker and socket, if there.
                 Err(error)
                     if matches!(
                         error.kind(),
@@ -143,7 +154,7 @@ impl Doorbell {
                 {
                     let _ = std::fs::remove_file(self.dir.join(format!("{peer}.wait")));
                     let _ = std::fs::remove_file(&socket);
-                    gone = true;
+                    gone |= self.peers.contains(peer);
                 }
                 // A full buffer: it has been rung already and will look.
                 Err(_) => {}
@@ -174,6 +185,11 @@ impl Drop for Doorbell {
         let _ = std::fs::remove_file(self.dir.join(format!("{}.wait", self.id)));
         let _ = std::fs::remove_file(self.dir.join(format!("{}.sock", self.id)));
     }
+}
+
+/// The name of `owner`'s socket and marker in the folder.
+fn id_of(owner: &str) -> String {
+    format!("{:016x}", fnv1a(owner.as_bytes()))
 }
 
 /// Makes the folder if it is not there, with the database's permissions plus the right to

@@ -34,7 +34,7 @@
 //! done (`Postgres::succeeded`). Rows live on the server, so guards survive a disconnect shorter
 //! than their lease. The listener's connection backs off on its own run of the same schedule.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -1146,7 +1146,14 @@ impl Storage for Postgres {
     }
 
     /// Sent with the commit, in its round trip: one `NOTIFY` naming the keys.
-    fn announce(&mut self, freed: &[String], promoted: &[String]) -> Result<()> {
+    /// The keys, by digest, in a `NOTIFY` at the commit: every listener hears it, and looks at
+    /// the keys it waits on among them (the owners need not be named).
+    fn announce(
+        &mut self,
+        freed: &[String],
+        promoted: &[String],
+        _owners: &BTreeSet<String>,
+    ) -> Result<()> {
         let mut keys: Vec<i64> = freed.iter().chain(promoted).map(|k| key_hash(k)).collect();
         keys.sort_unstable();
         keys.dedup();

@@ -6,7 +6,7 @@
 //! Times are stored as whole microseconds since the Unix epoch, from the manager's `Clock`.
 
 use std::cell::{RefCell, RefMut};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::sync::Arc;
@@ -184,6 +184,8 @@ pub(crate) struct Db<'c> {
     #[cfg(unix)]
     doorbell: Option<super::doorbell::Doorbell>,
     ring: bool,
+    /// The other owners whose requests the transaction promoted: rung by name.
+    ring_owners: BTreeSet<String>,
 }
 
 /// A cached statement, reset when dropped so that it never holds a read transaction open.
@@ -230,6 +232,7 @@ impl<'c> Db<'c> {
             #[cfg(unix)]
             doorbell: None,
             ring: false,
+            ring_owners: BTreeSet::new(),
         }
     }
 
@@ -407,16 +410,18 @@ impl Storage for Db<'_> {
     }
 
     fn wake_others(&mut self) {
+        let owners = std::mem::take(&mut self.ring_owners);
         if std::mem::take(&mut self.ring) {
             #[cfg(unix)]
             if let Some(doorbell) = &mut self.doorbell {
-                doorbell.ring();
+                doorbell.ring(&owners);
             }
         }
     }
 
     fn rollback(&mut self) {
         self.ring = false;
+        self.ring_owners.clear();
         let _ = self.conn.execute("ROLLBACK");
     }
 
@@ -467,8 +472,17 @@ impl Storage for Db<'_> {
     /// entry: a waiter whose key was freed but who was not promoted is still blocked (the
     /// promoting pass judged it), unless it has no queue position, and those look again on any
     /// commit.
-    fn announce(&mut self, _freed: &[String], promoted: &[String]) -> Result<()> {
+    /// Promotions go into the change log, whose readers look at the keys it names; after the
+    /// commit, the doorbell rings the promoted requests' owners and every manager with callers
+    /// waiting without a row (`wake_others`).
+    fn announce(
+        &mut self,
+        _freed: &[String],
+        promoted: &[String],
+        owners: &BTreeSet<String>,
+    ) -> Result<()> {
         self.ring = true;
+        self.ring_owners.extend(owners.iter().cloned());
         let doing = "writing the change log";
         let mut statement = self.prepare(doing, "INSERT INTO changes (key_hash) VALUES (?)")?;
         for key in promoted {

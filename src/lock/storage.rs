@@ -5,6 +5,7 @@
 //! Every method runs on the worker's own thread. Times are whole microseconds since the Unix
 //! epoch, by the clock the backend judges leases with.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use super::grant::RowView;
@@ -50,8 +51,14 @@ pub(crate) trait Storage {
     fn commit(&mut self) -> Result<()>;
     /// Called in a write transaction before its commit, with the keys whose rows it deleted
     /// and the keys on which it promoted waiters (or found waiters it may not promote: see
-    /// `keys_locked`), so that other managers find out (`changes`).
-    fn announce(&mut self, freed: &[String], promoted: &[String]) -> Result<()>;
+    /// `keys_locked`), so that other managers find out (`changes`); `owners` are those other
+    /// owners, whose requests there were promoted (or must be looked at by them).
+    fn announce(
+        &mut self,
+        freed: &[String],
+        promoted: &[String],
+        owners: &BTreeSet<String>,
+    ) -> Result<()>;
     /// Rolls back if a transaction is open; a failure here leaves nothing to undo.
     fn rollback(&mut self);
     /// After a failed transaction: whether it failed for a passing reason (its connection
@@ -65,9 +72,11 @@ pub(crate) trait Storage {
     /// backend that wakes other processes' managers directly does it here, off the path of the
     /// local handoff.
     fn wake_others(&mut self) {}
-    /// Whether this owner has waiters, so that other managers' announcements should reach it
-    /// at once. Said inside the transaction that decides to wait, before its commit, and again
-    /// once nothing waits. A backend that wakes managers some other way ignores it.
+    /// Whether this owner has callers waiting without a row (`Wait::Unqueued`), whom any
+    /// commit that frees rows may let through, so that other managers' announcements should
+    /// reach it at once. Said before the read or inside the transaction that refuses such a
+    /// caller, and again once none waits. (A queued request is woken by name: its promoter
+    /// announces its owner.) A backend that wakes managers some other way ignores it.
     fn waiting(&mut self, _waiting: bool) {}
 
     /// Called in a write transaction that refused a request on `keys` (sorted) without a queue

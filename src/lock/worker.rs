@@ -46,9 +46,9 @@ use crate::sync::lock;
 /// At most this many commands go into one transaction.
 const MAX_BATCH: usize = 256;
 
-/// How long this owner stays marked as waiting (`Storage::waiting`) once its last wait ended: a
-/// task that waits again soon (a busy lock, taken in turns) keeps the marker, rather than putting
-/// it up and taking it down at every turn.
+/// How long this owner stays marked as waiting (`Storage::waiting`) once its last caller waiting
+/// without a row stopped: a task that waits again soon (a busy lock, taken in turns) keeps the
+/// marker, rather than putting it up and taking it down at every turn.
 const MARKER_LINGER: Duration = Duration::from_secs(1);
 
 /// How long the worker keeps looking for the next command before it blocks.
@@ -83,6 +83,9 @@ struct Freed {
     promoted: Vec<u64>,
     /// When the promoted rows' leases began (clock micros).
     at: i64,
+    /// The other owners whose requests were promoted, if known: the managers of this process
+    /// to wake, besides those with callers waiting without a row (if not known: all of them).
+    owners: Option<BTreeSet<String>>,
 }
 
 /// What a write decided inside the transaction, delivered once it has committed.
@@ -231,7 +234,7 @@ impl<S: Storage> Worker<S> {
                 self.last_look = self.common.clock.monotonic();
                 self.next_look = self.look_after(self.last_look);
             }
-            if self.has_waiters() {
+            if self.common.unqueued.load(Ordering::SeqCst) > 0 {
                 self.idle_since = None;
             } else if self.marked_waiting {
                 let since = *self.idle_since.get_or_insert_with(Instant::now);
@@ -709,6 +712,7 @@ impl<S: Storage> Worker<S> {
                     any: removal.freed,
                     promoted: removal.promoted,
                     at: removal.now,
+                    owners: None,
                 });
             }
             (_, outcome) => {
@@ -813,6 +817,7 @@ impl<S: Storage> Worker<S> {
                 any: self.deleted,
                 promoted: Vec::new(),
                 at: now,
+                owners: Some(BTreeSet::new()),
             };
             pass.append(&mut self.pass);
             if !pass.is_empty() {
@@ -824,9 +829,11 @@ impl<S: Storage> Worker<S> {
                 } else {
                     Vec::new()
                 };
-                if !freed_keys.is_empty() || !announced.is_empty() {
-                    self.storage.announce(&freed_keys, &announced)?;
+                if !freed_keys.is_empty() || !announced.keys.is_empty() {
+                    let keys: Vec<String> = announced.keys.into_iter().collect();
+                    (self.storage).announce(&freed_keys, &keys, &announced.owners)?;
                 }
+                freed.owners = Some(announced.owners);
             }
             self.storage.commit()?;
             Ok((value, freed))
@@ -844,13 +851,13 @@ impl<S: Storage> Worker<S> {
     /// by key, only of the keys this transaction `locked`, and a waiter with a key outside them
     /// is left for its owner, whose own look takes all its keys (its keys are announced so that
     /// the owner looks). Returns how many lapsed rows were deleted, the promoted tickets, and
-    /// the keys to announce.
+    /// what to announce.
     fn promote_pass(
         &mut self,
         keys: &BTreeSet<String>,
         locked: &[String],
         now: i64,
-    ) -> Result<(usize, Vec<u64>, Vec<String>), LockError> {
+    ) -> Result<(usize, Vec<u64>, Announced), LockError> {
         let list: Vec<String> = keys.iter().cloned().collect();
         // Where renewals run beside this transaction, lapsed rows must be gone before it reads
         // (see `Storage::rows_on_keys`); a lone writer ignores them, and its heartbeat sweeps.
@@ -863,7 +870,7 @@ impl<S: Storage> Worker<S> {
         self.storage.rows_on_keys(&list, now, &mut rows)?;
         let mut read = keys.clone();
         let mut more: Vec<String> = other_keys(&rows, &read).into_iter().collect();
-        let mut announced = BTreeSet::new();
+        let mut announced = Announced::default();
         if self.storage.keys_locked() {
             let (reachable, out_of_reach): (Vec<String>, Vec<String>) = more
                 .into_iter()
@@ -874,7 +881,7 @@ impl<S: Storage> Worker<S> {
                 let blocked: BTreeSet<&str> = out_of_reach.iter().map(String::as_str).collect();
                 for row in rows.iter().filter(|row| !row.held) {
                     if row.request_keys().any(|key| blocked.contains(key)) {
-                        announced.extend(row.request_keys().map(str::to_owned));
+                        announced.note(row, row.request_keys().map(str::to_owned));
                     }
                 }
             }
@@ -901,10 +908,11 @@ impl<S: Storage> Worker<S> {
             // Another owner learns of its grant from the announcement; this one, as it commits
             // (`after_commit`).
             if own[0].owner != self.common.owner {
-                announced.extend(keys);
+                announced.note(own[0], keys);
             }
         }
-        Ok((expired, promoted, announced.into_iter().collect()))
+        announced.owners.remove(&self.common.owner);
+        Ok((expired, promoted, announced))
     }
 
     fn apply(&mut self, write: &Write, now: i64) -> Result<Decided, LockError> {
@@ -986,7 +994,9 @@ impl<S: Storage> Worker<S> {
         if wait == Wait::No {
             return;
         }
-        self.mark_waiting(true);
+        if wait == Wait::Unqueued {
+            self.mark_waiting(true);
+        }
         self.watch(keys, others, Look::Pending);
         if wait != Wait::Queued {
             self.waits.refuse(keys);
@@ -1076,7 +1086,7 @@ impl<S: Storage> Worker<S> {
         }
         if freed.any {
             self.common.changed.notify(usize::MAX);
-            super::siblings::poke(&self.common);
+            super::siblings::poke(&self.common, freed.owners.as_ref());
         }
         self.storage.wake_others();
     }
@@ -1226,6 +1236,21 @@ impl<S: Storage> Worker<S> {
                 "could not delete this owner's rows on close; they expire with their lease"
             ),
         }
+    }
+}
+
+/// What a promotion pass found to announce: the keys of other owners' requests it promoted (or
+/// must leave to their owners), and those owners.
+#[derive(Default)]
+struct Announced {
+    keys: BTreeSet<String>,
+    owners: BTreeSet<String>,
+}
+
+impl Announced {
+    fn note(&mut self, row: &RowView, keys: impl IntoIterator<Item = String>) {
+        self.keys.extend(keys);
+        self.owners.insert(row.owner.clone());
     }
 }
 
