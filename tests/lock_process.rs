@@ -527,6 +527,21 @@ fn a_waiting_process_is_woken_by_the_doorbell_not_by_the_poll() {
     );
 }
 
+/// The same for a parent that waits without a row (a `many`): the child's commit rings every
+/// manager whose marker is up.
+#[cfg(unix)]
+#[test]
+fn a_process_waiting_without_a_row_is_woken_by_the_doorbell_not_by_the_poll() {
+    let (_dir, folder, db) = folder_and_db();
+    handed_over(
+        &folder,
+        &db,
+        Duration::from_secs(30),
+        Duration::from_secs(2),
+        false,
+    );
+}
+
 /// A manager's waiting marker makes every other process ring it at each commit that frees rows.
 /// A refused `try_acquire` waits for nothing, and a queued request is rung by name when it is
 /// promoted: neither puts one up. A caller waiting without a row (a `many`) does.
@@ -614,18 +629,45 @@ fn without_a_doorbell_a_waiting_process_gets_the_lock_by_polling() {
 /// A child holds `k` and releases it when told; the parent, polling every `poll`, queues behind
 /// it and must hold `k` within `limit` of the child's release.
 fn handed_over_by(folder: &Path, db: &Path, poll: Duration, limit: Duration) {
+    handed_over(folder, db, poll, limit, true);
+}
+
+/// `handed_over_by`, the parent waiting in the queue or (`queued` false) without a row.
+fn handed_over(folder: &Path, db: &Path, poll: Duration, limit: Duration, queued: bool) {
     let mut child = ChildProcess::spawn("hold-then-release", db, folder, "0");
     child.await_marker(folder, "held", Duration::from_secs(20));
     block_on(async {
         let locks = LockManager::builder().poll(poll).open(db).unwrap();
         let waiter = {
             let locks = locks.clone();
-            fork_daemon(async move { locks.exclusive("k", "parent").await })
+            fork_daemon(async move {
+                let request = LockRequest::exclusive("k", "parent");
+                if queued {
+                    locks.acquire(request).await
+                } else {
+                    locks.many([request]).await
+                }
+            })
         };
-        within(5_000, "the parent queued behind the child", || {
-            waits_for(&locks, "parent")
-        })
-        .await;
+        if queued {
+            within(5_000, "the parent queued behind the child", || {
+                waits_for(&locks, "parent")
+            })
+            .await;
+        } else {
+            // Without a row, its waiting marker is what shows it waits.
+            let markers = db.with_extension("db-doorbell");
+            within(5_000, "the parent waiting without a row", || {
+                let markers = markers.clone();
+                async move {
+                    fs::read_dir(&markers).is_ok_and(|entries| {
+                        (entries.filter_map(Result::ok))
+                            .any(|e| e.file_name().to_string_lossy().ends_with(".wait"))
+                    })
+                }
+            })
+            .await;
+        }
         // However long it waits, it is not granted while the child holds.
         smol::Timer::after(Duration::from_millis(50)).await;
         assert!(!waiter.is_finished(), "granted while the child held");
