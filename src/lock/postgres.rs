@@ -617,6 +617,11 @@ impl Postgres {
                             .into_iter()
                             .map(ticket_of)
                             .collect(),
+                        owners: row
+                            .get::<_, Option<Vec<String>>>(9)
+                            .unwrap_or_default()
+                            .into_iter()
+                            .collect(),
                     })
                 }
             });
@@ -806,7 +811,7 @@ END $$;
 --   caller who waits, the other owners' live rows on its keys (`others_keys` and
 --   `others_expiries`: when each key may be freed without anyone writing);
 -- - for a release: the rows it `deleted`, how many of them were `live`, whether it `freed`
---   anything, and the tickets it `promoted`, whoever owns them.
+--   anything, the tickets it `promoted`, whoever owns them, and the other `owners` of those.
 -- The other columns are left as they were: what they hold means nothing.
 --
 -- Written for speed: PL/pgSQL compiles each expression once per transaction, so an operation
@@ -818,7 +823,7 @@ CREATE OR REPLACE FUNCTION {s}.decide(
     p_keys text[], p_modes int2[], p_operations text[])
 RETURNS TABLE (
     now bigint, ticket bigint, granted boolean, others_keys text[], others_expiries int8[],
-    deleted bigint, live bigint, freed boolean, promoted int8[])
+    deleted bigint, live bigint, freed boolean, promoted int8[], owners text[])
 LANGUAGE plpgsql AS $$
 DECLARE
     n int;
@@ -829,7 +834,6 @@ DECLARE
     op_wait int2;
     lapsed bigint;
     blocked boolean;
-    others_promoted boolean;
 BEGIN
     PERFORM {s}.lock_keys(p_locks, p_schema_lock);
     FOR n IN 1 .. coalesce(cardinality(p_ends), 0) LOOP
@@ -896,14 +900,14 @@ BEGIN
                       WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
                         AND (w.mode = {exclusive} OR o.mode = {exclusive}))
                 RETURNING w.ticket, w.owner)
-            SELECT array_agg(p.ticket), coalesce(bool_or(p.owner <> p_owner), false)
-            INTO promoted, others_promoted FROM p;
+            SELECT array_agg(p.ticket), array_agg(DISTINCT p.owner) FILTER (WHERE p.owner <> p_owner)
+            INTO promoted, owners FROM p;
             freed := deleted > 0 OR lapsed > 0 OR promoted IS NOT NULL;
             -- Announced only if another owner may be waiting: its request promoted, its
             -- waiting row left, or it waits without a row (`watchers`). This owner learns of
             -- its own promotions from the answer, and looks for itself at the keys where a
             -- request of its own on several keys waits.
-            IF freed AND (others_promoted
+            IF freed AND (owners IS NOT NULL
                     OR EXISTS (SELECT 1 FROM {s}.locks AS w
                                WHERE w.key = ANY(op_keys) AND NOT w.held AND w.expires_at > now
                                  AND w.owner <> p_owner)

@@ -32,9 +32,9 @@ pub(super) fn register(shared: &Arc<Shared>) {
     });
 }
 
-/// Tells the other managers on this database that something was committed: those of `owners`
-/// (all of them if `None`: not known), and those with callers waiting without a row.
-pub(super) fn poke(common: &Common, owners: Option<&BTreeSet<String>>) {
+/// Tells the other managers on this database that something was committed: those of `owners`,
+/// and those with callers waiting without a row.
+pub(super) fn poke(common: &Common, owners: &BTreeSet<String>) {
     let Some(store) = &common.store else {
         return;
     };
@@ -44,7 +44,7 @@ pub(super) fn poke(common: &Common, owners: Option<&BTreeSet<String>>) {
         .filter_map(|s| s.shared.upgrade())
         .collect();
     for target in targets {
-        let concerned = owners.is_none_or(|owners| owners.contains(&target.common.owner))
+        let concerned = owners.contains(&target.common.owner)
             || target.common.unqueued.load(Ordering::SeqCst) > 0;
         if concerned {
             let _ = target.tx.send(Command::Poke);

@@ -207,6 +207,8 @@ pub(crate) struct Removal {
     pub(crate) freed: bool,
     /// The tickets it promoted, whoever owns them.
     pub(crate) promoted: Vec<u64>,
+    /// The other owners whose requests it promoted.
+    pub(crate) owners: BTreeSet<String>,
 }
 
 /// What other connections changed since the last look (`Storage::changes`).

@@ -83,9 +83,9 @@ struct Freed {
     promoted: Vec<u64>,
     /// When the promoted rows' leases began (clock micros).
     at: i64,
-    /// The other owners whose requests were promoted, if known: the managers of this process
-    /// to wake, besides those with callers waiting without a row (if not known: all of them).
-    owners: Option<BTreeSet<String>>,
+    /// The other owners whose requests were promoted: the managers of this process to wake,
+    /// besides those with callers waiting without a row.
+    owners: BTreeSet<String>,
 }
 
 /// What a write decided inside the transaction, delivered once it has committed.
@@ -693,26 +693,30 @@ impl<S: Storage> Worker<S> {
                 self.deliver(write, decided, decision.now);
             }
             (Write::Remove { request, .. }, Outcome::Removed(removal)) => {
-                let keys = (self.requests.get(request))
-                    .map(|written| written.keys.clone())
-                    .unwrap_or_default();
-                let live = removal.deleted.live == keys.len();
-                if removal.freed {
+                let (live, spanning) = match self.requests.get(request) {
                     // The storage promoted the single-key waiters it could, and announced the
                     // keys only to other owners: this owner's own waits on several keys there
                     // are for its next look.
-                    let spanning = self.waits.spanning(&keys);
-                    if !spanning.is_empty() {
-                        self.own_changes.extend(spanning);
-                        self.poked = true;
-                    }
+                    Some(written) => (
+                        removal.deleted.live == written.keys.len(),
+                        if removal.freed {
+                            self.waits.spanning(&written.keys)
+                        } else {
+                            Vec::new()
+                        },
+                    ),
+                    None => (true, Vec::new()),
+                };
+                if !spanning.is_empty() {
+                    self.own_changes.extend(spanning);
+                    self.poked = true;
                 }
                 self.deliver(write, Decided::Removed(live), removal.now);
                 self.after_commit(&Freed {
                     any: removal.freed,
                     promoted: removal.promoted,
                     at: removal.now,
-                    owners: None,
+                    owners: removal.owners,
                 });
             }
             (_, outcome) => {
@@ -817,7 +821,7 @@ impl<S: Storage> Worker<S> {
                 any: self.deleted,
                 promoted: Vec::new(),
                 at: now,
-                owners: Some(BTreeSet::new()),
+                owners: BTreeSet::new(),
             };
             pass.append(&mut self.pass);
             if !pass.is_empty() {
@@ -833,7 +837,7 @@ impl<S: Storage> Worker<S> {
                     let keys: Vec<String> = announced.keys.into_iter().collect();
                     (self.storage).announce(&freed_keys, &keys, &announced.owners)?;
                 }
-                freed.owners = Some(announced.owners);
+                freed.owners = announced.owners;
             }
             self.storage.commit()?;
             Ok((value, freed))
@@ -1086,7 +1090,7 @@ impl<S: Storage> Worker<S> {
         }
         if freed.any {
             self.common.changed.notify(usize::MAX);
-            super::siblings::poke(&self.common, freed.owners.as_ref());
+            super::siblings::poke(&self.common, &freed.owners);
         }
         self.storage.wake_others();
     }
