@@ -418,57 +418,6 @@ fn a_schema_written_by_a_newer_version_is_refused() {
     });
 }
 
-/// A request on several keys names them all in its rows only while it waits (see
-/// `tests/storage.rs` for SQLite): held, a `many` of N keys stores N names, not N × N.
-#[test]
-fn a_held_request_on_several_keys_stores_each_key_once() {
-    let Some(server) = pg_support::server() else {
-        return;
-    };
-    if server.conninfo().is_none() {
-        return;
-    }
-    block_on(async {
-        let schema = pg_support::schema("stored_keys");
-        let locks = manager(server.url(), &schema).await;
-        let naming = || {
-            server
-                .sql(&format!(
-                    "SELECT count(*) FROM {schema}.locks WHERE keys IS NOT NULL"
-                ))
-                .trim()
-                .to_owned()
-        };
-        let held = locks
-            .many((0..100).map(|i| LockRequest::exclusive(format!("key-{i}"), "held")))
-            .await
-            .unwrap();
-        assert_eq!(naming(), "0");
-        let blocker = locks.exclusive("b", "blocker").await.unwrap();
-        let waiter = {
-            let locks = locks.clone();
-            fork_daemon(async move {
-                locks
-                    .many_queued([LockRequest::shared("a", "w"), LockRequest::shared("b", "w")])
-                    .await
-            })
-        };
-        within(5_000, "the waiter's two rows name their keys", || async {
-            naming() == "2"
-        })
-        .await;
-        blocker.release().await.unwrap();
-        let guard = join_within(5_000, "the waiter granted", waiter)
-            .await
-            .success()
-            .unwrap()
-            .unwrap();
-        assert_eq!(naming(), "0");
-        guard.release().await.unwrap();
-        held.release().await.unwrap();
-    });
-}
-
 /// A schema of version 3 (an acquisition and a release each had a function, with no `decide`)
 /// is brought up to date when a manager connects, keeping its rows.
 #[test]
@@ -476,9 +425,6 @@ fn a_version_3_schema_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    if server.conninfo().is_none() {
-        return;
-    }
     block_on(async {
         let schema = pg_support::schema("version3");
         let old = manager(server.url(), &schema).await;

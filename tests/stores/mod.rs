@@ -95,6 +95,32 @@ impl Store {
     }
 }
 
+impl Store {
+    /// How many rows of the locks table meet the SQL condition `condition`, read past the
+    /// managers, as an operator would.
+    pub fn count_rows(&self, condition: &str) -> i64 {
+        match self {
+            Store::Sqlite { path, .. } => {
+                let connection = sqlite::open(path).expect("open the database");
+                let mut count = connection
+                    .prepare(format!("SELECT COUNT(*) FROM locks WHERE {condition}"))
+                    .expect("a query of the locks table");
+                count.next().expect("a count");
+                count.read::<i64, _>(0).expect("a count")
+            }
+            #[cfg(feature = "postgres")]
+            Store::Postgres { schema, .. } => pg_support::server()
+                .expect("the server was there before")
+                .sql(&format!(
+                    "SELECT count(*) FROM {schema}.locks WHERE {condition}"
+                ))
+                .trim()
+                .parse()
+                .expect("a count"),
+        }
+    }
+}
+
 /// Runs `scenario` under every executor (`common::on_every_executor`), once on each store: a
 /// fresh one for every run.
 pub fn on_every_store<F, Fut>(scenario: F)
