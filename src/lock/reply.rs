@@ -1,13 +1,16 @@
 //! Awaiting the storage worker's replies, without paying a thread wake-up when it can be avoided.
 //!
-//! A reply usually takes one transaction, 10 to 20 microseconds. Letting the executor park the
-//! caller's thread meanwhile costs a wake-up when the reply comes, and on small virtual machines
-//! that is 25 to 150 microseconds: longer than the work. So a call that is alone in awaiting the
-//! worker (the worker is then idle, and its reply one transaction away) first *yields*: its future
-//! wakes its own task and returns `Pending`, for up to [`YIELD_FOR`]. An executor with other tasks
-//! runs them in between; one with nothing else to do polls again at once instead of parking. Each
-//! such poll also yields the thread to the operating system (`sched_yield`), in case the worker
-//! shares its CPU. After that, or as soon as another call is waiting too, it waits to be woken.
+//! A reply usually takes one transaction: 10 to 20 microseconds on SQLite, a round trip and
+//! some more on a PostgreSQL server nearby. Letting the executor park the caller's thread
+//! meanwhile costs a wake-up when the reply comes, and on small virtual machines that is 25 to 150
+//! microseconds: often longer than the work. So a call that is alone in awaiting the worker (the
+//! worker is then idle, and its reply one transaction away) first *yields*: its future wakes its
+//! own task and returns `Pending`, for up to four times as long as such replies have been taking
+//! lately (smoothed), but at least [`YIELD_FOR`] and at most [`YIELD_FOR_ASLEEP`]. An executor
+//! with other tasks runs them in between; one with nothing else to do polls again at once instead
+//! of parking. Each such poll also yields the thread to the operating system (`sched_yield`), in
+//! case the worker shares its CPU. After that, or as soon as another call is waiting too, it
+//! waits to be woken.
 //!
 //! If the worker had gone to sleep, the reply is also one thread wake-up away, and waking a thread
 //! whose CPU has gone idle can take hundreds of microseconds on a virtual machine; such a call
@@ -32,12 +35,14 @@ use futures::channel::oneshot;
 
 use super::LockError;
 
-/// How long a call alone in awaiting an awake worker yields before it waits to be woken.
+/// The least a call alone in awaiting an awake worker yields before it waits to be woken.
 pub(crate) const YIELD_FOR: Duration = Duration::from_micros(100);
 
-/// How long a call alone in awaiting a sleeping worker yields. Were it [`YIELD_FOR`], a caller
-/// that once parked (so that the worker went to sleep meanwhile) would miss again on waking it,
-/// and back off further each time: the slow path would feed itself.
+/// How long a call alone in awaiting a sleeping worker yields, and the most any call yields.
+/// Were it [`YIELD_FOR`], a caller that once parked (so that the worker went to sleep meanwhile)
+/// would miss again on waking it, and back off further each time: the slow path would feed
+/// itself. Replies that take longer than this (a server far away) are waited for without
+/// yielding, after the misses that show it.
 pub(crate) const YIELD_FOR_ASLEEP: Duration = Duration::from_millis(1);
 
 /// The most calls that wait without yielding after replies kept missing their time.
@@ -54,6 +59,8 @@ pub(crate) struct Replies {
     backoff: AtomicU32,
     /// Whether the worker is blocked waiting for a command.
     worker_asleep: AtomicBool,
+    /// How long replies to calls alone in awaiting have been taking, smoothed (micros).
+    typical: AtomicU32,
 }
 
 impl Replies {
@@ -67,6 +74,7 @@ impl Replies {
             replies: self,
             receiver,
             yielding: Yielding::NotYet,
+            alone_since: None,
         }
     }
 
@@ -85,8 +93,21 @@ impl Replies {
         if self.worker_asleep.load(Relaxed) {
             YIELD_FOR_ASLEEP
         } else {
-            YIELD_FOR
+            (Duration::from_micros(self.typical.load(Relaxed).into()) * 4)
+                .clamp(YIELD_FOR, YIELD_FOR_ASLEEP)
         }
+    }
+
+    /// A call alone in awaiting had its reply `took` after it was made: the typical time moves
+    /// an eighth of the way towards it (at least a microsecond, so that it reaches it).
+    fn took(&self, took: Duration) {
+        let sample = i64::try_from(took.as_micros()).unwrap_or(i64::MAX);
+        let _ = self.typical.fetch_update(Relaxed, Relaxed, |typical| {
+            let typical = i64::from(typical);
+            let gap = sample.saturating_sub(typical);
+            let moved = typical + gap.saturating_add(gap.signum() * 7) / 8;
+            Some(u32::try_from(moved).unwrap_or(u32::MAX))
+        });
     }
 
     fn alone(&self) -> bool {
@@ -132,6 +153,8 @@ pub(crate) struct Response<'a, T> {
     replies: &'a Replies,
     receiver: oneshot::Receiver<Result<T, LockError>>,
     yielding: Yielding,
+    /// When the call was first polled, if it was then alone in awaiting the worker.
+    alone_since: Option<Instant>,
 }
 
 impl<T> Future for Response<'_, T> {
@@ -142,10 +165,16 @@ impl<T> Future for Response<'_, T> {
             if let Yielding::Until(_) = self.yielding {
                 self.replies.hit();
             }
+            if let Some(since) = self.alone_since {
+                self.replies.took(since.elapsed());
+            }
             // A reply dropped unsent means the worker stopped.
             return Poll::Ready(reply.unwrap_or(Err(LockError::Shutdown)));
         }
         let replies = self.replies;
+        if let Yielding::NotYet = self.yielding {
+            self.alone_since = replies.alone().then(Instant::now);
+        }
         self.yielding = match self.yielding {
             Yielding::NotYet if replies.alone() && replies.may_yield() => {
                 Yielding::Until(Instant::now() + replies.yield_for())
@@ -204,5 +233,27 @@ mod tests {
         replies.missed();
         assert!(!replies.may_yield(), "a miss after a hit skips one call");
         assert!(replies.may_yield());
+    }
+
+    #[test]
+    fn a_call_yields_four_times_as_long_as_replies_take_within_bounds() {
+        let replies = Replies::default();
+        assert_eq!(replies.yield_for(), YIELD_FOR, "no reply seen yet");
+        let settle = |took: Duration| {
+            for _ in 0..200 {
+                replies.took(took);
+            }
+            replies.yield_for()
+        };
+        // SQLite: a transaction of 15 µs; the least yield stands.
+        assert_eq!(settle(Duration::from_micros(15)), YIELD_FOR);
+        // A PostgreSQL server nearby: a round trip and the server's work.
+        let nearby = settle(Duration::from_micros(90));
+        assert_eq!(nearby, Duration::from_micros(360));
+        // A server far away: replies are not yielded for longer than the most.
+        assert_eq!(settle(Duration::from_millis(5)), YIELD_FOR_ASLEEP);
+        assert_eq!(settle(Duration::MAX), YIELD_FOR_ASLEEP, "no overflow");
+        replies.worker_sleeps();
+        assert_eq!(settle(Duration::from_micros(15)), YIELD_FOR_ASLEEP);
     }
 }
