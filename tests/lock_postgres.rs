@@ -419,36 +419,41 @@ fn a_schema_written_by_a_newer_version_is_refused() {
 }
 
 /// A schema of version 3 (an acquisition and a release each had a function, with no `decide`)
-/// is brought up to date when a manager connects, keeping its rows.
+/// or 4 (a `decide` without shortcuts) is brought up to date when a manager connects, keeping
+/// its rows.
 #[test]
-fn a_version_3_schema_is_migrated_keeping_its_rows() {
+fn a_schema_of_version_3_or_4_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    block_on(async {
-        let schema = pg_support::schema("version3");
-        let old = manager(server.url(), &schema).await;
-        let held = old.exclusive("kept", "before").await.unwrap();
-        server.sql(&format!(
-            "DROP FUNCTION {schema}.decide; UPDATE {schema}.meta SET version = 3"
-        ));
-        let new = manager(server.url(), &schema).await;
-        let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
-        assert_eq!(version.trim(), "4");
-        let busy = new
-            .try_acquire(LockRequest::exclusive("kept", "after"))
-            .await;
-        assert!(busy.unwrap().is_none());
-        let guard = new.exclusive("other", "after").await.unwrap();
-        guard.release().await.unwrap();
-        held.release().await.unwrap();
-        new.exclusive("kept", "after")
-            .await
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
-    });
+    for old_version in [3, 4] {
+        block_on(migrated_from(server, old_version));
+    }
+}
+
+async fn migrated_from(server: &pg_support::Server, old_version: i32) {
+    let schema = pg_support::schema(&format!("version{old_version}"));
+    let old = manager(server.url(), &schema).await;
+    let held = old.exclusive("kept", "before").await.unwrap();
+    server.sql(&format!(
+        "DROP FUNCTION {schema}.decide; UPDATE {schema}.meta SET version = {old_version}"
+    ));
+    let new = manager(server.url(), &schema).await;
+    let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
+    assert_eq!(version.trim(), "5");
+    let busy = new
+        .try_acquire(LockRequest::exclusive("kept", "after"))
+        .await;
+    assert!(busy.unwrap().is_none());
+    let guard = new.exclusive("other", "after").await.unwrap();
+    guard.release().await.unwrap();
+    held.release().await.unwrap();
+    new.exclusive("kept", "after")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
 }
 
 #[test]

@@ -57,7 +57,7 @@ use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 4;
+pub(crate) const SCHEMA_VERSION: i32 = 5;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -815,8 +815,10 @@ END $$;
 -- The other columns are left as they were: what they hold means nothing.
 --
 -- Written for speed: PL/pgSQL compiles each expression once per transaction, so an operation
--- alone in its call pays for every expression here (hence no resetting of the answer's
--- columns); and each operation's part of the arrays is copied into variables once.
+-- alone in its call pays for every expression it meets (hence no resetting of the answer's
+-- columns); each operation's part of the arrays is copied into variables once; and an
+-- acquisition or a release on keys without other rows takes a shortcut of two statements,
+-- which halves the server's work for an uncontended lock.
 CREATE OR REPLACE FUNCTION {s}.decide(
     p_owner text, p_lease bigint, p_locks int4[], p_schema_lock int4, p_channel text,
     p_ends int4[], p_tickets int8[], p_waits int2[], p_all_keys text[], p_payloads text[],
@@ -843,7 +845,24 @@ BEGIN
         op_wait := p_waits[n];
         now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
         IF op_ticket IS NULL THEN
-            -- An acquisition: the keys' lapsed rows deleted; granted unless a live row there
+            -- An acquisition on keys without rows (the uncontended case, in two statements):
+            -- granted.
+            INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
+                                   acquired_at, expires_at, heartbeat_at)
+            SELECT r.key, r.mode, r.operation, p_owner, t.ticket, true, now, now,
+                   now + p_lease, now
+            FROM (SELECT nextval('{s}.tickets') AS ticket
+                  WHERE NOT EXISTS (SELECT 1 FROM {s}.locks AS o WHERE o.key = ANY(op_keys)))
+                 AS t,
+                 unnest(op_keys, op_modes, p_operations[lo:p_ends[n]]) AS r(key, mode, operation);
+            IF FOUND THEN
+                ticket := currval('{s}.tickets');
+                granted := true;
+                RETURN NEXT;
+                lo := p_ends[n] + 1;
+                CONTINUE;
+            END IF;
+            -- Any other acquisition: the keys' lapsed rows deleted; granted unless a live row there
             -- conflicts; rows written under a new ticket if granted or queued. Refused, it
             -- answers when the other owners' live rows there run out, and a caller without a
             -- queue position is noted in `watchers`.
@@ -878,7 +897,26 @@ BEGIN
                      AS r(key, mode, operation);
             END IF;
         ELSE
-            -- A release: the owner's rows of the ticket deleted, with the keys' lapsed rows;
+            -- A release of the only rows on its keys, which no one watches: nothing to
+            -- promote or announce.
+            WITH d AS (
+                DELETE FROM {s}.locks AS d
+                WHERE d.key = ANY(op_keys) AND d.ticket = op_ticket AND d.owner = p_owner
+                  AND NOT EXISTS (SELECT 1 FROM {s}.locks AS o
+                                  WHERE o.key = ANY(op_keys)
+                                    AND (o.ticket <> op_ticket OR o.owner <> p_owner))
+                  AND NOT EXISTS (SELECT 1 FROM {s}.watchers AS w WHERE w.key = ANY(op_keys))
+                RETURNING d.expires_at > now AS live)
+            SELECT count(*), count(*) FILTER (WHERE d.live) INTO deleted, live FROM d;
+            IF deleted > 0 THEN
+                freed := true;
+                promoted := NULL;
+                owners := NULL;
+                RETURN NEXT;
+                lo := p_ends[n] + 1;
+                CONTINUE;
+            END IF;
+            -- Any other release: the owner's rows of the ticket deleted, with the keys' lapsed rows;
             -- then the single-key waiters there that the rule now lets through promoted.
             WITH d AS (
                 DELETE FROM {s}.locks AS d
@@ -1013,8 +1051,9 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
         }
         if found < SCHEMA_VERSION {
             // One round trip per batch of acquisitions and releases: the functions of
-            // `FUNCTIONS` (version 3 had one for an acquisition and one for a release); and
-            // the sweep's indexes (`SWEEP_INDEXES`).
+            // `FUNCTIONS` (version 3 had one for an acquisition and one for a release; version
+            // 4 had no shortcut for keys without other rows); and the sweep's indexes
+            // (`SWEEP_INDEXES`).
             transaction
                 .batch_execute(&format!(
                     "DROP FUNCTION IF EXISTS {s}.acquire, {s}.release;
@@ -1661,7 +1700,7 @@ mod tests {
                 }
                 // Release one planted request (all its rows), live or lapsed, held or not.
                 let at = released.index(rows.len());
-                let (key, _, _, _, owner, both) = rows[at];
+                let (key, _, _, lapsed, owner, both) = rows[at];
                 let keys: Vec<String> = if both {
                     vec!["a".into(), "b".into()]
                 } else {
@@ -1684,6 +1723,8 @@ mod tests {
                 // The rows planted under that ticket on those keys are gone (a planted row on
                 // one key only names its own key: it is deleted only through it).
                 prop_assert_eq!(deleted, 1);
+                prop_assert_eq!(row.get::<_, i64>(6), i64::from(!lapsed), "live rows deleted");
+                prop_assert!(row.get::<_, bool>(7), "a deletion frees");
                 let left: Vec<RowView> = live
                     .into_iter()
                     .filter(|r| r.ticket != ticket as u64 && keys.contains(&r.key))
