@@ -816,9 +816,9 @@ END $$;
 --
 -- Written for speed: PL/pgSQL compiles each expression once per transaction, so an operation
 -- alone in its call pays for every expression it meets (hence no resetting of the answer's
--- columns); each operation's part of the arrays is copied into variables once; and an
--- acquisition or a release on keys without other rows takes a shortcut of two statements,
--- which halves the server's work for an uncontended lock.
+-- columns); each operation's part of the arrays is copied into variables once; and the
+-- uncontended cases are one statement each: an acquisition on keys without rows, and a release
+-- that leaves no other live row on its keys.
 CREATE OR REPLACE FUNCTION {s}.decide(
     p_owner text, p_lease bigint, p_locks int4[], p_schema_lock int4, p_channel text,
     p_ends int4[], p_tickets int8[], p_waits int2[], p_all_keys text[], p_payloads text[],
@@ -836,6 +836,8 @@ DECLARE
     op_wait int2;
     lapsed bigint;
     blocked boolean;
+    others_left boolean;
+    watched boolean;
 BEGIN
     PERFORM {s}.lock_keys(p_locks, p_schema_lock);
     FOR n IN 1 .. coalesce(cardinality(p_ends), 0) LOOP
@@ -845,8 +847,7 @@ BEGIN
         op_wait := p_waits[n];
         now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
         IF op_ticket IS NULL THEN
-            -- An acquisition on keys without rows (the uncontended case, in two statements):
-            -- granted.
+            -- An acquisition on keys without rows (the uncontended case): granted.
             INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
                                    acquired_at, expires_at, heartbeat_at)
             SELECT r.key, r.mode, r.operation, p_owner, t.ticket, true, now, now,
@@ -897,27 +898,10 @@ BEGIN
                      AS r(key, mode, operation);
             END IF;
         ELSE
-            -- A release of the only rows on its keys, which no one watches: nothing to
-            -- promote or announce.
-            WITH d AS (
-                DELETE FROM {s}.locks AS d
-                WHERE d.key = ANY(op_keys) AND d.ticket = op_ticket AND d.owner = p_owner
-                  AND NOT EXISTS (SELECT 1 FROM {s}.locks AS o
-                                  WHERE o.key = ANY(op_keys)
-                                    AND (o.ticket <> op_ticket OR o.owner <> p_owner))
-                  AND NOT EXISTS (SELECT 1 FROM {s}.watchers AS w WHERE w.key = ANY(op_keys))
-                RETURNING d.expires_at > now AS live)
-            SELECT count(*), count(*) FILTER (WHERE d.live) INTO deleted, live FROM d;
-            IF deleted > 0 THEN
-                freed := true;
-                promoted := NULL;
-                owners := NULL;
-                RETURN NEXT;
-                lo := p_ends[n] + 1;
-                CONTINUE;
-            END IF;
-            -- Any other release: the owner's rows of the ticket deleted, with the keys' lapsed rows;
-            -- then the single-key waiters there that the rule now lets through promoted.
+            -- A release: the owner's rows of the ticket deleted, with the keys' lapsed rows;
+            -- then, if other live rows are left there, the single-key waiters that the rule now
+            -- lets through promoted. (A release of the only rows on its keys, the uncontended
+            -- case, is this one statement.)
             WITH d AS (
                 DELETE FROM {s}.locks AS d
                 WHERE d.key = ANY(op_keys)
@@ -925,33 +909,42 @@ BEGIN
                 RETURNING d.ticket = op_ticket AND d.owner = p_owner AS own,
                           d.expires_at > now AS live)
             SELECT count(*) FILTER (WHERE d.own), count(*) FILTER (WHERE d.own AND d.live),
-                   count(*) FILTER (WHERE NOT d.own)
-            INTO deleted, live, lapsed FROM d;
-            WITH p AS (
-                UPDATE {s}.locks AS w SET held = true, acquired_at = now,
-                    expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
-                    heartbeat_at = GREATEST(w.heartbeat_at, now)
-                WHERE w.key = ANY(op_keys) AND NOT w.held AND w.keys IS NULL
-                  AND w.expires_at > now
-                  AND NOT EXISTS (
-                      SELECT 1 FROM {s}.locks AS o
-                      WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
-                        AND (w.mode = {exclusive} OR o.mode = {exclusive}))
-                RETURNING w.ticket, w.owner)
-            SELECT array_agg(p.ticket), array_agg(DISTINCT p.owner) FILTER (WHERE p.owner <> p_owner)
-            INTO promoted, owners FROM p;
+                   count(*) FILTER (WHERE NOT d.own),
+                   EXISTS (SELECT 1 FROM {s}.locks AS o
+                           WHERE o.key = ANY(op_keys) AND o.expires_at > now
+                             AND (o.ticket <> op_ticket OR o.owner <> p_owner)),
+                   EXISTS (SELECT 1 FROM {s}.watchers AS w
+                           WHERE w.key = ANY(op_keys) AND w.expires_at > now
+                             AND w.owner <> p_owner)
+            INTO deleted, live, lapsed, others_left, watched FROM d;
+            promoted := NULL;
+            owners := NULL;
+            IF others_left THEN
+                WITH p AS (
+                    UPDATE {s}.locks AS w SET held = true, acquired_at = now,
+                        expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
+                        heartbeat_at = GREATEST(w.heartbeat_at, now)
+                    WHERE w.key = ANY(op_keys) AND NOT w.held AND w.keys IS NULL
+                      AND w.expires_at > now
+                      AND NOT EXISTS (
+                          SELECT 1 FROM {s}.locks AS o
+                          WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
+                            AND (w.mode = {exclusive} OR o.mode = {exclusive}))
+                    RETURNING w.ticket, w.owner)
+                SELECT array_agg(p.ticket),
+                       array_agg(DISTINCT p.owner) FILTER (WHERE p.owner <> p_owner)
+                INTO promoted, owners FROM p;
+            END IF;
             freed := deleted > 0 OR lapsed > 0 OR promoted IS NOT NULL;
             -- Announced only if another owner may be waiting: its request promoted, its
             -- waiting row left, or it waits without a row (`watchers`). This owner learns of
             -- its own promotions from the answer, and looks for itself at the keys where a
             -- request of its own on several keys waits.
-            IF freed AND (owners IS NOT NULL
-                    OR EXISTS (SELECT 1 FROM {s}.locks AS w
-                               WHERE w.key = ANY(op_keys) AND NOT w.held AND w.expires_at > now
-                                 AND w.owner <> p_owner)
-                    OR EXISTS (SELECT 1 FROM {s}.watchers AS w
-                               WHERE w.key = ANY(op_keys) AND w.expires_at > now
-                                 AND w.owner <> p_owner)) THEN
+            IF freed AND (owners IS NOT NULL OR watched
+                    OR others_left AND EXISTS (
+                        SELECT 1 FROM {s}.locks AS w
+                        WHERE w.key = ANY(op_keys) AND NOT w.held AND w.expires_at > now
+                          AND w.owner <> p_owner)) THEN
                 PERFORM pg_notify(p_channel, p_payloads[n]);
             END IF;
         END IF;
