@@ -621,12 +621,13 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
             .connect(server.url())
             .await
             .unwrap();
-        // A queued waiter (with a row), then a `many` (without one: noted as a watcher), each
-        // on a manager of its own that is listening before it waits. (Whether the look that
-        // finds the grant is the announcement's own cannot be told: a look under way when the
-        // release commits may read it first.)
-        for queued in [true, false] {
-            let name = format!("waiting_{queued}_{schema}");
+        // A queued waiter on one key (promoted by the release itself), a queued waiter on two
+        // keys (left waiting: its owner promotes it), then a `many` (without a row: noted as a
+        // watcher), each on a manager of its own that is listening before it waits. (Whether
+        // the look that finds the grant is the announcement's own cannot be told: a look under
+        // way when the release commits may read it first.)
+        for (case, rows) in [("queued", 2), ("queued on two keys", 3), ("many", 0)] {
+            let name = format!("waiting_{}_{schema}", case.replace(' ', "_"));
             let waiting = LockManager::builder()
                 .schema(&schema)
                 .poll(Duration::from_secs(30))
@@ -644,20 +645,20 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
             let waiter = {
                 let waiting = waiting.clone();
                 fork_daemon(async move {
-                    if queued {
-                        waiting.exclusive("k", "waiter").await
-                    } else {
-                        let requests = [
-                            LockRequest::exclusive("k", "waiter"),
-                            LockRequest::shared("other", "waiter"),
-                        ];
-                        waiting.many(requests).await
+                    let requests = [
+                        LockRequest::exclusive("k", "waiter"),
+                        LockRequest::shared("other", "waiter"),
+                    ];
+                    match case {
+                        "queued" => waiting.exclusive("k", "waiter").await,
+                        "many" => waiting.many(requests).await,
+                        _ => waiting.many_queued(requests).await,
                     }
                 })
             };
             within(5_000, "waiting", || async {
-                if queued {
-                    states(&holder, "k").await.len() == 2
+                if rows > 0 {
+                    holder.inspect(None).await.unwrap().len() == rows
                 } else {
                     server.sql(&format!(
                         "SELECT count(*) FROM \"{schema}\".watchers WHERE owner = '{}'",
@@ -669,7 +670,7 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
             guard.release().await.unwrap();
             match join_within(3_000, "the grant, long before the next poll", waiter).await {
                 Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
-                other => panic!("queued {queued}: {other:?}"),
+                other => panic!("{case}: {other:?}"),
             }
         }
     });

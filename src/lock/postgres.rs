@@ -837,7 +837,7 @@ DECLARE
     lapsed bigint;
     blocked boolean;
     others_left boolean;
-    watched boolean;
+    waited_for boolean;
 BEGIN
     PERFORM {s}.lock_keys(p_locks, p_schema_lock);
     FOR n IN 1 .. coalesce(cardinality(p_ends), 0) LOOP
@@ -913,10 +913,13 @@ BEGIN
                    EXISTS (SELECT 1 FROM {s}.locks AS o
                            WHERE o.key = ANY(op_keys) AND o.expires_at > now
                              AND (o.ticket <> op_ticket OR o.owner <> p_owner)),
-                   EXISTS (SELECT 1 FROM {s}.watchers AS w
-                           WHERE w.key = ANY(op_keys) AND w.expires_at > now
+                   EXISTS (SELECT 1 FROM {s}.locks AS w
+                           WHERE w.key = ANY(op_keys) AND NOT w.held AND w.expires_at > now
                              AND w.owner <> p_owner)
-            INTO deleted, live, lapsed, others_left, watched FROM d;
+                   OR EXISTS (SELECT 1 FROM {s}.watchers AS w
+                              WHERE w.key = ANY(op_keys) AND w.expires_at > now
+                                AND w.owner <> p_owner)
+            INTO deleted, live, lapsed, others_left, waited_for FROM d;
             promoted := NULL;
             owners := NULL;
             IF others_left THEN
@@ -936,15 +939,11 @@ BEGIN
                 INTO promoted, owners FROM p;
             END IF;
             freed := deleted > 0 OR lapsed > 0 OR promoted IS NOT NULL;
-            -- Announced only if another owner may be waiting: its request promoted, its
-            -- waiting row left, or it waits without a row (`watchers`). This owner learns of
-            -- its own promotions from the answer, and looks for itself at the keys where a
-            -- request of its own on several keys waits.
-            IF freed AND (owners IS NOT NULL OR watched
-                    OR others_left AND EXISTS (
-                        SELECT 1 FROM {s}.locks AS w
-                        WHERE w.key = ANY(op_keys) AND NOT w.held AND w.expires_at > now
-                          AND w.owner <> p_owner)) THEN
+            -- Announced only if another owner may be waiting: its request promoted, or it
+            -- waited before (a waiting row, promoted since or not, or a caller without a row,
+            -- in `watchers`). This owner learns of its own promotions from the answer, and
+            -- looks for itself at the keys where a request of its own on several keys waits.
+            IF freed AND (owners IS NOT NULL OR waited_for) THEN
                 PERFORM pg_notify(p_channel, p_payloads[n]);
             END IF;
         END IF;
