@@ -165,7 +165,9 @@ pub(crate) trait Storage {
     fn is_held(&mut self, key: &str, now: i64) -> Result<bool>;
 }
 
-/// An operation of a batch decided in one call (`Storage::decide_at_once`).
+/// An operation of a batch decided in one call (`Storage::decide_at_once`). Only a backend that
+/// decides so (PostgreSQL) reads these, and only it builds an `Outcome`.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum AtOnce<'a> {
     /// A new request on these keys.
@@ -178,6 +180,7 @@ pub(crate) enum AtOnce<'a> {
 }
 
 /// What `Storage::decide_at_once` did with one operation.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 #[derive(Clone, Debug)]
 pub(crate) enum Outcome {
     Acquired(Decision),
