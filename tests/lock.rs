@@ -925,7 +925,7 @@ fn a_held_request_on_several_keys_stores_each_key_once() {
             .await
             .unwrap();
         assert_eq!(naming(), 0);
-        if let stores::Store::Sqlite { path, .. } = &store {
+        if let Some(path) = store.sqlite_path() {
             let wal = path.with_extension("db-wal");
             let size = std::fs::metadata(path).unwrap().len()
                 + std::fs::metadata(wal).map_or(0, |m| m.len());

@@ -48,6 +48,15 @@ impl Store {
         })
     }
 
+    /// The database file, for a SQLite store.
+    pub fn sqlite_path(&self) -> Option<&std::path::Path> {
+        match self {
+            Store::Sqlite { path, .. } => Some(path),
+            #[cfg(feature = "postgres")]
+            Store::Postgres { .. } => None,
+        }
+    }
+
     /// Every store there is: SQLite, and PostgreSQL when there is a test server.
     pub fn all() -> Vec<Store> {
         let sqlite = Store::sqlite();
