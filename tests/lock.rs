@@ -530,6 +530,55 @@ fn invalid_requests_are_refused_before_anything_is_written() {
     });
 }
 
+/// Names of the longest allowed length are kept whole in every kind of row (a holder's, a
+/// waiter's on several keys, which also names all its keys) and through a promotion: such rows
+/// are larger than a SQLite page, and spill into overflow pages.
+#[test]
+fn names_of_the_longest_allowed_length_survive_queueing_and_promotion() {
+    stores::on_every_store(|store| async move {
+        let name = |c: char| c.to_string().repeat(leasehold::MAX_NAME_BYTES);
+        let keys = [name('a'), name('b'), name('c')];
+        let holder = store.open().await;
+        let waiter = store.open().await;
+        let held = holder.exclusive(&keys[0], name('h')).await.unwrap();
+        let queued = {
+            let requests: Vec<LockRequest> = keys
+                .iter()
+                .map(|key| LockRequest::exclusive(key, name('w')))
+                .collect();
+            let waiter = waiter.clone();
+            fork_daemon(async move { waiter.many_queued(requests).await })
+        };
+        let entries = || async { holder.inspect(None).await.unwrap() };
+        within(5_000, "the waiter queued on all three keys", || async {
+            entries().await.len() == 4
+        })
+        .await;
+        for entry in entries().await {
+            assert!(keys.contains(&entry.key), "a key cut short");
+            // The waiter is first in line on each of its keys.
+            let (operation, state) = if entry.owner == holder.owner_id() {
+                (name('h'), EntryState::Held)
+            } else {
+                (name('w'), EntryState::Waiting { position: 0 })
+            };
+            assert_eq!((entry.operation, entry.state), (operation, state));
+        }
+        held.release().await.unwrap();
+        let granted = guard_of(queued).await;
+        let granted_entries = entries().await;
+        assert_eq!(granted_entries.len(), 3);
+        for (entry, key) in granted_entries.iter().zip(&keys) {
+            assert_eq!(&entry.key, key);
+            assert_eq!(entry.operation, name('w'));
+            assert_eq!(entry.state, EntryState::Held);
+            assert_eq!(entry.ticket, granted.fencing_token());
+        }
+        granted.release().await.unwrap();
+        assert!(entries().await.is_empty());
+    });
+}
+
 #[test]
 fn a_lease_shorter_than_two_heartbeats_is_refused() {
     let error = LockManager::builder()

@@ -132,6 +132,53 @@ fn a_second_open_of_an_existing_database_keeps_its_rows() {
     });
 }
 
+fn page_size(path: &std::path::Path) -> i64 {
+    let connection = sqlite::open(path).unwrap();
+    let mut statement = connection.prepare("PRAGMA page_size").unwrap();
+    statement.next().unwrap();
+    statement.read::<i64, _>(0).unwrap()
+}
+
+/// A new file gets small pages (a commit's cost follows the bytes it writes); a file made with
+/// SQLite's default pages keeps them, and works as well.
+#[test]
+fn a_new_database_has_pages_of_1_kib_and_an_existing_one_keeps_its_own() {
+    futures::executor::block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let new = dir.path().join("new.db");
+        let locks = LockManager::open(&new).unwrap();
+        locks
+            .exclusive("k", "a")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        assert_eq!(page_size(&new), 1024);
+        drop(locks);
+
+        let old = dir.path().join("old.db");
+        sqlite::open(&old)
+            .unwrap()
+            .execute("PRAGMA page_size = 4096; CREATE TABLE made_before (x INTEGER);")
+            .unwrap();
+        let locks = LockManager::open(&old).unwrap();
+        let held = locks.exclusive("k", "a").await.unwrap();
+        let second = LockManager::open(&old).unwrap();
+        let refused = second.try_acquire(LockRequest::exclusive("k", "b")).await;
+        assert!(refused.unwrap().is_none());
+        held.release().await.unwrap();
+        second
+            .exclusive("k", "b")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        assert_eq!(page_size(&old), 4096);
+    });
+}
+
 /// The permission bits of `path`.
 fn mode_of(path: &std::path::Path) -> u32 {
     use std::os::unix::fs::PermissionsExt;
