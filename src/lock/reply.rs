@@ -1,6 +1,6 @@
 //! Awaiting the storage worker's replies, without paying a thread wake-up when it can be avoided.
 //!
-//! A reply usually takes one transaction: 10 to 20 microseconds on SQLite, a round trip and
+//! A reply usually takes one transaction: about 8 microseconds on SQLite, a round trip and
 //! some more on a PostgreSQL server nearby. Letting the executor park the caller's thread
 //! meanwhile costs a wake-up when the reply comes, and on small virtual machines that is 25 to 150
 //! microseconds: often longer than the work. So a call that is alone in awaiting the worker (the
