@@ -160,7 +160,10 @@ fn a_new_database_has_pages_of_1_kib_and_an_existing_one_keeps_its_own() {
         let old = dir.path().join("old.db");
         sqlite::open(&old)
             .unwrap()
-            .execute("PRAGMA page_size = 4096; CREATE TABLE made_before (x INTEGER);")
+            .execute(
+                "PRAGMA page_size = 4096; PRAGMA journal_mode = WAL;
+                 CREATE TABLE made_before (x INTEGER);",
+            )
             .unwrap();
         let locks = LockManager::open(&old).unwrap();
         let held = locks.exclusive("k", "a").await.unwrap();

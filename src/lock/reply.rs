@@ -25,10 +25,14 @@
 //!
 //! Yielding pays only when the worker has a CPU to run on while the caller occupies another. On a
 //! machine with one CPU it never happens; on an oversubscribed one the worker is starved by the
-//! very caller waiting for it, and the reply does not come within [`YIELD_FOR`]. Each such miss
-//! doubles the number of calls that then wait without yielding (up to [`MAX_SKIP`]), and a reply
-//! that comes while yielding ends the back-off: the cost of a probe is bounded, and the benefit
-//! returns by itself when the machine quiets down.
+//! very caller waiting for it, and the reply does not come within [`YIELD_FOR`]. (A reply also
+//! misses its window when the worker has a long queue of this manager's own calls before it, or
+//! a busy database to wait for.) Each such miss doubles the number of calls that then wait
+//! without yielding (up to [`MAX_SKIP`]), and a reply that comes while yielding ends the
+//! back-off: the cost of a probe is bounded, and the benefit returns by itself when the machine
+//! quiets down. A yielding call's window is only looked at when it is polled: a call kept but
+//! not polled (the loser of a `select`, say) stays the one that yields until it is polled or
+//! dropped.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -272,22 +276,62 @@ mod tests {
         replies.stopped_yielding();
     }
 
-    /// A call that yields is cancelled (its future dropped) before its reply comes.
+    /// A call's reply, and the call awaiting it.
+    type Call<'a> = (
+        oneshot::Sender<Result<(), LockError>>,
+        Pin<Box<Response<'a, ()>>>,
+    );
+
+    /// A call that starts yielding: polled once, before its reply comes.
+    fn yielding_call(replies: &Replies) -> Call<'_> {
+        let (reply, receiver) = oneshot::channel();
+        let mut call = Box::pin(replies.wait(receiver));
+        let waker = futures::task::noop_waker();
+        assert!(call
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        assert!(matches!(call.yielding, Yielding::Until(_)));
+        assert!(!replies.may_yield(), "a second call while the first yields");
+        (reply, call)
+    }
+
+    /// Each way a yielding call ends lets the next call yield: its reply, the end of its
+    /// window, and its cancellation (the future dropped).
     #[test]
-    fn a_yielding_call_that_is_dropped_lets_another_yield() {
+    fn every_end_of_a_yielding_call_lets_another_yield() {
         if !has_a_cpu_to_spare() {
             return;
         }
         let replies = Replies::default();
-        let (_reply, receiver) = oneshot::channel::<Result<(), LockError>>();
-        let mut first = Box::pin(replies.wait(receiver));
         let waker = futures::task::noop_waker();
         let mut cx = Context::from_waker(&waker);
-        assert!(first.as_mut().poll(&mut cx).is_pending());
-        assert!(matches!(first.yielding, Yielding::Until(_)));
-        assert!(!replies.may_yield());
-        drop(first);
+
+        let (reply, mut call) = yielding_call(&replies);
+        reply.send(Ok(())).unwrap();
+        assert!(matches!(call.as_mut().poll(&mut cx), Poll::Ready(Ok(()))));
+        drop(call);
+        assert!(replies.may_yield(), "after a reply");
+        replies.stopped_yielding();
+
+        let (_reply, mut call) = yielding_call(&replies);
+        // The window is at most `YIELD_FOR_ASLEEP`: past it, the next poll ends the yield.
+        std::thread::sleep(YIELD_FOR_ASLEEP * 2);
+        assert!(call.as_mut().poll(&mut cx).is_pending());
+        assert!(matches!(call.yielding, Yielding::Over));
+        // A miss: the next call skips yielding (the back-off), and none yields meanwhile.
+        assert!(!replies.yielder.load(Relaxed), "after the window ran out");
+        assert!(
+            !replies.may_yield(),
+            "the call after a miss waits without yielding"
+        );
         assert!(replies.may_yield());
+        replies.stopped_yielding();
+        drop(call);
+
+        let (_reply, call) = yielding_call(&replies);
+        drop(call);
+        assert!(replies.may_yield(), "after a cancellation");
     }
 
     #[test]
@@ -300,7 +344,7 @@ mod tests {
             }
             replies.yield_for()
         };
-        // SQLite: a transaction of 15 µs; the least yield stands.
+        // SQLite: replies of 15 µs; the least yield stands.
         assert_eq!(settle(Duration::from_micros(15)), YIELD_FOR);
         // A PostgreSQL server nearby: a round trip and the server's work.
         let nearby = settle(Duration::from_micros(90));

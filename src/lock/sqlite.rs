@@ -286,6 +286,12 @@ impl<'c> Db<'c> {
         let index = match found {
             Some(index) => index,
             None => {
+                // A fixed set of literals: were texts made at run time (and leaked), every one
+                // would be prepared anew and lengthen the search.
+                debug_assert!(
+                    statements.len() < 64,
+                    "prepared statements from run-time texts?"
+                );
                 let statement = self
                     .conn
                     .prepare(sql)
