@@ -184,10 +184,8 @@ impl<T> Future for Response<'_, T> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         if let Poll::Ready(reply) = Pin::new(&mut self.receiver).poll(cx) {
-            if let Yielding::Until(_) = self.yielding {
-                self.yielding = Yielding::Over;
+            if self.stop_yielding() {
                 self.replies.hit();
-                self.replies.stopped_yielding();
             }
             if let Some(since) = self.alone_since {
                 self.replies.took(since.elapsed());
@@ -196,21 +194,21 @@ impl<T> Future for Response<'_, T> {
             return Poll::Ready(reply.unwrap_or(Err(LockError::Shutdown)));
         }
         let replies = self.replies;
-        if let Yielding::NotYet = self.yielding {
-            self.alone_since = replies.alone().then(Instant::now);
-        }
-        self.yielding = match self.yielding {
-            Yielding::NotYet if replies.may_yield() => {
-                Yielding::Until(Instant::now() + replies.yield_for())
+        match self.yielding {
+            Yielding::NotYet => {
+                self.alone_since = replies.alone().then(Instant::now);
+                self.yielding = if replies.may_yield() {
+                    Yielding::Until(Instant::now() + replies.yield_for())
+                } else {
+                    Yielding::Over
+                };
             }
             Yielding::Until(until) if Instant::now() >= until => {
+                self.stop_yielding();
                 replies.missed();
-                replies.stopped_yielding();
-                Yielding::Over
             }
-            Yielding::Until(until) => Yielding::Until(until),
-            Yielding::NotYet | Yielding::Over => Yielding::Over,
-        };
+            Yielding::Until(_) | Yielding::Over => {}
+        }
         if let Yielding::Until(_) = self.yielding {
             // After the thread last slept, the scheduler may have woken it on the worker's CPU;
             // polling there without a pause would starve the very transaction it waits for.
@@ -221,13 +219,23 @@ impl<T> Future for Response<'_, T> {
     }
 }
 
+impl<T> Response<'_, T> {
+    /// Ends this call's yielding, so that another call may yield; returns whether it yielded.
+    fn stop_yielding(&mut self) -> bool {
+        let yielded = matches!(self.yielding, Yielding::Until(_));
+        if yielded {
+            self.replies.stopped_yielding();
+        }
+        self.yielding = Yielding::Over;
+        yielded
+    }
+}
+
 impl<T> Drop for Response<'_, T> {
     fn drop(&mut self) {
         self.replies.awaiting.fetch_sub(1, Relaxed);
-        if let Yielding::Until(_) = self.yielding {
-            // Dropped while yielding (its caller cancelled): another call may yield now.
-            self.replies.stopped_yielding();
-        }
+        // Dropped while yielding (its caller cancelled): another call may yield now.
+        self.stop_yielding();
     }
 }
 

@@ -693,23 +693,17 @@ impl<S: Storage> Worker<S> {
                 self.deliver(write, decided, decision.now);
             }
             (Write::Remove { request, .. }, Outcome::Removed(removal)) => {
-                let (live, spanning) = match self.requests.get(request) {
-                    // The storage promoted the single-key waiters it could, and announced the
-                    // keys only to other owners: this owner's own waits on several keys there
-                    // are for its next look.
-                    Some(written) => (
-                        removal.deleted.live == written.keys.len(),
-                        if removal.freed {
-                            self.waits.spanning(&written.keys)
-                        } else {
-                            Vec::new()
-                        },
-                    ),
-                    None => (true, Vec::new()),
-                };
-                if !spanning.is_empty() {
-                    self.own_changes.extend(spanning);
-                    self.poked = true;
+                let written = self.requests.get(request);
+                let live = written.is_none_or(|w| removal.deleted.live == w.keys.len());
+                // The storage promoted the single-key waiters it could, and announced the keys
+                // only to other owners: this owner's own waits on several keys there are for
+                // its next look.
+                if let Some(written) = written.filter(|_| removal.freed) {
+                    let spanning = self.waits.spanning(&written.keys);
+                    if !spanning.is_empty() {
+                        self.own_changes.extend(spanning);
+                        self.poked = true;
+                    }
                 }
                 self.deliver(write, Decided::Removed(live), removal.now);
                 self.after_commit(&Freed {
