@@ -625,6 +625,69 @@ fn fencing_tokens_increase_across_keys_and_owners() {
     });
 }
 
+/// A SQLite manager remembers the rows its own transactions read and wrote, and the ticket
+/// sequence, while no other connection commits: each of its transactions must notice when
+/// another one did, whether that took a key it knew free, freed a key it knew held, or took
+/// tickets.
+#[test]
+fn a_manager_decides_on_what_others_committed_since_its_own_last_transaction() {
+    common::on_every_executor(|| async {
+        let store = stores::Store::sqlite();
+        let a = store.open().await;
+        let b = store.open().await;
+        // A knows "k" free, and the sequence's last ticket.
+        let first = a.exclusive("k", "first").await.unwrap();
+        let first_token = first.fencing_token();
+        first.release().await.unwrap();
+        // B takes "k", with a later ticket.
+        let holder = b.exclusive("k", "holder").await.unwrap();
+        assert!(holder.fencing_token() > first_token);
+        // A queues behind B's row, not granted by its memory of a free key.
+        let waiter = {
+            let a = a.clone();
+            fork_daemon(async move { a.exclusive("k", "waiter").await })
+        };
+        within(5_000, "A queued behind B", || async {
+            queue(&a, "k").await == vec![held("holder"), waiting("waiter", 0)]
+        })
+        .await;
+        // Its ticket comes after B's, not after A's own last one.
+        let entries = a.inspect(Some("k")).await.unwrap();
+        assert!(entries[1].ticket > holder.fencing_token());
+        holder.release().await.unwrap();
+        let granted = waiter.join().await.success().unwrap().unwrap();
+        assert_eq!(granted.fencing_token(), entries[1].ticket);
+        // B now holds "j"; A, which never read "j", is refused it, then B's release (which A's
+        // memory of "k" does not cover) and A's own acquisitions go on in ticket order.
+        let other = b.exclusive("j", "other").await.unwrap();
+        assert!(a
+            .try_acquire(LockRequest::exclusive("j", "late"))
+            .await
+            .unwrap()
+            .is_none());
+        let token = other.fencing_token();
+        other.release().await.unwrap();
+        granted.release().await.unwrap();
+        // Another connection deletes a row A knows of (as an operator clearing a stuck lock
+        // would): A is granted the key at once, not refused by its memory of its own row.
+        let mine = a.exclusive("k", "mine").await.unwrap();
+        let path = store.sqlite_path().unwrap().to_owned();
+        sqlite::open(&path)
+            .unwrap()
+            .execute("DELETE FROM locks WHERE operation = 'mine'")
+            .unwrap();
+        let again = a
+            .try_acquire(LockRequest::exclusive("k", "again"))
+            .await
+            .unwrap()
+            .expect("granted: the row A knew of is gone");
+        assert!(again.fencing_token() > token);
+        assert_eq!(queue(&a, "k").await, vec![held("again")]);
+        again.release().await.unwrap();
+        drop(mine);
+    });
+}
+
 #[test]
 fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
     stores::on_every_store(|store| async move {

@@ -6,7 +6,7 @@
 //! Times are stored as whole microseconds since the Unix epoch, from the manager's `Clock`.
 
 use std::cell::{RefCell, RefMut};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::sync::Arc;
@@ -32,6 +32,10 @@ const SQLITE_LOCKED: isize = 6;
 /// How long SQLite's own busy handler waits for the write lock inside each try; between tries
 /// refused at once, the manager's busy schedule decides.
 const BUSY_TIMEOUT_MS: usize = 5_000;
+
+/// How many keys' rows a connection remembers from its own write transactions (`Known`) before
+/// it forgets them all and starts over.
+const KNOWN_KEYS: usize = 4096;
 
 /// How many of its newest entries the change log keeps. A connection that has not looked for
 /// longer than that many promotions takes a full look instead.
@@ -199,6 +203,65 @@ pub(crate) struct Db<'c> {
     ring: bool,
     /// The other owners whose requests the transaction promoted: rung by name.
     ring_owners: BTreeSet<String>,
+    /// What this connection knows of the rows from its own write transactions.
+    known: Known,
+    /// Whether a write transaction is open (`begin` until `commit` or `rollback`).
+    in_write: bool,
+}
+
+/// What a connection knows of the database from its own write transactions: every row of the
+/// keys it read or wrote, and the ticket sequence's last value. While no other connection
+/// commits, that stays true, so a transaction reads it from memory instead of running a
+/// statement: under contention a batch's requests read the same few keys again and again, and
+/// an uncontended acquisition reads the key it wrote a moment ago.
+///
+/// Each write transaction asks `PRAGMA data_version` as it starts, holding the write lock
+/// until it ends: unchanged since the last one, no other connection committed in between, and
+/// what is known holds; changed, it is forgotten. A rollback forgets it too, since the writes
+/// it undid were applied here. Reads outside a write transaction never use it.
+#[derive(Default)]
+struct Known {
+    /// `PRAGMA data_version` as of this connection's last write transaction.
+    version: Option<i64>,
+    /// Every row (lapsed ones too) of each key here, in ticket order.
+    keys: HashMap<String, Vec<KnownRow>>,
+    /// The ticket sequence's last value, if read (or taken) since `version`.
+    last_ticket: Option<i64>,
+    /// Whether the open transaction took tickets, whose last one `commit` writes back.
+    tickets_taken: bool,
+}
+
+/// A row as a decision reads it, and when it was last renewed (which a promotion needs).
+struct KnownRow {
+    view: RowView,
+    heartbeat_at: i64,
+}
+
+impl Known {
+    /// A write transaction starts, and `PRAGMA data_version` says `version`.
+    fn starting(&mut self, version: i64) {
+        if self.version != Some(version) || self.keys.len() > KNOWN_KEYS {
+            self.forget();
+        }
+        self.version = Some(version);
+    }
+
+    fn forget(&mut self) {
+        self.version = None;
+        self.keys.clear();
+        self.last_ticket = None;
+        self.tickets_taken = false;
+    }
+
+    /// The rows known of `key`, if any are.
+    fn rows_mut(&mut self, key: &str) -> Option<&mut Vec<KnownRow>> {
+        self.keys.get_mut(key)
+    }
+
+    /// Every row known, key by key.
+    fn all_rows_mut(&mut self) -> impl Iterator<Item = &mut Vec<KnownRow>> {
+        self.keys.values_mut()
+    }
 }
 
 /// A cached statement, reset when dropped so that it never holds a read transaction open.
@@ -246,6 +309,8 @@ impl<'c> Db<'c> {
             doorbell: None,
             ring: false,
             ring_owners: BTreeSet::new(),
+            known: Known::default(),
+            in_write: false,
         }
     }
 
@@ -311,6 +376,45 @@ impl<'c> Db<'c> {
         statement
             .read::<i64, _>(0)
             .map_err(|e| storage_error(doing, &e))
+    }
+
+    /// `PRAGMA data_version`: changes when another connection commits.
+    fn data_version(&self) -> Result<i64> {
+        let doing = "checking for changes (data_version)";
+        let mut statement = self.prepare(doing, "PRAGMA data_version")?;
+        step(doing, &mut statement)?;
+        statement
+            .read::<i64, _>(0)
+            .map_err(|e| storage_error(doing, &e))
+    }
+
+    /// Appends to `into` every row of `key` whose lease ends after `after`, in ticket order,
+    /// with when each was last renewed.
+    fn read_rows(&self, key: &str, after: i64, into: &mut Vec<KnownRow>) -> Result<()> {
+        let doing = "reading the rows of a key";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT mode, ticket, held, owner, expires_at, keys, heartbeat_at FROM locks
+             WHERE key = ? AND expires_at > ? ORDER BY ticket",
+        )?;
+        bind(doing, &mut statement, 1, key)?;
+        bind(doing, &mut statement, 2, after)?;
+        while step(doing, &mut statement)? {
+            into.push(KnownRow {
+                view: RowView {
+                    key: key.to_owned(),
+                    mode: mode_of(read(doing, &statement, 0)?),
+                    ticket: ticket_of(read(doing, &statement, 1)?),
+                    held: read::<i64>(doing, &statement, 2)? != 0,
+                    owner: read(doing, &statement, 3)?,
+                    expires_at: read(doing, &statement, 4)?,
+                    keys: read::<Option<String>>(doing, &statement, 5)?
+                        .map_or_else(Vec::new, |keys| decode_keys(&keys)),
+                },
+                heartbeat_at: read(doing, &statement, 6)?,
+            });
+        }
+        Ok(())
     }
 
     fn migrate(&mut self) -> Result<()> {
@@ -430,11 +534,26 @@ impl Storage for Db<'_> {
             file.check()?;
         }
         self.begin_immediate("starting a write transaction")?;
+        self.in_write = true;
+        let version = self.data_version()?;
+        self.known.starting(version);
         Ok(self.now())
     }
 
+    /// Writes back the last ticket taken, then commits.
     fn commit(&mut self) -> Result<()> {
-        self.run_retrying_busy("committing", "COMMIT")
+        if std::mem::take(&mut self.known.tickets_taken) {
+            let doing = "taking a ticket";
+            let mut statement = self.prepare(
+                doing,
+                "UPDATE locks SET last_ticket = ? WHERE key = '' AND ticket = 0",
+            )?;
+            bind(doing, &mut statement, 1, self.known.last_ticket)?;
+            step(doing, &mut statement)?;
+        }
+        self.run_retrying_busy("committing", "COMMIT")?;
+        self.in_write = false;
+        Ok(())
     }
 
     fn wake_others(&mut self) {
@@ -450,6 +569,8 @@ impl Storage for Db<'_> {
     fn rollback(&mut self) {
         self.ring = false;
         self.ring_owners.clear();
+        self.known.forget();
+        self.in_write = false;
         let _ = self.conn.execute("ROLLBACK");
     }
 
@@ -468,14 +589,7 @@ impl Storage for Db<'_> {
         if let Some(file) = &self.file {
             file.check()?;
         }
-        let doing = "checking for changes (data_version)";
-        let version = {
-            let mut statement = self.prepare(doing, "PRAGMA data_version")?;
-            step(doing, &mut statement)?;
-            statement
-                .read::<i64, _>(0)
-                .map_err(|e| storage_error(doing, &e))?
-        };
+        let version = self.data_version()?;
         if self.seen_version == Some(version) {
             return Ok(Changes::Nothing);
         }
@@ -521,58 +635,57 @@ impl Storage for Db<'_> {
         Ok(())
     }
 
+    /// The next ticket, from the sequence's last value as known (read once per transaction at
+    /// most, and not at all while no other connection commits); `commit` writes the last one
+    /// taken back, one statement however many were taken. Only in a write transaction.
     fn next_ticket(&mut self) -> Result<u64> {
-        let doing = "taking a ticket";
-        // Two statements, not `UPDATE ... RETURNING`: SQLite runs `RETURNING` like a trigger,
-        // which gives the statement its own journal, and allocating and freeing that journal in
-        // every acquisition made the allocator hand memory back to the system each time (a
-        // `madvise` whose TLB flush interrupts every other core of the process).
-        step(
-            doing,
-            &mut *self.prepare(
-                doing,
-                "UPDATE locks SET last_ticket = last_ticket + 1 WHERE key = '' AND ticket = 0",
-            )?,
-        )?;
-        let mut statement = self.prepare(
-            doing,
-            "SELECT last_ticket FROM locks WHERE key = '' AND ticket = 0",
-        )?;
-        if !step(doing, &mut statement)? {
-            return Err(LockError::Storage(format!(
-                "while {doing}: the ticket sequence row is missing"
-            )));
-        }
-        let ticket = statement
-            .read::<i64, _>(0)
-            .map_err(|e| storage_error(doing, &e))?;
+        debug_assert!(self.in_write, "a ticket taken outside a write transaction");
+        let last = match self.known.last_ticket {
+            Some(last) => last,
+            None => {
+                let doing = "taking a ticket";
+                let mut statement = self.prepare(
+                    doing,
+                    "SELECT last_ticket FROM locks WHERE key = '' AND ticket = 0",
+                )?;
+                if !step(doing, &mut statement)? {
+                    return Err(LockError::Storage(format!(
+                        "while {doing}: the ticket sequence row is missing"
+                    )));
+                }
+                read(doing, &statement, 0)?
+            }
+        };
+        let ticket = last.checked_add(1).ok_or_else(|| {
+            LockError::Storage("while taking a ticket: the sequence is exhausted".into())
+        })?;
+        self.known.last_ticket = Some(ticket);
+        self.known.tickets_taken = true;
         Ok(ticket_of(ticket))
     }
 
-    /// The live rows on `keys`, by key in ticket order.
+    /// The live rows on `keys`, by key in ticket order: in a write transaction, as known
+    /// (`Known`), each key read once while no other connection commits.
     fn rows_on_keys(&mut self, keys: &[String], now: i64, into: &mut Vec<RowView>) -> Result<()> {
-        let doing = "reading the rows of a key";
-        let mut statement = self.prepare(
-            doing,
-            "SELECT mode, ticket, held, owner, expires_at, keys FROM locks
-             WHERE key = ? AND expires_at > ? ORDER BY ticket",
-        )?;
+        let mut read = Vec::new();
         for key in keys {
-            statement.reset().map_err(|e| storage_error(doing, &e))?;
-            bind(doing, &mut statement, 1, key.as_str())?;
-            bind(doing, &mut statement, 2, now)?;
-            while step(doing, &mut statement)? {
-                into.push(RowView {
-                    key: key.clone(),
-                    mode: mode_of(read(doing, &statement, 0)?),
-                    ticket: ticket_of(read(doing, &statement, 1)?),
-                    held: read::<i64>(doing, &statement, 2)? != 0,
-                    owner: read(doing, &statement, 3)?,
-                    expires_at: read(doing, &statement, 4)?,
-                    keys: read::<Option<String>>(doing, &statement, 5)?
-                        .map_or_else(Vec::new, |keys| decode_keys(&keys)),
-                });
+            if !self.in_write {
+                self.read_rows(key, now, &mut read)?;
+                into.extend(read.drain(..).map(|row| row.view));
+                continue;
             }
+            if !self.known.keys.contains_key(key) {
+                // Lapsed rows too: a later read, at a later time, filters them itself.
+                self.read_rows(key, i64::MIN, &mut read)?;
+                self.known
+                    .keys
+                    .insert(key.clone(), std::mem::take(&mut read));
+            }
+            let rows = self.known.keys.get(key).into_iter().flatten();
+            into.extend(
+                rows.filter(|row| row.view.expires_at > now)
+                    .map(|row| row.view.clone()),
+            );
         }
         Ok(())
     }
@@ -611,6 +724,32 @@ impl Storage for Db<'_> {
             bind(doing, &mut statement, 11, keys.as_deref())?;
             step(doing, &mut statement)?;
         }
+        drop(statement);
+        let every_key = || match keys {
+            Some(_) => requests.iter().map(|r| r.key.clone()).collect(),
+            None => Vec::new(),
+        };
+        for request in requests {
+            if let Some(rows) = self.known.rows_mut(&request.key) {
+                let at = rows.partition_point(|row| row.view.ticket < ticket_of(ticket));
+                let view = RowView {
+                    key: request.key.clone(),
+                    mode: request.mode,
+                    ticket: ticket_of(ticket),
+                    held,
+                    owner: owner.to_owned(),
+                    expires_at,
+                    keys: every_key(),
+                };
+                rows.insert(
+                    at,
+                    KnownRow {
+                        view,
+                        heartbeat_at: now,
+                    },
+                );
+            }
+        }
         Ok(())
     }
 
@@ -634,6 +773,17 @@ impl Storage for Db<'_> {
             bind(doing, &mut statement, 2, key.as_str())?;
             bind(doing, &mut statement, 3, sql_ticket(ticket))?;
             step(doing, &mut statement)?;
+        }
+        drop(statement);
+        for key in keys {
+            let rows = self.known.rows_mut(key).into_iter().flatten();
+            for row in rows.filter(|row| row.view.ticket == ticket && !row.view.held) {
+                let lease = row.view.expires_at - row.heartbeat_at;
+                row.view.held = true;
+                row.view.expires_at = row.view.expires_at.max(now.saturating_add(lease));
+                row.heartbeat_at = row.heartbeat_at.max(now);
+                row.view.keys = Vec::new();
+            }
         }
         Ok(())
     }
@@ -672,6 +822,11 @@ impl Storage for Db<'_> {
                 deleted.rows += 1;
             }
         }
+        for key in keys {
+            if let Some(rows) = self.known.rows_mut(key) {
+                rows.retain(|row| row.view.ticket != ticket || row.view.owner != owner);
+            }
+        }
         Ok(deleted)
     }
 
@@ -681,7 +836,12 @@ impl Storage for Db<'_> {
         let mut statement = self.prepare(doing, "DELETE FROM locks WHERE owner = ?")?;
         bind(doing, &mut statement, 1, owner)?;
         step(doing, &mut statement)?;
-        Ok(self.conn.change_count())
+        let deleted = self.conn.change_count();
+        drop(statement);
+        for rows in self.known.all_rows_mut() {
+            rows.retain(|row| row.view.owner != owner);
+        }
+        Ok(deleted)
     }
 
     /// Deletes the lapsed rows on `keys`; returns how many.
@@ -697,6 +857,12 @@ impl Storage for Db<'_> {
             step(doing, &mut statement)?;
             deleted += self.conn.change_count();
         }
+        drop(statement);
+        for key in keys {
+            if let Some(rows) = self.known.rows_mut(key) {
+                rows.retain(|row| row.view.expires_at > now);
+            }
+        }
         Ok(deleted)
     }
 
@@ -708,6 +874,9 @@ impl Storage for Db<'_> {
         bind(doing, &mut statement, 1, now)?;
         step(doing, &mut statement)?;
         drop(statement);
+        for rows in self.known.all_rows_mut() {
+            rows.retain(|row| row.view.expires_at > now);
+        }
         let doing = "trimming the change log";
         let mut statement = self.prepare(
             doing,
@@ -730,7 +899,17 @@ impl Storage for Db<'_> {
         bind(doing, &mut statement, 3, owner)?;
         bind(doing, &mut statement, 4, now)?;
         step(doing, &mut statement)?;
-        Ok(self.conn.change_count())
+        let renewed = self.conn.change_count();
+        drop(statement);
+        for rows in self.known.all_rows_mut() {
+            for row in rows.iter_mut() {
+                if row.view.owner == owner && row.view.expires_at > now {
+                    row.view.expires_at = expires_at;
+                    row.heartbeat_at = now;
+                }
+            }
+        }
+        Ok(renewed)
     }
 
     fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>> {
