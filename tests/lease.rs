@@ -44,6 +44,20 @@ async fn queue_behind_the_holder(
     waiter
 }
 
+/// Lets a queued waiter's heartbeat start: its fiber is forked only once the wait has lasted a
+/// quarter of a heartbeat (`beat`), by `clock`, so that short waits cost none. Waits until it
+/// sleeps on `clock`.
+async fn start_waiter_heartbeat(clock: &TestClock, beat: Duration) {
+    let before = clock.sleepers();
+    clock.advance(beat / 4);
+    within(
+        5_000,
+        "the waiter's heartbeat forked and asleep",
+        || async { clock.sleepers() > before },
+    )
+    .await;
+}
+
 /// Advances `clock` in heartbeat steps, waiting after each for `locks` to finish the renewal
 /// that step triggers, so that time never outruns the heartbeats.
 async fn advance_with_heartbeats(clock: &TestClock, locks: &LockManager, total: Duration) {
@@ -103,6 +117,7 @@ fn a_frozen_owners_lock_goes_to_a_waiter_after_its_lease_and_not_before() {
 
         let stale = frozen.exclusive("k", "frozen").await.unwrap();
         let waiter = queue_behind_the_holder(&live, "waiter").await;
+        start_waiter_heartbeat(&live_clock, BEAT).await;
 
         // Half a lease: the frozen owner's row is still live, so the waiter must wait.
         advance_with_heartbeats(&live_clock, &live, LEASE / 2).await;
@@ -156,6 +171,7 @@ fn a_frozen_owners_lock_passes_on_when_its_lease_ends_however_long_the_poll() {
             .unwrap();
         let stale = frozen.exclusive("k", "frozen").await.unwrap();
         let waiter = queue_behind_the_holder(&live, "waiter").await;
+        start_waiter_heartbeat(&live_clock, BEAT).await;
         advance_with_heartbeats_until(&live_clock, &live, LEASE + BEAT, || waiter.is_finished())
             .await;
         let guard = match lock_support::join_within(5_000, "the waiter", waiter).await {
@@ -277,6 +293,7 @@ fn a_waiter_whose_lease_ran_out_queues_again_and_is_granted() {
 
         let guard = holder.exclusive("k", "holder").await.unwrap();
         let waiter = queue_behind_the_holder(&waiting, "frozen waiter").await;
+        start_waiter_heartbeat(&waiter_clock, BEAT).await;
         // The waiter's process is frozen (its clock stands still) while the holder's time runs
         // past the waiter's lease; the holder's release then deletes the expired waiting row.
         advance_with_heartbeats(&holder_clock, &holder, LEASE + BEAT).await;
@@ -336,8 +353,16 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
         let guard = other.exclusive("k", "holder").await.unwrap();
         let waiter = queue_behind_the_holder(&locks, "waiter").await;
         let queued_until = clock.now() + LEASE;
-        // The row is written before the waiting task hears that it queued, and forks its
-        // heartbeat: start nothing before the heartbeat is there to start.
+        // The heartbeat's fiber is forked a quarter of a heartbeat into the wait, not sooner
+        // (a round trip through the worker lets it see the clock's last step)...
+        clock.advance(BEAT / 4 - Duration::from_millis(1));
+        locks.is_locked("k").await.unwrap();
+        assert!(
+            late.0.lock().unwrap().is_empty(),
+            "the heartbeat was forked before a quarter of a heartbeat"
+        );
+        // ... and then: start nothing before it is there to start.
+        clock.advance(Duration::from_millis(1));
         within(
             5_000,
             "the waiter's heartbeat handed to the spawner",
@@ -345,7 +370,7 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
         )
         .await;
 
-        clock.advance(BEAT);
+        clock.advance(BEAT - BEAT / 4);
         late.start();
         within(
             5_000,
@@ -441,6 +466,7 @@ fn a_lock_granted_from_the_queue_starts_with_a_whole_lease() {
         let (a, b) = tight_managers(&dir.path().join("l.db"), &clock);
         let holder = a.exclusive("k", "A").await.unwrap();
         let waiter = queue_behind_the_holder(&b, "B").await;
+        start_waiter_heartbeat(&clock, Duration::from_secs(1)).await;
         // A's lock heartbeat and B's waiter heartbeat.
         within(5_000, "both heartbeats asleep", || async {
             clock.sleepers() >= 2

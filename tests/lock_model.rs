@@ -250,6 +250,9 @@ struct Request {
     policy: Policy,
     ticket: Option<u64>,
     state: State,
+    /// When it was sent, by its owner's clock: a queued request's heartbeat starts a quarter of
+    /// a heartbeat later.
+    sent_at: Duration,
 }
 
 impl Request {
@@ -304,6 +307,8 @@ struct Sent {
     stop: AbortController,
     /// The guard, if the acquisition returned at its first poll already.
     early: Option<Guard>,
+    /// Its owner's clock when it was made (which only the run moves, between steps).
+    sent_at: Duration,
 }
 
 impl Sent {
@@ -339,6 +344,7 @@ impl Sent {
             policy: self.policy,
             ticket: None,
             state,
+            sent_at: self.sent_at,
         }
     }
 }
@@ -536,6 +542,7 @@ impl World {
             })
             .collect();
         let locks = &self.owners[owner].locks;
+        let sent_at = self.owners[owner].clock.now();
         let stop = AbortController::new();
         let acquisition = match policy {
             Policy::Single => locks.acquire(requests[0].clone()),
@@ -551,6 +558,7 @@ impl World {
             acquisition,
             stop,
             early: None,
+            sent_at,
         }
     }
 
@@ -842,6 +850,7 @@ impl World {
             policy: Policy::Single,
             ticket: None,
             state: State::Held(guard),
+            sent_at: self.owners[owner].clock.now(),
         });
     }
 
@@ -931,13 +940,16 @@ impl World {
     }
 
     /// Waits until every heartbeat of every live owner is asleep on its clock: before the
-    /// clocks move, and after, when the beats they woke have renewed.
+    /// clocks move, and after, when the beats they woke have renewed. A queued request's
+    /// heartbeat is forked once it has waited a quarter of a heartbeat.
     async fn heartbeats_asleep(&self) {
         for o in (0..self.owners.len()).filter(|&o| !self.owners[o].frozen) {
+            let now = self.owners[o].clock.now();
             let waiting = self
                 .requests
                 .iter()
                 .filter(|r| r.owner == o && r.is_pending() && !matches!(r.policy, Policy::Unqueued))
+                .filter(|r| now >= r.sent_at + HEARTBEAT / 4)
                 .count();
             let holding = self
                 .requests

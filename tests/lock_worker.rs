@@ -370,22 +370,23 @@ fn renewals_asked_for_together_are_one_write() {
                 locks.exclusive(format!("k{i}"), "waiter").await
             }));
         }
-        // The waiters' heartbeats, and the holder's.
-        within(
-            5_000,
-            "every waiter queued with its heartbeat asleep",
-            || async {
-                clock.sleepers() >= 21
-                    && locks
-                        .inspect(None)
-                        .await
-                        .unwrap()
-                        .iter()
-                        .filter(|e| e.operation == "waiter")
-                        .count()
-                        == 20
-            },
-        )
+        within(5_000, "every waiter queued", || async {
+            locks
+                .inspect(None)
+                .await
+                .unwrap()
+                .iter()
+                .filter(|e| e.operation == "waiter")
+                .count()
+                == 20
+        })
+        .await;
+        // The waiters' heartbeats (forked a quarter of a heartbeat into their wait), and the
+        // holder's.
+        clock.advance(Duration::from_millis(250));
+        within(5_000, "every heartbeat asleep", || async {
+            clock.sleepers() >= 21
+        })
         .await;
         let before = locks.stats().heartbeats;
         let write_lock = WriteLock::take(&path);

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::scope::{ExitStatus, Scope, Scoped};
@@ -476,7 +476,9 @@ async fn acquire_in_scope(
         }
     });
     let removal = RemoveOnDrop::new(&shared, id);
-    let mut beating = false;
+    // Whether the waiter's heartbeat was forked: once, when a queued wait first lasts long
+    // enough (see `WaitSlot::arm`), then it beats through every later wait of this call.
+    let beating = Arc::new(AtomicBool::new(false));
     // The caller still wants the lock whenever a grant or a wait runs out of lease: its place
     // is lost, its turn is not, so it asks again.
     let grant = loop {
@@ -487,9 +489,13 @@ async fn acquire_in_scope(
                 match shared.acquire(id, &requests, Wait::Queued).await? {
                     Acquired::Granted(grant) => grant,
                     Acquired::Queued(ticket, slot) => {
-                        if !beating {
-                            beating = true;
-                            scope.fork(heartbeat::waiter(shared.clone(), sent_at));
+                        if !beating.load(Ordering::SeqCst) {
+                            let (scope, shared, beating) =
+                                (scope.clone(), shared.clone(), beating.clone());
+                            slot.arm(Box::new(move || {
+                                beating.store(true, Ordering::SeqCst);
+                                drop(scope.fork(heartbeat::waiter(shared, sent_at)));
+                            }));
                         }
                         match slot.granted().await? {
                             Some(expires_at) => Grant { ticket, expires_at },

@@ -83,11 +83,13 @@ pub(crate) struct Grant {
     pub(crate) expires_at: i64,
 }
 
-/// Where a queued request learns that it was granted (or can never be).
+/// Where a queued request learns that it was granted (or can never be), and what starts its
+/// heartbeat should it wait long (see [`WaitSlot::arm`]).
 #[derive(Debug, Default)]
 pub(crate) struct WaitSlot {
     state: Mutex<SlotState>,
     event: Event,
+    beat: Mutex<Beat>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -100,10 +102,70 @@ pub(super) enum SlotState {
     Shutdown,
 }
 
+/// The start of a waiter's heartbeat: most waits end long before their first renewal is due,
+/// so the heartbeat's fiber is forked only once the wait has lasted a while (a quarter of a
+/// heartbeat: `worker::beat_after`), when the worker calls `WaitSlot::beat_due`.
+#[derive(Default)]
+enum Beat {
+    /// Neither armed nor due yet.
+    #[default]
+    Unarmed,
+    /// What starts the heartbeat, waiting for its time.
+    Armed(Box<dyn FnOnce() + Send>),
+    /// Its time came before it was armed: `arm` starts it at once.
+    Due,
+    /// Started, or never to start (the wait is over).
+    Over,
+}
+
+impl std::fmt::Debug for Beat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Beat::Unarmed => "Unarmed",
+            Beat::Armed(_) => "Armed",
+            Beat::Due => "Due",
+            Beat::Over => "Over",
+        })
+    }
+}
+
 impl WaitSlot {
     pub(super) fn set(&self, state: SlotState) {
         *lock(&self.state) = state;
+        if state != SlotState::Waiting {
+            // The wait is over: its heartbeat never starts. (Dropped outside the lock.)
+            drop(std::mem::replace(&mut *lock(&self.beat), Beat::Over));
+        }
         self.event.notify(usize::MAX);
+    }
+
+    /// Hands the slot what starts the waiter's heartbeat: run when the worker says it is due,
+    /// or now if it said so already; dropped unrun if the wait ends first.
+    pub(crate) fn arm(&self, start: Box<dyn FnOnce() + Send>) {
+        let mut beat = lock(&self.beat);
+        match std::mem::replace(&mut *beat, Beat::Over) {
+            Beat::Unarmed => *beat = Beat::Armed(start),
+            Beat::Due => {
+                drop(beat);
+                start();
+            }
+            // Armed once only: the first stays.
+            armed @ Beat::Armed(_) => *beat = armed,
+            Beat::Over => {}
+        }
+    }
+
+    /// The wait has lasted long enough for its heartbeat: starts it, or has `arm` start it.
+    pub(super) fn beat_due(&self) {
+        let mut beat = lock(&self.beat);
+        match std::mem::replace(&mut *beat, Beat::Over) {
+            Beat::Armed(start) => {
+                drop(beat);
+                start();
+            }
+            Beat::Unarmed => *beat = Beat::Due,
+            Beat::Due | Beat::Over => {}
+        }
     }
 
     fn get(&self) -> SlotState {
@@ -124,6 +186,68 @@ impl WaitSlot {
                 SlotState::Granted(expires_at) => return Ok(Some(expires_at)),
                 SlotState::Waiting => {}
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A start that counts its runs.
+    fn counted(runs: &Arc<AtomicUsize>) -> Box<dyn FnOnce() + Send> {
+        let runs = runs.clone();
+        Box::new(move || {
+            runs.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+
+    #[test]
+    fn a_heartbeat_starts_once_when_due_whether_armed_before_or_after() {
+        // Armed, then due: the worker's call starts it.
+        let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
+        slot.arm(counted(&runs));
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "started before it was due");
+        slot.beat_due();
+        slot.beat_due();
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        // Due before the waiting call armed it (its task slow to hear it queued): arming starts it.
+        let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
+        slot.beat_due();
+        slot.arm(counted(&runs));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        // Armed twice: the first start stays, and runs once.
+        let (slot, first, second) = (
+            WaitSlot::default(),
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        slot.arm(counted(&first));
+        slot.arm(counted(&second));
+        slot.beat_due();
+        assert_eq!(first.load(Ordering::SeqCst), 1);
+        assert_eq!(second.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_heartbeat_never_starts_once_the_wait_is_over() {
+        for end in [
+            SlotState::Granted(1),
+            SlotState::Expired,
+            SlotState::Shutdown,
+        ] {
+            let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
+            slot.arm(counted(&runs));
+            slot.set(end);
+            slot.beat_due();
+            assert_eq!(runs.load(Ordering::SeqCst), 0, "started after {end:?}");
+            // Nor when armed after the end (a late task), however due.
+            let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
+            slot.set(end);
+            slot.beat_due();
+            slot.arm(counted(&runs));
+            assert_eq!(runs.load(Ordering::SeqCst), 0, "started after {end:?}");
         }
     }
 }

@@ -89,6 +89,11 @@ impl Waits {
             .collect()
     }
 
+    /// The slot of `ticket`, while it waits.
+    pub(crate) fn slot(&self, ticket: u64) -> Option<&Arc<WaitSlot>> {
+        self.by_ticket.get(&ticket).map(|waiting| &waiting.slot)
+    }
+
     /// Every queued request: its ticket and slot.
     pub(crate) fn all(&self) -> impl Iterator<Item = (u64, &Arc<WaitSlot>)> {
         self.by_ticket

@@ -27,7 +27,8 @@
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
@@ -53,6 +54,13 @@ const MARKER_LINGER: Duration = Duration::from_secs(1);
 
 /// How long the worker keeps looking for the next command before it blocks.
 const SPIN: Duration = Duration::from_micros(100);
+
+/// How long a queued request waits before its heartbeat's fiber is forked (`WaitSlot::arm`): a
+/// quarter of a heartbeat, well before its first renewal is due (a heartbeat after it was
+/// sent). Most waits end sooner and never fork one.
+fn beat_after(heartbeat: Duration) -> Duration {
+    heartbeat / 4
+}
 
 /// When the worker looks for the next command again before it blocks: at once, for [`SPIN`].
 fn spin_schedule() -> Schedule {
@@ -106,6 +114,9 @@ pub(crate) struct Worker<S> {
     requests: HashMap<u64, Written>,
     /// This owner's queued requests, and the keys it watches (see `watch.rs`).
     waits: Waits,
+    /// When the heartbeats of queued requests are due to start (the clock's monotonic time),
+    /// in that order, by ticket: see `beat_after`.
+    beats: VecDeque<(Duration, u64)>,
     /// The change poll's schedule, when it says to look next, and when the last look ended
     /// (the clock's monotonic time).
     poll: ScheduleRun,
@@ -152,6 +163,7 @@ impl<S: Storage> Worker<S> {
             rx,
             requests: HashMap::new(),
             waits: Waits::default(),
+            beats: VecDeque::new(),
             poll,
             next_look: NextLook::Idle,
             last_look,
@@ -196,15 +208,11 @@ impl<S: Storage> Worker<S> {
                     // Blocks in real time for as long as the clock says is left, then reads the
                     // clock again: on the system clock that is the moment of the look, and a
                     // clock moved by hand (`TestClock`) is seen to move within one delay.
-                    let received = match self.next_look() {
-                        Some(at) => {
-                            let left = at.saturating_sub(self.common.clock.monotonic());
-                            self.rx.recv_timeout(left)
-                        }
-                        None => match self.marker_left() {
-                            Some(left) => self.rx.recv_timeout(left),
-                            None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-                        },
+                    let due = self.next_look().into_iter().chain(self.next_beat()).min();
+                    let left = due.map(|at| at.saturating_sub(self.common.clock.monotonic()));
+                    let received = match left.into_iter().chain(self.marker_left()).min() {
+                        Some(left) => self.rx.recv_timeout(left),
+                        None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
                     };
                     self.common.replies.worker_wakes();
                     received
@@ -229,6 +237,7 @@ impl<S: Storage> Worker<S> {
                     return;
                 }
             }
+            self.start_due_beats();
             if self.look_due() {
                 self.look_for_changes();
                 self.last_look = self.common.clock.monotonic();
@@ -287,6 +296,41 @@ impl<S: Storage> Worker<S> {
         match (polled, freed) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
+        }
+    }
+
+    /// When the next queued request's heartbeat is due to start, forgetting those whose wait
+    /// is over.
+    fn next_beat(&mut self) -> Option<Duration> {
+        while let Some(&(at, ticket)) = self.beats.front() {
+            if self.waits.slot(ticket).is_some() {
+                return Some(at);
+            }
+            self.beats.pop_front();
+        }
+        None
+    }
+
+    /// Starts the heartbeats of the queued requests that have waited long enough.
+    fn start_due_beats(&mut self) {
+        let now = self.common.clock.monotonic();
+        while let Some(at) = self.next_beat().filter(|at| *at <= now) {
+            let Some((_, ticket)) = self.beats.pop_front() else {
+                break;
+            };
+            if let Some(slot) = self.waits.slot(ticket) {
+                // It forks a fiber on the caller's spawner: a spawner that panics must not end
+                // this thread. The wait goes on; its rows run out if it outlasts their lease,
+                // and it queues again.
+                let started = std::panic::catch_unwind(AssertUnwindSafe(|| slot.beat_due()));
+                if started.is_err() {
+                    tracing::warn!(
+                        ticket,
+                        ?at,
+                        "starting a waiting request's heartbeat panicked"
+                    );
+                }
+            }
         }
     }
 
@@ -1035,6 +1079,8 @@ impl<S: Storage> Worker<S> {
             ) => {
                 let slot = Arc::new(WaitSlot::default());
                 self.waits.insert(ticket, slot.clone(), keys_of(&requests));
+                let at = self.common.clock.monotonic() + beat_after(self.common.heartbeat);
+                self.beats.push_back((at, ticket));
                 let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
             }
             (Write::Acquire { reply, .. }, _) => {
