@@ -14,17 +14,20 @@
 //! single pass in any order.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use super::Mode;
 
 /// What the rule, and the worker around it, need to know of one live row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct RowView {
-    pub(crate) key: String,
+    /// Shared, not owned: a decision copies rows often (SQLite's `Known` hands out copies of
+    /// what it remembers), and a copy then costs no allocation.
+    pub(crate) key: Arc<str>,
     pub(crate) mode: Mode,
     pub(crate) ticket: u64,
     pub(crate) held: bool,
-    pub(crate) owner: String,
+    pub(crate) owner: Arc<str>,
     pub(crate) expires_at: i64,
     /// Every key of its request, when that is more than this row's own (a `many`) and the row
     /// waits; else empty (a held row's other keys are never needed).
@@ -34,7 +37,7 @@ pub(crate) struct RowView {
 impl RowView {
     /// The keys of this row's request.
     pub(crate) fn request_keys(&self) -> impl Iterator<Item = &str> {
-        let own = self.keys.is_empty().then_some(self.key.as_str());
+        let own = self.keys.is_empty().then_some(&*self.key);
         own.into_iter().chain(self.keys.iter().map(String::as_str))
     }
 }
@@ -62,7 +65,7 @@ pub(crate) fn grantable_now<'a>(
             mode,
             u64::MAX,
             rows.iter()
-                .filter(|row| row.key == key)
+                .filter(|row| &*row.key == key)
                 .map(|row| (row.mode, row.ticket)),
         )
     })
@@ -74,18 +77,14 @@ pub(crate) fn promotable(rows: &[RowView]) -> Vec<u64> {
     let mut by_key: BTreeMap<&str, Vec<(Mode, u64)>> = BTreeMap::new();
     for row in rows {
         by_key
-            .entry(row.key.as_str())
+            .entry(&*row.key)
             .or_default()
             .push((row.mode, row.ticket));
     }
     // ticket -> granted on every key seen so far
     let mut verdicts: BTreeMap<u64, bool> = BTreeMap::new();
     for row in rows.iter().filter(|row| !row.held) {
-        let on_key = grantable(
-            row.mode,
-            row.ticket,
-            by_key[row.key.as_str()].iter().copied(),
-        );
+        let on_key = grantable(row.mode, row.ticket, by_key[&*row.key].iter().copied());
         *verdicts.entry(row.ticket).or_insert(true) &= on_key;
     }
     verdicts
@@ -146,7 +145,7 @@ mod tests {
 
     fn row(key: &str, mode: Mode, ticket: u64, held: bool) -> RowView {
         RowView {
-            key: key.to_owned(),
+            key: key.into(),
             mode,
             ticket,
             held,
@@ -274,8 +273,7 @@ mod tests {
             row("k", S, 4, false),
             row("j", S, 2, false),
         ];
-        let positions =
-            queue_positions("k", rows.iter().map(|r| (r.key.as_str(), r.ticket, r.held)));
+        let positions = queue_positions("k", rows.iter().map(|r| (&*r.key, r.ticket, r.held)));
         assert_eq!(positions.get(&4), Some(&0));
         assert_eq!(positions.get(&7), Some(&1));
         assert_eq!(positions.get(&1), None);

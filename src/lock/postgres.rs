@@ -1096,11 +1096,11 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
 
 fn row_view(row: &postgres::Row) -> RowView {
     RowView {
-        key: row.get(0),
+        key: row.get::<_, &str>(0).into(),
         mode: mode_of(i64::from(row.get::<_, i16>(1))),
         ticket: ticket_of(row.get(2)),
         held: row.get(3),
-        owner: row.get(4),
+        owner: row.get::<_, &str>(4).into(),
         expires_at: row.get(5),
         keys: row
             .get::<_, Option<String>>(6)
@@ -1614,11 +1614,11 @@ mod tests {
                         .unwrap();
                     if !lapsed {
                         live.push(RowView {
-                            key: key.to_owned(),
+                            key: key.into(),
                             mode,
                             ticket: ticket as u64,
                             held,
-                            owner,
+                            owner: owner.into(),
                             expires_at,
                             keys: if both {
                                 vec!["a".into(), "b".into()]
@@ -1719,7 +1719,7 @@ mod tests {
                 prop_assert!(row.get::<_, bool>(7), "a deletion frees");
                 let left: Vec<RowView> = live
                     .into_iter()
-                    .filter(|r| r.ticket != ticket as u64 && keys.contains(&r.key))
+                    .filter(|r| r.ticket != ticket as u64 && keys.iter().any(|k| **k == *r.key))
                     .collect();
                 let mut expected: Vec<u64> = promotable(&left)
                     .into_iter()

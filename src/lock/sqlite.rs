@@ -391,22 +391,23 @@ impl<'c> Db<'c> {
     /// Appends to `into` every row of `key` whose lease ends after `after`, in ticket order,
     /// with when each was last renewed.
     fn read_rows(&self, key: &str, after: i64, into: &mut Vec<KnownRow>) -> Result<()> {
+        let key: Arc<str> = key.into();
         let doing = "reading the rows of a key";
         let mut statement = self.prepare(
             doing,
             "SELECT mode, ticket, held, owner, expires_at, keys, heartbeat_at FROM locks
              WHERE key = ? AND expires_at > ? ORDER BY ticket",
         )?;
-        bind(doing, &mut statement, 1, key)?;
+        bind(doing, &mut statement, 1, &*key)?;
         bind(doing, &mut statement, 2, after)?;
         while step(doing, &mut statement)? {
             into.push(KnownRow {
                 view: RowView {
-                    key: key.to_owned(),
+                    key: key.clone(),
                     mode: mode_of(read(doing, &statement, 0)?),
                     ticket: ticket_of(read(doing, &statement, 1)?),
                     held: read::<i64>(doing, &statement, 2)? != 0,
-                    owner: read(doing, &statement, 3)?,
+                    owner: read::<String>(doing, &statement, 3)?.into(),
                     expires_at: read(doing, &statement, 4)?,
                     keys: read::<Option<String>>(doing, &statement, 5)?
                         .map_or_else(Vec::new, |keys| decode_keys(&keys)),
@@ -733,11 +734,11 @@ impl Storage for Db<'_> {
             if let Some(rows) = self.known.rows_mut(&request.key) {
                 let at = rows.partition_point(|row| row.view.ticket < ticket_of(ticket));
                 let view = RowView {
-                    key: request.key.clone(),
+                    key: request.key.as_str().into(),
                     mode: request.mode,
                     ticket: ticket_of(ticket),
                     held,
-                    owner: owner.to_owned(),
+                    owner: owner.into(),
                     expires_at,
                     keys: every_key(),
                 };
@@ -824,7 +825,7 @@ impl Storage for Db<'_> {
         }
         for key in keys {
             if let Some(rows) = self.known.rows_mut(key) {
-                rows.retain(|row| row.view.ticket != ticket || row.view.owner != owner);
+                rows.retain(|row| row.view.ticket != ticket || &*row.view.owner != owner);
             }
         }
         Ok(deleted)
@@ -839,7 +840,7 @@ impl Storage for Db<'_> {
         let deleted = self.conn.change_count();
         drop(statement);
         for rows in self.known.all_rows_mut() {
-            rows.retain(|row| row.view.owner != owner);
+            rows.retain(|row| &*row.view.owner != owner);
         }
         Ok(deleted)
     }
@@ -903,7 +904,7 @@ impl Storage for Db<'_> {
         drop(statement);
         for rows in self.known.all_rows_mut() {
             for row in rows.iter_mut() {
-                if row.view.owner == owner && row.view.expires_at > now {
+                if &*row.view.owner == owner && row.view.expires_at > now {
                     row.view.expires_at = expires_at;
                     row.heartbeat_at = now;
                 }

@@ -247,8 +247,8 @@ pub(crate) fn others_rows<'r>(
     rows: &'r [super::grant::RowView],
 ) -> impl Iterator<Item = (&'r str, i64)> + Clone + 'r {
     (rows.iter())
-        .filter(move |row| row.owner != owner)
-        .map(|row| (row.key.as_str(), row.expires_at))
+        .filter(move |row| &*row.owner != owner)
+        .map(|row| (&*row.key, row.expires_at))
 }
 
 #[cfg(test)]

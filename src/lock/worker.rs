@@ -220,7 +220,10 @@ impl<S: Storage> Worker<S> {
             };
             match received {
                 Ok(first) => {
-                    let mut batch = vec![first];
+                    // Room for a busy moment's batch at once, rather than growing it command by
+                    // command.
+                    let mut batch = Vec::with_capacity(32);
+                    batch.push(first);
                     while batch.len() < MAX_BATCH {
                         match self.rx.try_recv() {
                             Ok(command) => batch.push(command),
@@ -945,11 +948,11 @@ impl<S: Storage> Worker<S> {
         }
         for (ticket, mut own) in by_ticket {
             own.sort_by(|a, b| a.key.cmp(&b.key));
-            let keys: Vec<String> = own.iter().map(|row| row.key.clone()).collect();
+            let keys: Vec<String> = own.iter().map(|row| row.key.to_string()).collect();
             self.storage.promote(&keys, ticket, now)?;
             // Another owner learns of its grant from the announcement; this one, as it commits
             // (`after_commit`).
-            if own[0].owner != self.common.owner {
+            if *own[0].owner != *self.common.owner {
                 announced.note(own[0], keys);
             }
         }
@@ -1183,8 +1186,8 @@ impl<S: Storage> Worker<S> {
         let ahead = self.storage.ahead_of(&*self.common.clock);
         let seen: HashMap<(&str, u64), &RowView> = rows
             .iter()
-            .filter(|row| row.owner == self.common.owner)
-            .map(|row| ((row.key.as_str(), row.ticket), row))
+            .filter(|row| *row.owner == *self.common.owner)
+            .map(|row| ((&*row.key, row.ticket), row))
             .collect();
         let mut settled = BTreeSet::new();
         for key in keys {
@@ -1294,7 +1297,7 @@ struct Announced {
 impl Announced {
     fn note(&mut self, row: &RowView, keys: impl IntoIterator<Item = String>) {
         self.keys.extend(keys);
-        self.owners.insert(row.owner.clone());
+        self.owners.insert(row.owner.to_string());
     }
 }
 
