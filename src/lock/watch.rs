@@ -3,8 +3,9 @@
 //! without a queue position were refused on, and per watched key the time at which it may be
 //! freed without anyone writing (when the first other owner's row there runs out).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::protocol::WaitSlot;
 use super::storage::key_hash;
@@ -38,6 +39,9 @@ pub(crate) struct Waits {
     deadline: HashMap<String, i64>,
     /// The same, ordered by time.
     by_time: BTreeSet<(i64, String)>,
+    /// When queued requests' heartbeats are due to start (the clock's monotonic time), in that
+    /// order, by ticket; entries of waits that are over are dropped lazily (`beat_at`).
+    beats: VecDeque<(Duration, u64)>,
 }
 
 impl Waits {
@@ -89,9 +93,36 @@ impl Waits {
             .collect()
     }
 
-    /// The slot of `ticket`, while it waits.
-    pub(crate) fn slot(&self, ticket: u64) -> Option<&Arc<WaitSlot>> {
-        self.by_ticket.get(&ticket).map(|waiting| &waiting.slot)
+    /// Notes that the heartbeat of the queued request `ticket` is due to start at `at`, no
+    /// earlier than any noted before. The entries of waits that are over go from the front as
+    /// they come due, and all at once when they outnumber the waits: what is kept follows how
+    /// many wait, not how many came and went while a long wait stood first.
+    pub(crate) fn beat_at(&mut self, ticket: u64, at: Duration) {
+        self.beats.push_back((at, ticket));
+        if self.beats.len() > 2 * self.by_ticket.len() + 64 {
+            let by_ticket = &self.by_ticket;
+            self.beats
+                .retain(|(_, ticket)| by_ticket.contains_key(ticket));
+        }
+    }
+
+    /// When the next heartbeat is due to start, of a request still waiting.
+    pub(crate) fn next_beat(&mut self) -> Option<Duration> {
+        while let Some(&(at, ticket)) = self.beats.front() {
+            if self.by_ticket.contains_key(&ticket) {
+                return Some(at);
+            }
+            self.beats.pop_front();
+        }
+        None
+    }
+
+    /// The next request whose heartbeat is due to start by `now`, taken off the list: its
+    /// ticket and slot.
+    pub(crate) fn due_beat(&mut self, now: Duration) -> Option<(u64, Arc<WaitSlot>)> {
+        self.next_beat().filter(|at| *at <= now)?;
+        let (_, ticket) = self.beats.pop_front()?;
+        Some((ticket, self.by_ticket.get(&ticket)?.slot.clone()))
     }
 
     /// Every queued request: its ticket and slot.
@@ -261,6 +292,46 @@ mod tests {
 
     fn set(names: &[&str]) -> BTreeSet<String> {
         names.iter().map(|k| (*k).to_owned()).collect()
+    }
+
+    #[test]
+    fn heartbeats_come_due_in_order_and_only_while_their_request_waits() {
+        let at = Duration::from_millis;
+        let mut waits = Waits::default();
+        for ticket in 1..=3 {
+            waits.insert(ticket, Arc::default(), keys(&["k"]));
+            waits.beat_at(ticket, at(10 * ticket));
+        }
+        assert_eq!(waits.next_beat(), Some(at(10)));
+        assert!(waits.due_beat(at(9)).is_none(), "due before its time");
+        // The wait of 1 is over: its beat never comes, and 2's is next.
+        waits.remove(1);
+        assert_eq!(waits.next_beat(), Some(at(20)));
+        assert_eq!(waits.due_beat(at(25)).map(|(t, _)| t), Some(2));
+        assert!(waits.due_beat(at(25)).is_none(), "each beat comes due once");
+        assert_eq!(waits.due_beat(at(30)).map(|(t, _)| t), Some(3));
+        assert_eq!(waits.next_beat(), None);
+    }
+
+    #[test]
+    fn beats_kept_follow_the_waits_not_how_many_came_and_went() {
+        let at = Duration::from_millis;
+        let mut waits = Waits::default();
+        // A long wait stands first, its beat far off, while many short ones come and go.
+        waits.insert(0, Arc::default(), keys(&["k"]));
+        waits.beat_at(0, at(1_000_000));
+        for ticket in 1..10_000 {
+            waits.insert(ticket, Arc::default(), keys(&["k"]));
+            waits.beat_at(ticket, at(1_000_000 + ticket));
+            waits.remove(ticket);
+            // At most two wait at once.
+            assert!(
+                waits.beats.len() <= 2 * 2 + 64,
+                "{} kept",
+                waits.beats.len()
+            );
+        }
+        assert_eq!(waits.next_beat(), Some(at(1_000_000)));
     }
 
     #[test]

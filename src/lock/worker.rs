@@ -27,7 +27,7 @@
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
@@ -114,9 +114,6 @@ pub(crate) struct Worker<S> {
     requests: HashMap<u64, Written>,
     /// This owner's queued requests, and the keys it watches (see `watch.rs`).
     waits: Waits,
-    /// When the heartbeats of queued requests are due to start (the clock's monotonic time),
-    /// in that order, by ticket: see `beat_after`.
-    beats: VecDeque<(Duration, u64)>,
     /// The change poll's schedule, when it says to look next, and when the last look ended
     /// (the clock's monotonic time).
     poll: ScheduleRun,
@@ -163,7 +160,6 @@ impl<S: Storage> Worker<S> {
             rx,
             requests: HashMap::new(),
             waits: Waits::default(),
-            beats: VecDeque::new(),
             poll,
             next_look: NextLook::Idle,
             last_look,
@@ -208,7 +204,11 @@ impl<S: Storage> Worker<S> {
                     // Blocks in real time for as long as the clock says is left, then reads the
                     // clock again: on the system clock that is the moment of the look, and a
                     // clock moved by hand (`TestClock`) is seen to move within one delay.
-                    let due = self.next_look().into_iter().chain(self.next_beat()).min();
+                    let due = self
+                        .next_look()
+                        .into_iter()
+                        .chain(self.waits.next_beat())
+                        .min();
                     let left = due.map(|at| at.saturating_sub(self.common.clock.monotonic()));
                     let received = match left.into_iter().chain(self.marker_left()).min() {
                         Some(left) => self.rx.recv_timeout(left),
@@ -302,37 +302,15 @@ impl<S: Storage> Worker<S> {
         }
     }
 
-    /// When the next queued request's heartbeat is due to start, forgetting those whose wait
-    /// is over.
-    fn next_beat(&mut self) -> Option<Duration> {
-        while let Some(&(at, ticket)) = self.beats.front() {
-            if self.waits.slot(ticket).is_some() {
-                return Some(at);
-            }
-            self.beats.pop_front();
-        }
-        None
-    }
-
     /// Starts the heartbeats of the queued requests that have waited long enough.
     fn start_due_beats(&mut self) {
         let now = self.common.clock.monotonic();
-        while let Some(at) = self.next_beat().filter(|at| *at <= now) {
-            let Some((_, ticket)) = self.beats.pop_front() else {
-                break;
-            };
-            if let Some(slot) = self.waits.slot(ticket) {
-                // It forks a fiber on the caller's spawner: a spawner that panics must not end
-                // this thread. The wait goes on; its rows run out if it outlasts their lease,
-                // and it queues again.
-                let started = std::panic::catch_unwind(AssertUnwindSafe(|| slot.beat_due()));
-                if started.is_err() {
-                    tracing::warn!(
-                        ticket,
-                        ?at,
-                        "starting a waiting request's heartbeat panicked"
-                    );
-                }
+        while let Some((ticket, slot)) = self.waits.due_beat(now) {
+            // It forks a fiber on the caller's spawner: a spawner that panics must not end this
+            // thread. The wait goes on; its rows run out if it outlasts their lease, and it
+            // queues again.
+            if std::panic::catch_unwind(AssertUnwindSafe(|| slot.beat_due())).is_err() {
+                tracing::warn!(ticket, "starting a waiting request's heartbeat panicked");
             }
         }
     }
@@ -1083,7 +1061,7 @@ impl<S: Storage> Worker<S> {
                 let slot = Arc::new(WaitSlot::default());
                 self.waits.insert(ticket, slot.clone(), keys_of(&requests));
                 let at = self.common.clock.monotonic() + beat_after(self.common.heartbeat);
-                self.beats.push_back((at, ticket));
+                self.waits.beat_at(ticket, at);
                 let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
             }
             (Write::Acquire { reply, .. }, _) => {
