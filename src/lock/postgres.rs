@@ -1394,6 +1394,10 @@ impl Storage for Postgres {
         Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
     }
 
+    fn decides_at_once(&self) -> bool {
+        true
+    }
+
     /// One round trip: the function `decide` (see `FUNCTIONS`).
     fn decide_at_once(
         &mut self,

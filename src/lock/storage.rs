@@ -133,6 +133,11 @@ pub(crate) trait Storage {
     /// Renews every live row of `owner` until `expires_at`; never touches an expired row.
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize>;
 
+    /// Whether `decide_at_once` decides (it answers `None` otherwise), so that the worker does
+    /// not sort every batch for it in vain.
+    fn decides_at_once(&self) -> bool {
+        false
+    }
     /// Decides a batch of acquisitions and removals of `owner`'s (`ops`, in order) in one round
     /// trip and one transaction of its own, where the backend can (`None` where it cannot: the
     /// worker then runs `begin`, the reads and writes, and `commit`). One outcome per operation,

@@ -543,7 +543,7 @@ impl<S: Storage> Worker<S> {
     fn write(&mut self, mut writes: Vec<Write>) {
         // Acquisitions and removals in one call, while the storage can decide them so
         // (`Storage::decide_at_once`) and no other work is due in a transaction.
-        loop {
+        while self.storage.decides_at_once() {
             self.find_lost_requests();
             if !self.doubtful.is_empty() || !self.pass.is_empty() {
                 break;
