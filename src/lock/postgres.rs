@@ -1404,8 +1404,8 @@ impl Storage for Postgres {
         owner: &str,
         ops: &[AtOnce<'_>],
         lease: i64,
-    ) -> Option<Result<Vec<Outcome>>> {
-        Some(self.decide_in_one(owner, ops, lease))
+    ) -> Result<Vec<Outcome>> {
+        self.decide_in_one(owner, ops, lease)
     }
 
     fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>> {

@@ -252,16 +252,6 @@ impl Known {
         self.last_ticket = None;
         self.tickets_taken = false;
     }
-
-    /// The rows known of `key`, if any are.
-    fn rows_mut(&mut self, key: &str) -> Option<&mut Vec<KnownRow>> {
-        self.keys.get_mut(key)
-    }
-
-    /// Every row known, key by key.
-    fn all_rows_mut(&mut self) -> impl Iterator<Item = &mut Vec<KnownRow>> {
-        self.keys.values_mut()
-    }
 }
 
 /// A cached statement, reset when dropped so that it never holds a read transaction open.
@@ -369,23 +359,20 @@ impl<'c> Db<'c> {
         Ok(Cached { statement })
     }
 
-    fn user_version(&self) -> Result<i64> {
-        let doing = "reading the schema version";
-        let mut statement = self.prepare(doing, "PRAGMA user_version")?;
+    /// The number a pragma such as `PRAGMA user_version` answers.
+    fn pragma(&self, doing: &str, sql: &'static str) -> Result<i64> {
+        let mut statement = self.prepare(doing, sql)?;
         step(doing, &mut statement)?;
-        statement
-            .read::<i64, _>(0)
-            .map_err(|e| storage_error(doing, &e))
+        read(doing, &statement, 0)
+    }
+
+    fn user_version(&self) -> Result<i64> {
+        self.pragma("reading the schema version", "PRAGMA user_version")
     }
 
     /// `PRAGMA data_version`: changes when another connection commits.
     fn data_version(&self) -> Result<i64> {
-        let doing = "checking for changes (data_version)";
-        let mut statement = self.prepare(doing, "PRAGMA data_version")?;
-        step(doing, &mut statement)?;
-        statement
-            .read::<i64, _>(0)
-            .map_err(|e| storage_error(doing, &e))
+        self.pragma("checking for changes (data_version)", "PRAGMA data_version")
     }
 
     /// Appends to `into` every row of `key` whose lease ends after `after`, in ticket order,
@@ -731,7 +718,7 @@ impl Storage for Db<'_> {
             None => Vec::new(),
         };
         for request in requests {
-            if let Some(rows) = self.known.rows_mut(&request.key) {
+            if let Some(rows) = self.known.keys.get_mut(&request.key) {
                 let at = rows.partition_point(|row| row.view.ticket < ticket_of(ticket));
                 let view = RowView {
                     key: request.key.as_str().into(),
@@ -777,7 +764,7 @@ impl Storage for Db<'_> {
         }
         drop(statement);
         for key in keys {
-            let rows = self.known.rows_mut(key).into_iter().flatten();
+            let rows = self.known.keys.get_mut(key).into_iter().flatten();
             for row in rows.filter(|row| row.view.ticket == ticket && !row.view.held) {
                 let lease = row.view.expires_at - row.heartbeat_at;
                 row.view.held = true;
@@ -824,7 +811,7 @@ impl Storage for Db<'_> {
             }
         }
         for key in keys {
-            if let Some(rows) = self.known.rows_mut(key) {
+            if let Some(rows) = self.known.keys.get_mut(key) {
                 rows.retain(|row| row.view.ticket != ticket || &*row.view.owner != owner);
             }
         }
@@ -839,7 +826,7 @@ impl Storage for Db<'_> {
         step(doing, &mut statement)?;
         let deleted = self.conn.change_count();
         drop(statement);
-        for rows in self.known.all_rows_mut() {
+        for rows in self.known.keys.values_mut() {
             rows.retain(|row| &*row.view.owner != owner);
         }
         Ok(deleted)
@@ -860,7 +847,7 @@ impl Storage for Db<'_> {
         }
         drop(statement);
         for key in keys {
-            if let Some(rows) = self.known.rows_mut(key) {
+            if let Some(rows) = self.known.keys.get_mut(key) {
                 rows.retain(|row| row.view.expires_at > now);
             }
         }
@@ -875,7 +862,7 @@ impl Storage for Db<'_> {
         bind(doing, &mut statement, 1, now)?;
         step(doing, &mut statement)?;
         drop(statement);
-        for rows in self.known.all_rows_mut() {
+        for rows in self.known.keys.values_mut() {
             rows.retain(|row| row.view.expires_at > now);
         }
         let doing = "trimming the change log";
@@ -902,7 +889,7 @@ impl Storage for Db<'_> {
         step(doing, &mut statement)?;
         let renewed = self.conn.change_count();
         drop(statement);
-        for rows in self.known.all_rows_mut() {
+        for rows in self.known.keys.values_mut() {
             for row in rows.iter_mut() {
                 if &*row.view.owner == owner && row.view.expires_at > now {
                     row.view.expires_at = expires_at;

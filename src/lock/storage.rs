@@ -133,15 +133,14 @@ pub(crate) trait Storage {
     /// Renews every live row of `owner` until `expires_at`; never touches an expired row.
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize>;
 
-    /// Whether `decide_at_once` decides (it answers `None` otherwise), so that the worker does
-    /// not sort every batch for it in vain.
+    /// Whether this backend decides acquisitions and removals in one call (`decide_at_once`);
+    /// where it does not, the worker runs `begin`, the reads and writes, and `commit`.
     fn decides_at_once(&self) -> bool {
         false
     }
     /// Decides a batch of acquisitions and removals of `owner`'s (`ops`, in order) in one round
-    /// trip and one transaction of its own, where the backend can (`None` where it cannot: the
-    /// worker then runs `begin`, the reads and writes, and `commit`). One outcome per operation,
-    /// in order, each decided as that sequence would:
+    /// trip and one transaction of its own; only called where `decides_at_once`. One outcome
+    /// per operation, in order, each decided as that sequence would:
     ///
     /// - an acquisition: the lapsed rows of its keys deleted, the grant rule asked
     ///   (`grantable_now`), and rows written under a new ticket, held if granted, else waiting
@@ -155,8 +154,10 @@ pub(crate) trait Storage {
         _owner: &str,
         _ops: &[AtOnce<'_>],
         _lease: i64,
-    ) -> Option<Result<Vec<Outcome>>> {
-        None
+    ) -> Result<Vec<Outcome>> {
+        Err(LockError::Storage(
+            "deciding in one call is not supported by this backend".into(),
+        ))
     }
     /// Every request of `owner` with a row, live or not: its ticket and keys, by ticket. How
     /// the worker finds a request written by a call whose reply was lost.

@@ -632,8 +632,7 @@ impl<S: Storage> Worker<S> {
     }
 
     /// Does `writes` (acquisitions and removals: see `at_once_run`) in one call to storage, or
-    /// gives them back if the storage cannot, or if the call failed perhaps after writing rows
-    /// that must be found first. A failure for a passing reason is tried again after the busy
+    /// gives them back if the call failed perhaps after writing rows that must be found first. A failure for a passing reason is tried again after the busy
     /// schedule's delay; any other failure of several writes tries each alone, so that one bad
     /// write does not fail the others.
     fn at_once(&mut self, writes: Vec<Write>) -> Result<(), Vec<Write>> {
@@ -660,10 +659,7 @@ impl<S: Storage> Worker<S> {
             if ops.len() != writes.len() {
                 return Err(writes);
             }
-            let Some(outcome) = self.storage.decide_at_once(&owner, &ops, lease) else {
-                return Err(writes);
-            };
-            let error = match outcome {
+            let error = match self.storage.decide_at_once(&owner, &ops, lease) {
                 Ok(outcomes) => {
                     Counters::bump(&self.counters().write_transactions);
                     for (write, outcome) in writes.into_iter().zip(outcomes) {
