@@ -688,6 +688,50 @@ fn a_manager_decides_on_what_others_committed_since_its_own_last_transaction() {
     });
 }
 
+/// A waiter's heartbeat starts a quarter of a heartbeat into its wait, from the storage thread,
+/// on the waiting acquisition's executor: a wait of several heartbeats keeps its row renewed and
+/// its place (its ticket), with the lease at its smallest allowed (twice the heartbeat), on
+/// every executor and both backends.
+#[test]
+fn a_long_wait_keeps_its_row_and_its_place_at_the_smallest_lease() {
+    stores::on_every_store(|store| async move {
+        let lease = Duration::from_millis(600);
+        let builder = || LockManager::builder().lease(lease).heartbeat(lease / 2);
+        let holder = store.open_with(builder()).await;
+        let locks = store.open_with(builder()).await;
+        let held_lock = holder.exclusive("k", "holder").await.unwrap();
+        let waiter = {
+            let locks = locks.clone();
+            fork_daemon(async move { locks.exclusive("k", "waiter").await })
+        };
+        within(5_000, "queued", || async {
+            queue(&locks, "k").await == vec![held("holder"), waiting("waiter", 0)]
+        })
+        .await;
+        let row = |entries: Vec<LockEntry>| entries.into_iter().find(|e| e.operation == "waiter");
+        let first = row(locks.inspect(Some("k")).await.unwrap()).unwrap();
+        // Past its first lease only if renewed, more than once.
+        within(
+            5_000,
+            "the waiting row renewed past its first lease",
+            || async {
+                row(locks.inspect(Some("k")).await.unwrap()).is_some_and(|e| {
+                    e.ticket == first.ticket && e.expires_at > first.expires_at + lease
+                })
+            },
+        )
+        .await;
+        assert_eq!(
+            queue(&locks, "k").await,
+            vec![held("holder"), waiting("waiter", 0)]
+        );
+        held_lock.release().await.unwrap();
+        let guard = waiter.join().await.success().unwrap().unwrap();
+        assert_eq!(guard.fencing_token(), first.ticket, "it kept its place");
+        guard.release().await.unwrap();
+    });
+}
+
 #[test]
 fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
     stores::on_every_store(|store| async move {
