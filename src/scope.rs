@@ -2,9 +2,11 @@
 //!
 //! Invariants:
 //!
-//! 1. A scope is closed once: the first status wins. Closing interrupts and awaits its children
-//!    (forked fibers and background clean-ups), then runs its finalizers last-in-first-out, each
-//!    to completion; children or finalizers added while it closes are taken by the same loop.
+//! 1. A scope is closed once: the first status wins. Closing first finishes the closes of nested
+//!    `Scoped` futures that its owner dropped as it unwound (invariant 4), then interrupts and
+//!    awaits its children (forked fibers and background clean-ups), then runs its finalizers
+//!    last-in-first-out, each to completion; anything of these added while it closes is taken by
+//!    the same loop.
 //! 2. The close work belongs to whoever started it. If that caller is dropped half-way, the rest
 //!    goes to the spawner: a close is never abandoned.
 //! 3. A `Scoped` checks its signals before every poll of its body. Once it sees one aborted it
@@ -12,10 +14,10 @@
 //!    scope with `Interrupted(reason)`, and only then resolves.
 //! 4. Nesting: while a `Scoped` polls its body, its scope is the thread's *ambient parent*. A
 //!    `Scoped` first polled there remembers it. When such a child is dropped unfinished, its
-//!    remaining close goes to the parent: as a finalizer if the parent is unwinding (so the
-//!    parent's close awaits it, inner before outer), or as a tracked background child if not (so
-//!    it runs now, and the parent's close still waits for it). Without a parent it goes to the
-//!    spawner.
+//!    remaining close goes to the parent: if the parent is unwinding, to be finished first thing
+//!    in the parent's close, while the parent's fibers still run (inner before outer); if not, as
+//!    a tracked background child (so it runs now, and the parent's close still waits for it).
+//!    Without a parent it goes to the spawner.
 //! 5. A scope's spawner is fixed when the scope is made. A `Scoped` chooses it on its first poll:
 //!    the one given with `with_spawner`, else its parent's, else the default (with the `tokio`
 //!    feature, the runtime it is polled on; otherwise smol's). Fibers run on their scope's
@@ -175,6 +177,9 @@ struct ScopeState {
     unwinding: Option<AbortReason>,
     finalizers: Vec<Finalizer>,
     children: Vec<Child>,
+    /// The closes of nested `Scoped` futures dropped while this scope's owner unwound: they run
+    /// first, while this scope's fibers still live (invariant 1, "inner before outer").
+    nested: Vec<BoxFuture<'static, Option<Panic>>>,
 }
 
 struct ScopeInner {
@@ -184,7 +189,8 @@ struct ScopeInner {
 }
 
 /// A region that owns finalizers and fibers; closing it interrupts and awaits the fibers, then
-/// runs the finalizers last-in-first-out, each to completion.
+/// runs the finalizers last-in-first-out, each to completion. (Before the fibers, it finishes the
+/// clean-up of any nested [`Scoped`] that was dropped as the scope's owner unwound.)
 ///
 /// Clones share the scope. A scope whose last handle is dropped before it was closed is closed
 /// in the background with an [`Interrupted`](ExitStatus::Interrupted) status ([`Dropped`]).
@@ -238,6 +244,7 @@ impl Scope {
                     unwinding: None,
                     finalizers: Vec::new(),
                     children: Vec::new(),
+                    nested: Vec::new(),
                 }),
                 closed: Event::new(),
                 spawner,
@@ -478,16 +485,17 @@ impl Scope {
     /// Takes over the unfinished close of a child that was dropped while first polled here.
     fn adopt_close(&self, close: BoxFuture<'static, Option<Panic>>) {
         if self.unwinding().is_some() {
-            // The parent is unwinding and will close right after dropping its body: awaiting the
-            // child's close among its finalizers keeps "inner before outer", and a finalizer
-            // panic of the child's becomes one of the parent's, surfaced by its close.
-            self.push_finalizer(Box::new(move |_| {
-                Box::pin(async move {
-                    if let Some(panic) = close.await {
-                        resume_unwind(panic)
-                    }
-                })
-            }));
+            // The parent is unwinding and will close right after dropping its body. Its close
+            // finishes the child's first, before it interrupts its own fibers: "inner before
+            // outer". A finalizer panic of the child's becomes one of the parent's, surfaced by
+            // its close.
+            let mut state = lock(&self.inner.state);
+            if state.done {
+                drop(state);
+                self.inner.spawner.spawn(unattended(close));
+            } else {
+                state.nested.push(close);
+            }
         } else {
             self.track(unattended(close));
         }
@@ -518,7 +526,9 @@ impl Drop for ScopeInner {
             Ok(state) => state,
             Err(poisoned) => poisoned.into_inner(),
         };
-        if state.status.is_some() || (state.finalizers.is_empty() && state.children.is_empty()) {
+        if state.status.is_some()
+            || (state.finalizers.is_empty() && state.children.is_empty() && state.nested.is_empty())
+        {
             return;
         }
         // Nobody can close this scope any more: close what it holds in the background.
@@ -527,6 +537,7 @@ impl Drop for ScopeInner {
             let mut orphan_state = lock(&orphan.inner.state);
             orphan_state.finalizers = std::mem::take(&mut state.finalizers);
             orphan_state.children = std::mem::take(&mut state.children);
+            orphan_state.nested = std::mem::take(&mut state.nested);
         }
         let close = orphan.close_owned(ExitStatus::Interrupted(AbortReason::new(Dropped)));
         self.spawner.spawn(unattended(close));
@@ -551,13 +562,16 @@ async fn run_close(
     let mut first_panic = None;
     loop {
         enum Next {
+            Nested(BoxFuture<'static, Option<Panic>>),
             Children(Vec<Child>),
             Finalizer(Finalizer),
             Done,
         }
         let next = {
             let mut state = lock(&inner.state);
-            if !state.children.is_empty() {
+            if let Some(close) = state.nested.pop() {
+                Next::Nested(close)
+            } else if !state.children.is_empty() {
                 Next::Children(std::mem::take(&mut state.children))
             } else if let Some(finalizer) = state.finalizers.pop() {
                 Next::Finalizer(finalizer)
@@ -566,7 +580,8 @@ async fn run_close(
                 Next::Done
             }
         };
-        match next {
+        let panicked = match next {
+            Next::Nested(close) => close.await,
             Next::Children(mut children) => {
                 children.retain(|child| Some(child.id()) != closer);
                 for child in &children {
@@ -577,19 +592,18 @@ async fn run_close(
                 for child in &children {
                     child.done.wait().await;
                 }
+                None
             }
-            Next::Finalizer(finalizer) => {
-                if let Err(panic) = run_finalizer(finalizer, status.clone()).await {
-                    match first_panic {
-                        None => first_panic = Some(panic),
-                        Some(_) => log_panic(&panic, "a further scope finalizer panicked"),
-                    }
-                }
-            }
+            Next::Finalizer(finalizer) => run_finalizer(finalizer, status.clone()).await.err(),
             Next::Done => {
                 inner.closed.notify(usize::MAX);
                 return first_panic;
             }
+        };
+        match (panicked, &first_panic) {
+            (Some(panic), None) => first_panic = Some(panic),
+            (Some(panic), Some(_)) => log_panic(&panic, "a further scope finalizer panicked"),
+            (None, _) => {}
         }
     }
 }

@@ -916,6 +916,56 @@ fn nested_scoped_unwind_inner_before_outer() {
     });
 }
 
+/// Inner before outer holds for the parent's fibers too: a nested `Scoped`'s clean-up may need
+/// what the parent's fibers do (a pump, a heartbeat), so the parent interrupts them only after
+/// the nested clean-up has finished, whether the parent is interrupted or dropped.
+#[test]
+fn a_parents_fibers_outlive_the_clean_up_of_its_nested_scoped() {
+    for dropped in [false, true] {
+        on_every_executor(move || async move {
+            let controller = AbortController::new();
+            let started = Flag::new();
+            let fiber_alive_at_inner_cleanup = Arc::new(std::sync::Mutex::new(None));
+            let cleaned = Flag::new();
+            let (seen, body_started, inner_cleaned) = (
+                fiber_alive_at_inner_cleanup.clone(),
+                started.clone(),
+                cleaned.clone(),
+            );
+            let mut work = Scoped::<(), Interrupted>::new(move |outer| async move {
+                let pump = outer.fork(future::pending::<()>());
+                Scoped::<(), Interrupted>::new(move |inner| async move {
+                    inner.add_finalizer(move |_| async move {
+                        // Give an early interruption of the pump time to land.
+                        yield_now().await;
+                        *seen.lock().unwrap() = Some(!pump.is_finished());
+                        inner_cleaned.set();
+                    });
+                    body_started.set();
+                    future::pending().await
+                })
+                .await
+            })
+            .with_signal(&controller.signal());
+            assert!(poll_once(&mut work).is_pending());
+            assert!(started.is_set());
+            if dropped {
+                drop(work);
+                within(GENEROUS, "the nested clean-up ran", || cleaned.is_set()).await;
+            } else {
+                controller.abort("stop");
+                assert!(work.await.is_err());
+            }
+            assert_eq!(
+                *fiber_alive_at_inner_cleanup.lock().unwrap(),
+                Some(true),
+                "dropped: {dropped}: the parent's fiber was interrupted before the nested \
+                 Scoped's clean-up ran"
+            );
+        });
+    }
+}
+
 #[test]
 fn interruption_unwinds_every_concurrent_child_before_the_parent_closes() {
     let controller = AbortController::new();
