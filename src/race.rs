@@ -8,13 +8,15 @@
 //! 2. Neither function resolves until every contender has resolved: a `Scoped` resolves only
 //!    after its scope has closed, so the losers' finalizers have finished by then.
 //! 3. A contender's panic is caught, the others are interrupted and awaited as for a loss, and
-//!    then the panic resumes.
+//!    then the panic resumes. A contender that panics as it is interrupted (a finalizer of its
+//!    clean-up) counts the same: once all have finished, its panic resumes instead of the value
+//!    or error the outcome would have been. Only the first panic resumes; later ones are logged
+//!    with `tracing` at error.
 //! 4. Dropping `race` or `all` before it resolves drops the contenders, which hands their clean-up
 //!    to the enclosing `Scoped` (if any, whose close then waits for it) or to their spawner, as
 //!    for any dropped `Scoped`. An interruption of the enclosing `Scoped` therefore reaches every
 //!    contender with the caller's reason.
 
-use std::any::Any;
 use std::error::Error;
 use std::fmt;
 use std::panic::{resume_unwind, AssertUnwindSafe};
@@ -23,7 +25,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, Interrupted};
-use crate::scope::Scoped;
+use crate::scope::{log_panic, Panic, Scoped};
 
 /// The reason given to the contenders that [`race`] and [`all`] interrupt once the outcome is
 /// known.
@@ -47,7 +49,7 @@ impl fmt::Display for RaceLost {
 impl Error for RaceLost {}
 
 /// How one contender ended, with its place in the list.
-type Finish<T, E> = (usize, Result<Result<T, E>, Box<dyn Any + Send>>);
+type Finish<T, E> = (usize, Result<Result<T, E>, Panic>);
 
 /// The contenders, started together and each interruptible by `lost`.
 struct Contest<T, E> {
@@ -81,11 +83,36 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Contest<T, E> {
         self.running.next().await
     }
 
-    /// Interrupts every contender still running and waits for all of them; what they end with
-    /// is dropped (a value that beat the interruption too, as a late winner's).
-    async fn stop_the_rest(&mut self) {
+    /// Interrupts every contender still running and waits for all of them. A value or an error
+    /// they end with is dropped (a value that beat the interruption too, as a late winner's); the
+    /// first panic is given back (invariant 3), and later ones are logged.
+    async fn stop_the_rest(&mut self) -> Option<Panic> {
         self.lost.abort(AbortReason::new(RaceLost));
-        while self.running.next().await.is_some() {}
+        let mut first = None;
+        while let Some((_, finish)) = self.running.next().await {
+            if let Err(panic) = finish {
+                match first {
+                    None => first = Some(panic),
+                    Some(_) => log_panic(&panic, "a further contender panicked"),
+                }
+            }
+        }
+        first
+    }
+
+    /// [`stop_the_rest`](Contest::stop_the_rest), then resumes the panic of one of them, if any.
+    async fn stop_the_rest_or_resume(&mut self) {
+        if let Some(panic) = self.stop_the_rest().await {
+            resume_unwind(panic)
+        }
+    }
+
+    /// [`stop_the_rest`](Contest::stop_the_rest), then resumes `panic`, a contender's.
+    async fn stop_the_rest_and_resume(&mut self, panic: Panic) -> ! {
+        if let Some(later) = self.stop_the_rest().await {
+            log_panic(&later, "a further contender panicked");
+        }
+        resume_unwind(panic)
     }
 }
 
@@ -101,7 +128,8 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Contest<T, E> {
 ///
 /// Panics, when first polled, if `contenders` is empty: there would be neither a winner nor a
 /// last error (Effect's `raceAll` dies the same way). If a contender panics, the others are
-/// interrupted and awaited, and then the panic resumes.
+/// interrupted and awaited, and then the panic resumes; so does the panic of a loser's clean-up,
+/// instead of the winner's value.
 ///
 /// # Cancel safety
 ///
@@ -140,14 +168,11 @@ where
     while let Some((_, finish)) = contest.next().await {
         match finish {
             Ok(Ok(value)) => {
-                contest.stop_the_rest().await;
+                contest.stop_the_rest_or_resume().await;
                 return Ok(value);
             }
             Ok(Err(error)) => last_error = Some(error),
-            Err(panic) => {
-                contest.stop_the_rest().await;
-                resume_unwind(panic);
-            }
+            Err(panic) => contest.stop_the_rest_and_resume(panic).await,
         }
     }
     Err(last_error.expect("a race with contenders ends with a winner or an error"))
@@ -162,7 +187,8 @@ where
 ///
 /// # Panics
 ///
-/// If a member panics, the others are interrupted and awaited, and then the panic resumes.
+/// If a member panics, the others are interrupted and awaited, and then the panic resumes; so
+/// does the panic of an interrupted member's clean-up, instead of the failure.
 ///
 /// # Cancel safety
 ///
@@ -191,13 +217,10 @@ where
         match finish {
             Ok(Ok(value)) => values[place] = Some(value),
             Ok(Err(error)) => {
-                contest.stop_the_rest().await;
+                contest.stop_the_rest_or_resume().await;
                 return Err(error);
             }
-            Err(panic) => {
-                contest.stop_the_rest().await;
-                resume_unwind(panic);
-            }
+            Err(panic) => contest.stop_the_rest_and_resume(panic).await,
         }
     }
     Ok(values

@@ -152,7 +152,7 @@ pub trait Release: Send + 'static {
 type Finalizer = Box<dyn FnOnce(ExitStatus) -> BoxFuture<'static, ()> + Send>;
 
 /// A panic's payload, as caught and resumed.
-type Panic = Box<dyn Any + Send>;
+pub(crate) type Panic = Box<dyn Any + Send>;
 
 /// A child that a closing scope interrupts (when it can be) and awaits.
 struct Child {
@@ -628,7 +628,7 @@ fn unattended(close: BoxFuture<'static, Option<Panic>>) -> BoxFuture<'static, ()
     })
 }
 
-fn log_panic(panic: &Panic, what: &'static str) {
+pub(crate) fn log_panic(panic: &Panic, what: &'static str) {
     tracing::error!(panic = %panic_message(&**panic), "{what}");
 }
 

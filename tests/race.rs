@@ -167,6 +167,41 @@ fn a_panicking_contender_stops_the_others_before_its_panic_resumes() {
     assert!(interrupted_with::<RaceLost>(&statuses.only()));
 }
 
+/// A contender whose clean-up panics when it is interrupted: `"{message}"`.
+fn panics_when_stopped<T: Send + 'static>(
+    message: &'static str,
+    started: &Counter,
+) -> Scoped<T, Failed> {
+    let started = started.clone();
+    Scoped::new(move |scope| async move {
+        scope.add_finalizer(move |_| async move { panic!("{message}") });
+        started.bump();
+        future::pending().await
+    })
+}
+
+#[test]
+fn a_losers_clean_up_that_panics_resumes_its_panic_instead_of_the_winners_value() {
+    let started = Counter::new();
+    let waiting = started.clone();
+    let winner = Scoped::<u32, Failed>::new(move |_| async move {
+        within(GENEROUS, "the loser started", || waiting.get() == 1).await;
+        Ok(1)
+    });
+    let contenders = [
+        panics_when_stopped("the loser's clean-up", &started),
+        winner,
+    ];
+
+    let outcome = block_on(AssertUnwindSafe(race(contenders)).catch_unwind());
+
+    let payload = outcome.expect_err("the loser's panic resumes");
+    assert_eq!(
+        payload.downcast_ref::<String>().map(String::as_str),
+        Some("the loser's clean-up")
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // all
 // ---------------------------------------------------------------------------------------------
@@ -305,6 +340,28 @@ where
     let entries = log.entries();
     assert_eq!(entries.len(), 8, "{entries:?}");
     assert_eq!(&entries[6..], ["caller start", "caller end"]);
+}
+
+#[test]
+fn an_interrupted_members_clean_up_that_panics_resumes_its_panic_instead_of_the_failure() {
+    let started = Counter::new();
+    let waiting = started.clone();
+    let failing = Scoped::<u32, Failed>::new(move |_| async move {
+        within(GENEROUS, "the other member started", || waiting.get() == 1).await;
+        Err(Failed::Work("the member failed"))
+    });
+    let members = [
+        panics_when_stopped("the member's clean-up", &started),
+        failing,
+    ];
+
+    let outcome = block_on(AssertUnwindSafe(all(members)).catch_unwind());
+
+    let payload = outcome.expect_err("the member's panic resumes");
+    assert_eq!(
+        payload.downcast_ref::<String>().map(String::as_str),
+        Some("the member's clean-up")
+    );
 }
 
 #[test]
