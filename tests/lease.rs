@@ -605,6 +605,111 @@ fn a_grant_delivered_after_its_lease_ran_out_is_not_handed_out() {
     });
 }
 
+/// A grant read late but while its lease still runs (the caller stalled for 1.5 s of a 2 s lease)
+/// is handed out, and its lock heartbeat beats at once, not a heartbeat after the delivery
+/// (which would be after the row ran out): with every heartbeat on time, the lock is kept.
+#[test]
+fn a_guard_delivered_late_but_live_is_renewed_before_its_lease_runs_out() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let (a, b) = tight_managers(&dir.path().join("l.db"), &clock);
+        let holder = a.exclusive("k", "A").await.unwrap();
+        let mut acquisition = b.exclusive("k", "B");
+        within(5_000, "B queued", || {
+            assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
+            async { b.inspect(Some("k")).await.unwrap().len() == 2 }
+        })
+        .await;
+        holder.release().await.unwrap();
+        within(5_000, "B's row promoted", || async {
+            let rows = b.inspect(Some("k")).await.unwrap();
+            rows.len() == 1 && rows[0].state == EntryState::Held
+        })
+        .await;
+        let expires = b.inspect(Some("k")).await.unwrap()[0].expires_at;
+
+        clock.advance(Duration::from_millis(1_500));
+        let mut delivered = None;
+        within(5_000, "B's acquisition returned", || {
+            delivered = futures::FutureExt::now_or_never(&mut acquisition);
+            let returned = delivered.is_some();
+            async move { returned }
+        })
+        .await;
+        let guard = delivered.unwrap().unwrap();
+        assert!(clock.now() < expires, "handed out while live");
+
+        // The first lock heartbeat is due already: it renews without the clock moving.
+        within(
+            5_000,
+            "B's first lock heartbeat renewed the row",
+            || async {
+                b.inspect(Some("k"))
+                    .await
+                    .unwrap()
+                    .first()
+                    .is_some_and(|row| row.expires_at > expires)
+            },
+        )
+        .await;
+        // From then on, one heartbeat at a time, each renewal made before time moves on.
+        for _ in 0..3 {
+            let beats = b.stats().heartbeats;
+            within(5_000, "B's lock heartbeat asleep", || async {
+                clock.sleepers() >= 1
+            })
+            .await;
+            clock.advance(Duration::from_secs(1));
+            within(5_000, "B's lock heartbeat ran", || async {
+                b.stats().heartbeats > beats
+            })
+            .await;
+        }
+        assert!(!guard.lost().is_aborted());
+        let rows = b.inspect(Some("k")).await.unwrap();
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert!(rows[0].expires_at > clock.now());
+        guard.release().await.unwrap();
+    });
+}
+
+/// An executor that shut down drops the lock heartbeat it was given without ever polling it.
+/// The guard that started it goes without renewals (the docs say so); a later guard, once the
+/// executor works again, must get a heartbeat again.
+#[test]
+fn a_lock_heartbeat_dropped_unpolled_is_started_again_for_a_later_guard() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    block_on(async {
+        let clock = TestClock::new();
+        let working = Arc::new(AtomicBool::new(false));
+        let spawner: Arc<dyn leasehold::Spawner> = {
+            let working = working.clone();
+            Arc::new(move |future: futures::future::BoxFuture<'static, ()>| {
+                if working.load(Ordering::SeqCst) {
+                    smol::spawn(future).detach();
+                }
+            })
+        };
+        let locks = LockManager::builder()
+            .lease(LEASE)
+            .heartbeat(BEAT)
+            .clock(Arc::new(clock.clone()))
+            .spawner(spawner)
+            .open_in_memory()
+            .unwrap();
+        let first = locks.exclusive("a", "on a dead executor").await.unwrap();
+        first.release().await.unwrap();
+
+        working.store(true, Ordering::SeqCst);
+        let guard = locks.exclusive("b", "later").await.unwrap();
+        advance_with_heartbeats(&clock, &locks, LEASE + BEAT).await;
+        assert!(!guard.lost().is_aborted());
+        assert_eq!(locks.inspect(Some("b")).await.unwrap().len(), 1);
+        guard.release().await.unwrap();
+    });
+}
+
 /// The same for a lock granted at once: a `try_acquire` whose reply is read after the lease ran
 /// out takes the lock again, with a new ticket, or reports it busy; never an expired guard.
 #[test]

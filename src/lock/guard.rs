@@ -74,7 +74,7 @@ impl Guard {
             Some(lost) => {
                 lost.abort(AbortReason::new(LeaseLost::shutdown()));
             }
-            None => heartbeat::ensure_daemon(shared),
+            None => heartbeat::ensure_daemon(shared, grant.expires_at),
         }
         for request in &requests {
             tracing::debug!(

@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::storage::micros;
+use super::storage::{from_micros, micros};
 use super::{Common, Shared};
 
 use crate::clock::{Clock, SystemClock};
@@ -44,14 +44,16 @@ impl<'a> Beats<'a> {
         (beats, first)
     }
 
+    /// Beats counted from a renewal made at `renewed_at` (the clock's wall time).
+    fn since_renewal(common: &'a Common, renewed_at: Duration) -> (Self, Duration) {
+        Beats::since(common, monotonic_at(common, renewed_at))
+    }
+
     /// How long to wait for the next beat, now that the renewal it asked for was made at
     /// `renewed_at` (the clock's wall time, as the worker reports it): one heartbeat after that,
     /// even when that renewal was made for another caller (the worker coalesces renewals).
     fn after_renewal(&mut self, renewed_at: Duration) -> Duration {
-        // How long ago, read on the wall time line it was reported on, then placed on the
-        // monotonic one that the schedule runs on.
-        let ago = self.common.clock.now().saturating_sub(renewed_at);
-        self.after(self.common.clock.monotonic().saturating_sub(ago))
+        self.after(monotonic_at(self.common, renewed_at))
     }
 
     /// How long to wait for the next beat after a renewal that failed now: a whole heartbeat.
@@ -65,6 +67,13 @@ impl<'a> Beats<'a> {
         let next = self.run.next_at(ended_at).unwrap_or(ended_at);
         next.saturating_sub(self.common.clock.monotonic())
     }
+}
+
+/// When `wall` (the clock's wall time) was on its monotonic time line, on which schedules run:
+/// how long ago it was, read on the wall time line, taken from the monotonic now.
+fn monotonic_at(common: &Common, wall: Duration) -> Duration {
+    let ago = common.clock.now().saturating_sub(wall);
+    common.clock.monotonic().saturating_sub(ago)
 }
 
 /// Renews while a request waits; forked into the acquisition's scope. The first beat comes one
@@ -85,8 +94,11 @@ pub(super) async fn waiter(shared: Arc<Shared>, since: Duration) {
     }
 }
 
-/// Starts the owner's lock heartbeat unless it runs already.
-pub(super) fn ensure_daemon(shared: &Arc<Shared>) {
+/// Starts the owner's lock heartbeat unless it runs already, for a guard whose rows' lease runs
+/// out at `expires_at` (micros, the clock's wall time). A daemon that runs renews every row of
+/// the owner, the new guard's too; a new one beats first one heartbeat after that lease began,
+/// which is at once for a grant handed out late.
+pub(super) fn ensure_daemon(shared: &Arc<Shared>, expires_at: i64) {
     {
         let mut guards = lock(&shared.common.guards);
         if guards.daemon_running {
@@ -95,21 +107,28 @@ pub(super) fn ensure_daemon(shared: &Arc<Shared>) {
         guards.daemon_running = true;
     }
     let common = shared.common.clone();
+    let began = from_micros(expires_at).saturating_sub(common.lease);
     let spawner = common.spawner.clone().unwrap_or_else(current_spawner);
+    // Made before the spawn and moved into the daemon, so that an executor that drops the
+    // daemon unpolled (a runtime that has shut down) marks it stopped too.
+    let running = Running {
+        common: common.clone(),
+        armed: true,
+    };
     drop(fork_daemon_on(
-        daemon(Arc::downgrade(shared), common),
+        daemon(Arc::downgrade(shared), running, began),
         &spawner,
     ));
 }
 
 /// Marks the daemon stopped if its executor drops it (a runtime shut down with the daemon on
-/// it), so that the next guard starts another.
-struct Running<'a> {
-    common: &'a Common,
+/// it, before or after its first poll), so that the next guard starts another.
+struct Running {
+    common: Arc<Common>,
     armed: bool,
 }
 
-impl Drop for Running<'_> {
+impl Drop for Running {
     fn drop(&mut self) {
         if self.armed {
             lock(&self.common.guards).daemon_running = false;
@@ -117,13 +136,11 @@ impl Drop for Running<'_> {
     }
 }
 
-/// Renews every heartbeat while the owner holds a guard; stops when it holds none.
-async fn daemon(shared: Weak<Shared>, common: Arc<Common>) {
-    let mut running = Running {
-        common: &common,
-        armed: true,
-    };
-    let (mut beats, mut pause) = Beats::since(&common, common.clock.monotonic());
+/// Renews every heartbeat while the owner holds a guard; stops when it holds none. The first
+/// beat comes one heartbeat after `began` (wall time), when the first guard's lease began.
+async fn daemon(shared: Weak<Shared>, mut running: Running, began: Duration) {
+    let common = running.common.clone();
+    let (mut beats, mut pause) = Beats::since_renewal(&common, began);
     loop {
         common.clock.sleep(pause).await;
         let shared = {
