@@ -345,6 +345,38 @@ fn a_busy_database_is_reported_once_the_busy_schedule_is_done() {
     });
 }
 
+/// Each try after a refusal is a real try: with one try allowed after the first, a write lock
+/// held for 7 s (past the first try's 5 s inside SQLite) is waited out by the second.
+#[test]
+fn each_try_of_the_busy_schedule_asks_the_database_again() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let locks = LockManager::builder()
+            .busy_schedule(Schedule::recurs(1))
+            .open(&path)
+            .unwrap();
+        let (taken, is_taken) = std::sync::mpsc::channel();
+        let holder = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let _write_lock = WriteLock::take(&path);
+                taken.send(()).unwrap();
+                std::thread::sleep(Duration::from_secs(7));
+            })
+        };
+        is_taken.recv().unwrap();
+        let acquired = bounded(
+            30_000,
+            "the acquisition after the busy moment",
+            locks.try_acquire(LockRequest::exclusive("k", "after a busy moment")),
+        )
+        .await;
+        holder.join().unwrap();
+        let guard = acquired.unwrap().expect("nobody holds k");
+        guard.release().await.unwrap();
+    });
+}
+
 /// Each renewal renews every row of its owner, so renewals asked for together (the beats of
 /// many waiters, due at one moment) are one write, whose time every one of them is told.
 #[test]

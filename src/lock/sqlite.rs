@@ -500,7 +500,9 @@ impl<'c> Db<'c> {
     fn run_retrying_busy(&self, doing: &str, sql: &'static str) -> Result<()> {
         let mut statement = self.prepare(doing, sql)?;
         retry_busy(doing, &self.busy, || {
-            statement.reset()?;
+            // A reset after a refused step answers that step's error again (it resets all the
+            // same): were it taken as this try's answer, every other try would be wasted.
+            let _ = statement.reset();
             statement.next().map(drop)
         })
     }
