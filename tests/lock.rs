@@ -580,7 +580,7 @@ fn names_of_the_longest_allowed_length_survive_queueing_and_promotion() {
 }
 
 #[test]
-fn a_lease_shorter_than_two_heartbeats_is_refused() {
+fn a_lease_shorter_than_two_heartbeats_or_a_heartbeat_under_a_millisecond_is_refused() {
     let error = LockManager::builder()
         .lease(Duration::from_secs(9))
         .heartbeat(Duration::from_secs(5))
@@ -594,6 +594,13 @@ fn a_lease_shorter_than_two_heartbeats_is_refused() {
         .is_ok());
     for zero in [
         LockManager::builder().heartbeat(Duration::ZERO),
+        // Below a millisecond: rows would be born expired (leases are kept in microseconds).
+        LockManager::builder()
+            .lease(Duration::from_nanos(999))
+            .heartbeat(Duration::from_nanos(400)),
+        LockManager::builder()
+            .lease(Duration::from_micros(1_998))
+            .heartbeat(Duration::from_micros(999)),
         LockManager::builder().poll(Duration::ZERO),
         // A poll that would never look, or look without pause.
         LockManager::builder().poll_schedule(leasehold::Schedule::recurs(0)),

@@ -70,6 +70,9 @@ impl fmt::Debug for LockManagerBuilder {
     }
 }
 
+/// The shortest heartbeat the builder accepts.
+const MIN_HEARTBEAT: Duration = Duration::from_millis(1);
+
 impl LockManagerBuilder {
     /// The defaults, as [`LockManager::builder`] documents them.
     pub(super) fn new() -> Self {
@@ -92,7 +95,8 @@ impl LockManagerBuilder {
         self
     }
 
-    /// How often leases are renewed. Default 5 s; the lease must be at least twice this.
+    /// How often leases are renewed. Default 5 s, at least 1 ms; the lease must be at least
+    /// twice this.
     pub fn heartbeat(mut self, every: Duration) -> Self {
         self.heartbeat = every;
         self
@@ -279,8 +283,12 @@ impl LockManagerBuilder {
 
     fn validate(&self) -> Result<(), LockError> {
         let invalid = |why: String| Err(LockError::InvalidConfig(why));
-        if self.heartbeat.is_zero() {
-            return invalid("the heartbeat interval must be more than zero".into());
+        if self.heartbeat < MIN_HEARTBEAT {
+            return invalid(format!(
+                "the heartbeat interval ({:?}) must be at least {MIN_HEARTBEAT:?}: each heartbeat \
+                 is a write transaction, and leases are kept in whole microseconds",
+                self.heartbeat
+            ));
         }
         match self.poll.start(Duration::ZERO).next(Duration::ZERO) {
             Some(first) if !first.is_zero() => {}
