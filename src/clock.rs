@@ -176,8 +176,9 @@ impl TestClock {
     pub fn advance(&self, by: Duration) {
         let due: Vec<Waker> = {
             let mut state = lock(&self.inner);
-            state.now += by;
-            state.monotonic += by;
+            // Saturating, as sleeps' deadlines do: advancing by `Duration::MAX` wakes them all.
+            state.now = state.now.saturating_add(by);
+            state.monotonic = state.monotonic.saturating_add(by);
             let monotonic = state.monotonic;
             let later = state.sleepers.split_off(&(monotonic, u64::MAX));
             let due = std::mem::replace(&mut state.sleepers, later);

@@ -641,15 +641,33 @@ fn fixed_delay(
     }
     let behind = now > last.saturating_add(interval);
     let into_slot = now.saturating_sub(start).as_nanos() % interval.as_nanos();
-    // `into_slot` < `interval`, which is a `Duration`, so the cast cannot truncate.
-    let to_boundary = interval - Duration::from_nanos(into_slot as u64);
-    let next = if behind { now } else { now + to_boundary };
+    // Below `interval.as_nanos()`, so it fits a `Duration` (whose nanoseconds may exceed u64).
+    let to_boundary = interval.saturating_sub(duration_of_nanos(into_slot));
+    // Saturating at the end of the time line, as `next_at` does.
+    let next = if behind {
+        now
+    } else {
+        now.saturating_add(to_boundary)
+    };
     *last = next;
     next - now
 }
 
-/// `delay * factor`, saturating instead of panicking on overflow, NaN or a negative product.
+/// A `Duration` of `nanos` nanoseconds, which may be more than a `u64` holds.
+fn duration_of_nanos(nanos: u128) -> Duration {
+    const PER_SECOND: u128 = 1_000_000_000;
+    let seconds = u64::try_from(nanos / PER_SECOND).unwrap_or(u64::MAX);
+    // Below a billion: fits.
+    Duration::new(seconds, (nanos % PER_SECOND) as u32)
+}
+
+/// `delay * factor`, saturating instead of panicking on overflow, NaN or a negative product. No
+/// delay stays none, whatever the factor (an exponential back-off from zero grows to infinity
+/// times zero).
 fn scale(delay: Duration, factor: f64) -> Duration {
+    if delay.is_zero() {
+        return Duration::ZERO;
+    }
     Duration::try_from_secs_f64(delay.as_secs_f64() * factor).unwrap_or(if factor < 0.0 {
         Duration::ZERO
     } else {

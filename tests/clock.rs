@@ -205,3 +205,13 @@ fn a_clock_written_without_monotonic_still_compiles_and_uses_its_wall_time() {
     }
     assert_eq!(Stopped.monotonic(), TEST_EPOCH);
 }
+
+#[test]
+fn a_test_clock_advanced_to_the_end_of_time_wakes_every_sleeper() {
+    let clock = TestClock::new();
+    let mut nap = clock.sleep(Duration::MAX);
+    assert!(poll_once(&mut nap).is_pending());
+    clock.advance(Duration::MAX);
+    assert!(nap.now_or_never().is_some());
+    assert_eq!(clock.monotonic(), Duration::MAX);
+}

@@ -555,3 +555,50 @@ fn a_plain_thread_follows_a_schedule_on_a_test_clock_without_sleeping_on_it() {
     worker.join().unwrap();
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 3);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The ends of the time line
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn an_exponential_schedule_from_zero_stays_at_zero_however_far_its_factor_grows() {
+    let mut run = Schedule::exponential(Duration::ZERO, 1e300).start(Duration::ZERO);
+    for step in 0..5 {
+        assert_eq!(
+            run.next(Duration::ZERO),
+            Some(Duration::ZERO),
+            "step {step}"
+        );
+    }
+    let mut run = Schedule::exponential(Duration::ZERO, 2.0).start(Duration::ZERO);
+    for step in 0..2_000 {
+        assert_eq!(
+            run.next(Duration::ZERO),
+            Some(Duration::ZERO),
+            "step {step}"
+        );
+    }
+}
+
+#[test]
+fn fixed_saturates_near_the_end_of_the_time_line() {
+    let start = Duration::MAX - s(150);
+    let mut run = Schedule::fixed(s(100)).start(start);
+    assert_eq!(run.next(start + s(60)), Some(s(40)));
+    // The next slot would begin past `Duration::MAX`: the delay runs to the end of the line.
+    let now = start + s(140);
+    assert_eq!(run.next(now), Some(Duration::MAX - now));
+}
+
+#[test]
+fn fixed_with_an_interval_beyond_u64_nanoseconds_counts_its_slots() {
+    // Longer than u64::MAX nanoseconds (about 584 years).
+    let interval = s(20_000_000_000);
+    let mut run = Schedule::fixed(interval).start(Duration::ZERO);
+    assert_eq!(run.next(s(19_000_000_000)), Some(s(1_000_000_000)));
+    let mut run = Schedule::fixed(Duration::MAX).start(Duration::ZERO);
+    assert_eq!(
+        run.next(s(20_000_000_000)),
+        Some(Duration::MAX - s(20_000_000_000))
+    );
+}
