@@ -247,6 +247,48 @@ fn a_file_mode_for_a_group_applies_to_the_database_and_its_wal_and_shm_files() {
     );
 }
 
+/// Whoever may write the database may ring its managers: each manager's doorbell socket, and
+/// the folder that holds them, follow the database's permissions (here an existing file made
+/// for a group), not the process umask.
+#[cfg(unix)]
+#[test]
+fn a_doorbell_socket_and_its_folder_follow_the_databases_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    drop(LockManager::open(&path).unwrap());
+    std::fs::remove_dir_all(dir.path().join("locks.db-doorbell")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660)).unwrap();
+    let locks = LockManager::open(&path).unwrap();
+    let doorbell = dir.path().join("locks.db-doorbell");
+    // The worker sets the doorbell up after the open returns, and the socket's mode just after
+    // binding it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let sockets = loop {
+        let sockets: Vec<_> = std::fs::read_dir(&doorbell)
+            .into_iter()
+            .flatten()
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| path.extension().is_some_and(|e| e == "sock"))
+            .collect();
+        if sockets.len() == 1 && mode_of(&sockets[0]) == 0o660 {
+            break sockets;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no doorbell socket of mode 0o660: {:?}",
+            sockets
+                .iter()
+                .map(|s| octal(mode_of(s)))
+                .collect::<Vec<_>>()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    assert_eq!(sockets.len(), 1, "{sockets:?}");
+    assert_eq!(octal(mode_of(&doorbell)), octal(0o770), "the folder");
+    drop(locks);
+}
+
 #[test]
 fn an_existing_database_keeps_its_permissions() {
     use std::os::unix::fs::PermissionsExt;

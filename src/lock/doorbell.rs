@@ -26,6 +26,7 @@
 
 use std::collections::BTreeSet;
 use std::io::ErrorKind;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::Sender;
@@ -77,10 +78,16 @@ impl Doorbell {
             );
             return None;
         }
-        let made = make_dir(&dir, file_mode)
+        // Whoever may write the database may ring and may make a doorbell: the socket and the
+        // folder follow the database's own permissions (an existing file keeps its own), not the
+        // process umask, which `bind` would apply.
+        let mode = database_mode(db).unwrap_or(file_mode);
+        let made = make_dir(&dir, mode)
             .and_then(|()| {
                 let _ = std::fs::remove_file(&socket_path);
-                UnixDatagram::bind(&socket_path)
+                let socket = UnixDatagram::bind(&socket_path)?;
+                std::fs::set_permissions(&socket_path, std::fs::Permissions::from_mode(mode))?;
+                Ok(socket)
             })
             .and_then(|listener| Ok((listener, UnixDatagram::unbound()?)));
         let (listener, sender) = match made {
@@ -157,7 +164,10 @@ impl Doorbell {
                     gone |= self.peers.contains(peer);
                 }
                 // A full buffer: it has been rung already and will look.
-                Err(_) => {}
+                Err(error) if error.kind() == ErrorKind::WouldBlock => {}
+                // Not ours to ring (say, a socket another user made without the database's
+                // permissions): its poll will see the change.
+                Err(error) => tracing::debug!(%error, peer, "a doorbell could not be rung"),
             }
         }
         if gone {
@@ -192,18 +202,23 @@ fn id_of(owner: &str) -> String {
     format!("{:016x}", fnv1a(owner.as_bytes()))
 }
 
-/// Makes the folder if it is not there, with the database's permissions plus the right to
-/// enter it for whoever may read or write the database.
-fn make_dir(dir: &Path, file_mode: u32) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    let mut mode = file_mode & 0o777;
+/// The permission bits of the database file at `db`.
+fn database_mode(db: &Path) -> Option<u32> {
+    Some(std::fs::metadata(db).ok()?.permissions().mode() & 0o777)
+}
+
+/// Makes the folder if it is not there, with the database's permissions (`mode`) plus the right
+/// to enter it for whoever may read or write the database.
+fn make_dir(dir: &Path, mode: u32) -> std::io::Result<()> {
+    let mut mode = mode & 0o777;
     for shift in [0, 3, 6] {
         if mode >> shift & 0o6 != 0 {
             mode |= 0o7 << shift;
         }
     }
-    match std::fs::DirBuilder::new().mode(mode).create(dir) {
-        Ok(()) => Ok(()),
+    match std::fs::create_dir(dir) {
+        // Set after, as the umask would narrow the mode asked for at creation.
+        Ok(()) => std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)),
         Err(error) if error.kind() == ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
         Err(error) => Err(error),
     }
