@@ -11,6 +11,11 @@
 //!    that only the combined signal refers to (a `timeout`, or an inner `any`) lives as long as
 //!    the combined signal, and there is no reference cycle.
 //!
+//! 5. A timeout is aborted by its timer task, and also by whoever looks at it (or at a signal
+//!    made from it by `any`) once its time has come on its clock: what a look sees follows the
+//!    clock, not when that task happens to run (a zero timeout is aborted at the first look; a
+//!    `TestClock` advanced past it aborts it at the next).
+//!
 //! Lock order: a signal's `state` lock is never held while another signal's lock is taken.
 
 use std::error::Error;
@@ -218,6 +223,10 @@ struct SignalInner {
     event: Event,
     /// For a signal made by `any`: keeps sources alive that nobody else holds (invariant 4).
     sources: Vec<Arc<SignalInner>>,
+    /// For a timeout: when it aborts, on its clock's monotonic time line (invariant 5).
+    deadline: Option<(Arc<dyn Clock>, Duration)>,
+    /// For a signal made by `any`: the timeouts among its sources, theirs included.
+    timeouts: Vec<Arc<SignalInner>>,
     /// Notified when the signal is dropped, so a timer waiting to abort it can stop early.
     dropped: Option<Arc<Event>>,
 }
@@ -242,20 +251,43 @@ impl SignalInner {
     }
 
     fn depending_on(sources: Vec<Arc<SignalInner>>) -> Arc<Self> {
+        let timeouts = sources
+            .iter()
+            .filter(|source| source.deadline.is_some())
+            .chain(sources.iter().flat_map(|source| &source.timeouts))
+            .cloned()
+            .collect();
         Arc::new(SignalInner {
             aborted: AtomicBool::new(false),
             state: Mutex::new(SignalState::default()),
             event: Event::new(),
             sources,
             dropped: None,
+            deadline: None,
+            timeouts,
         })
     }
 
     fn reason(&self) -> Option<AbortReason> {
         if !self.aborted.load(Ordering::Acquire) {
-            return None;
+            // Invariant 5: a timeout whose time has come aborts here, and passes it on.
+            for timeout in std::iter::once(self).chain(self.timeouts.iter().map(|t| &**t)) {
+                timeout.abort_if_due();
+            }
+            if !self.aborted.load(Ordering::Acquire) {
+                return None;
+            }
         }
         lock(&self.state).reason.clone()
+    }
+
+    /// Aborts a timeout (with [`TimedOut`]) whose time has come on its clock.
+    fn abort_if_due(&self) {
+        if let Some((clock, at)) = &self.deadline {
+            if clock.monotonic() >= *at {
+                self.abort(AbortReason::new(TimedOut));
+            }
+        }
     }
 
     fn abort(&self, reason: AbortReason) -> bool {
@@ -457,6 +489,7 @@ impl AbortSignal {
     /// clock.advance(Duration::from_secs(29));
     /// assert!(!signal.is_aborted());
     /// clock.advance(Duration::from_secs(1));
+    /// assert!(signal.is_aborted()); // seen at once, whenever the timer task runs
     /// let reason = signal.aborted().await;
     /// assert!(reason.downcast_ref::<TimedOut>().is_some());
     /// # });
@@ -465,16 +498,19 @@ impl AbortSignal {
         let dropped = Arc::new(Event::new());
         // Listen before the signal exists, so that its drop cannot be missed.
         let gone = dropped.listen();
+        // Started here, not when the task first runs: the time counts from this call.
+        let timer = clock.sleep(after);
+        let at = clock.monotonic().saturating_add(after);
         let inner = Arc::new(SignalInner {
             aborted: AtomicBool::new(false),
             state: Mutex::new(SignalState::default()),
             event: Event::new(),
             sources: Vec::new(),
             dropped: Some(dropped),
+            deadline: Some((clock, at)),
+            timeouts: Vec::new(),
         });
         let weak = Arc::downgrade(&inner);
-        // Started here, not when the task first runs: the time counts from this call.
-        let timer = clock.sleep(after);
         default_spawner().spawn(Box::pin(async move {
             // The timer task ends when the signal is dropped, so many short-lived timeouts do
             // not leave as many sleeping tasks behind.

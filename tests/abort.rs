@@ -147,6 +147,46 @@ fn a_test_clock_drives_timeout_on() {
     });
 }
 
+/// What a look at a timeout sees follows its clock, not when its timer task gets to run: once
+/// the clock has passed it, the timeout and any signal made from it are aborted at once.
+#[test]
+fn a_timeout_is_aborted_as_soon_as_its_clock_has_passed_it() {
+    let clock = TestClock::new();
+    let thirty = Duration::from_secs(30);
+    let timeout = AbortSignal::timeout_on(Arc::new(clock.clone()), thirty);
+    let other = AbortController::new();
+    let nested = AbortSignal::any([AbortSignal::any([timeout.clone(), other.signal()])]);
+    clock.advance(thirty - Duration::from_nanos(1));
+    assert!(!timeout.is_aborted() && !nested.is_aborted());
+    clock.advance(Duration::from_nanos(1));
+    assert!(
+        nested.is_aborted(),
+        "the signal made from it, looked at first"
+    );
+    assert!(timeout
+        .reason()
+        .unwrap()
+        .downcast_ref::<TimedOut>()
+        .is_some());
+    assert!(nested.reason().unwrap().ptr_eq(&timeout.reason().unwrap()));
+}
+
+/// A zero timeout interrupts before the body runs, every time, on any clock.
+#[test]
+fn a_zero_timeout_never_lets_the_body_run() {
+    let clocks: [Arc<dyn Clock>; 2] = [Arc::new(TestClock::new()), Arc::new(SystemClock)];
+    for clock in clocks {
+        for _ in 0..200 {
+            let work = Scoped::<(), Interrupted>::new(|_| async {
+                panic!("the body ran despite a zero timeout")
+            })
+            .timeout_on(clock.clone(), Duration::ZERO);
+            let error = futures::executor::block_on(work).unwrap_err();
+            assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+        }
+    }
+}
+
 #[test]
 fn timeout_on_ignores_a_step_of_the_wall_clock() {
     let clock = TestClock::new();
