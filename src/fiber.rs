@@ -82,14 +82,45 @@ impl<T: fmt::Display> fmt::Display for Exit<T> {
 }
 
 struct FiberShared<T> {
-    exit: Mutex<Option<Exit<T>>>,
+    exit: Mutex<ExitSlot<T>>,
     done: Arc<Completion>,
     controller: AbortController,
 }
 
+/// How the fiber ended, kept for whoever joins it; and whether anyone still can.
+struct ExitSlot<T> {
+    exit: Option<Exit<T>>,
+    /// The `Fiber` was dropped without being joined: nobody can be given the exit, so a panic
+    /// is logged instead (the scope's invariant 6).
+    abandoned: bool,
+}
+
+impl<T> ExitSlot<T> {
+    /// Keeps `exit` for the joiner; a panic nobody can join any more is logged.
+    fn end(&mut self, exit: Exit<T>) {
+        match exit {
+            Exit::Panicked(message) if self.abandoned => log_abandoned(&message),
+            exit => self.exit = Some(exit),
+        }
+    }
+
+    /// Nobody will join: a panic kept for the joiner is logged.
+    fn abandon(&mut self) {
+        self.abandoned = true;
+        if let Some(Exit::Panicked(message)) = self.exit.take() {
+            log_abandoned(&message);
+        }
+    }
+}
+
+fn log_abandoned(message: &str) {
+    tracing::error!(panic = %message, "a fiber that nobody joins panicked");
+}
+
 /// A spawned unit of work: join it, or interrupt it and wait for its clean-up.
 ///
-/// Dropping a `Fiber` detaches it: it runs on (a scoped one until its scope closes).
+/// Dropping a `Fiber` detaches it: it runs on (a scoped one until its scope closes), and a panic
+/// it ends with, which nobody can be given any more, is logged with `tracing` at error.
 ///
 /// # Examples
 ///
@@ -124,7 +155,10 @@ where
     let controller = AbortController::new();
     let done = Arc::new(Completion::default());
     let shared = Arc::new(FiberShared {
-        exit: Mutex::new(None),
+        exit: Mutex::new(ExitSlot {
+            exit: None,
+            abandoned: false,
+        }),
         done: done.clone(),
         controller: controller.share(),
     });
@@ -142,7 +176,7 @@ where
             Ok(Err(interrupted)) => Exit::Interrupted(interrupted.reason().clone()),
             Err(payload) => Exit::Panicked(panic_message(&*payload)),
         };
-        *lock(&task_shared.exit) = Some(exit);
+        lock(&task_shared.exit).end(exit);
     });
     let task = Box::pin(AsFiber { id, task });
     (Prepared { shared, task }, controller, done)
@@ -209,6 +243,7 @@ impl<T: Send + 'static> Fiber<T> {
     pub async fn join(self) -> Exit<T> {
         self.shared.done.wait().await;
         lock(&self.shared.exit)
+            .exit
             .take()
             .unwrap_or_else(|| Exit::Interrupted(AbortReason::new(Dropped)))
     }
@@ -246,6 +281,13 @@ impl<T: Send + 'static> Fiber<T> {
     /// Whether the fiber has ended (its clean-up included).
     pub fn is_finished(&self) -> bool {
         self.shared.done.is_done()
+    }
+}
+
+/// Dropping a fiber unjoined detaches it; if it panics (or has), the panic is logged.
+impl<T> Drop for Fiber<T> {
+    fn drop(&mut self) {
+        lock(&self.shared.exit).abandon();
     }
 }
 

@@ -299,6 +299,32 @@ fn dropping_a_fiber_detaches_it_and_it_runs_on() {
     within_blocking(GENEROUS, "the detached fiber finished", || done.is_set());
 }
 
+/// A panic nobody can be given is logged: a fiber dropped before it panics (here in a
+/// finalizer of its clean-up), or after, ends `Panicked` with nobody to join it.
+#[test]
+fn a_panic_of_a_fiber_nobody_joins_is_logged() {
+    common::error_logged("");
+    let gate = Flag::new();
+    let fiber_gate = gate.clone();
+    let before = fork_daemon(async move {
+        let _ = scoped::<(), Interrupted, _, _>(move |scope| async move {
+            scope.add_finalizer(|_| async { panic!("a finalizer of a fiber dropped before") });
+            within(GENEROUS, "the gate opened", || fiber_gate.is_set()).await;
+            Ok(())
+        })
+        .await;
+    });
+    drop(before);
+    gate.set();
+    let after = fork_daemon(async { panic!("a fiber dropped after it panicked") });
+    within_blocking(GENEROUS, "the second fiber ended", || after.is_finished());
+    drop(after);
+    within_blocking(GENEROUS, "both panics logged", || {
+        common::error_logged("a finalizer of a fiber dropped before")
+            && common::error_logged("a fiber dropped after it panicked")
+    });
+}
+
 #[test]
 fn exit_tells_how_the_fiber_ended() {
     let success: Exit<u8> = Exit::Success(1);

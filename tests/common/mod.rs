@@ -218,3 +218,50 @@ pub fn interrupted_with<E: std::error::Error + 'static>(status: &ExitStatus) -> 
 
 /// A short real-time pause for finalizers and bodies that must visibly take time.
 pub const SLOW: Duration = Duration::from_millis(20);
+
+/// Whether an event logged with `tracing` at error level, on any thread of this test binary
+/// since its first call here, contains `text`. The first call installs the binary's subscriber.
+pub fn error_logged(text: &str) -> bool {
+    logged_errors()
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|line| line.contains(text))
+}
+
+fn logged_errors() -> &'static Mutex<Vec<String>> {
+    static LOG: std::sync::OnceLock<Mutex<Vec<String>>> = std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        tracing::subscriber::set_global_default(ErrorLog).expect("no other subscriber");
+        Mutex::new(Vec::new())
+    })
+}
+
+/// A subscriber that keeps the text of every error event.
+struct ErrorLog;
+
+struct Fields(String);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push_str(&format!(" {}={value:?}", field.name()));
+    }
+}
+
+impl tracing::Subscriber for ErrorLog {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() == tracing::Level::ERROR
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = Fields(String::new());
+        event.record(&mut fields);
+        logged_errors().lock().unwrap().push(fields.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
