@@ -196,6 +196,94 @@ fn a_guard_survives_its_connection_being_cut() {
     });
 }
 
+/// A TCP proxy in front of the server at `upstream`. Once `cut` is set, the next answer the
+/// server sends on the first connection made through the proxy (the manager's own; its
+/// listening connection comes second) is swallowed and that connection closed: the statement
+/// ran, and committed, and its caller never hears so.
+struct AnswerCutter {
+    port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn answer_cutter(upstream: u16) -> AnswerCutter {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::sync::atomic::Ordering;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let armed = cut.clone();
+    std::thread::spawn(move || {
+        for (index, client) in listener.incoming().enumerate() {
+            let Ok(client) = client else { return };
+            let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                return;
+            };
+            let (mut from_client, mut to_server) =
+                (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 65536];
+                while let Ok(n @ 1..) = from_client.read(&mut buffer) {
+                    if to_server.write_all(&buffer[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = to_server.shutdown(Shutdown::Both);
+            });
+            let armed = armed.clone();
+            std::thread::spawn(move || {
+                let (mut from_server, mut to_client) = (server, client);
+                let mut buffer = [0u8; 65536];
+                while let Ok(n @ 1..) = from_server.read(&mut buffer) {
+                    let lost = index == 0 && armed.swap(false, Ordering::SeqCst);
+                    if lost || to_client.write_all(&buffer[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = to_client.shutdown(Shutdown::Both);
+                let _ = from_server.shutdown(Shutdown::Both);
+            });
+        }
+    });
+    AnswerCutter { port, cut }
+}
+
+/// A release that committed but whose answer was lost is tried again, finds no row, and cannot
+/// tell from the database whether its rows were live: the lease as the process knows it,
+/// which still ran, says they were. The release succeeds and the guard is not lost.
+#[test]
+fn a_release_whose_answer_is_lost_after_it_committed_succeeds() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(port) = server.port() else {
+        return; // an external server: the test cannot stand between it and the manager
+    };
+    let cutter = answer_cutter(port);
+    let url = server
+        .url()
+        .replace(&format!(":{port}/"), &format!(":{}/", cutter.port));
+    block_on(async {
+        let schema = pg_support::schema("lost_release_answer");
+        let locks = LockManager::builder()
+            .schema(&schema)
+            .connect(&url)
+            .await
+            .unwrap();
+        let guard = locks.exclusive("k", "work").await.unwrap();
+        let lost = guard.lost();
+        cutter.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        let released = guard.release().await;
+        assert!(
+            !cutter.cut.load(std::sync::atomic::Ordering::SeqCst),
+            "no answer was cut"
+        );
+        assert!(locks.inspect(None).await.unwrap().is_empty());
+        assert!(released.is_ok(), "{released:?}");
+        assert!(!lost.is_aborted());
+    });
+}
+
 /// A connection cut while idle is found dead by the next transaction, which begins again on a
 /// new connection: the caller sees no error.
 #[test]

@@ -14,7 +14,7 @@ use crate::sync::lock;
 
 use super::handle::Shared;
 use super::heartbeat;
-use super::protocol::{Command, Grant, Write};
+use super::protocol::{Command, Grant, Removed, Write};
 use super::{LeaseLost, LockError, LockRequest};
 
 /// A granted lock. Released by [`release`](Guard::release), by dropping it, or by a [`Scope`](crate::Scope)
@@ -162,7 +162,16 @@ impl Guard {
         sent?;
         // The database decides: rows that were all live when deleted mean nobody else can have
         // held the lock meanwhile, even if a slow renewal made this process fear otherwise.
-        if self.shared.common.replies.wait(response).await? {
+        // When it cannot tell (the answer to a try that may have deleted them was lost), the
+        // lease as this process knows it does: still running, and not lost before, it held.
+        let held = match self.shared.common.replies.wait(response).await? {
+            Removed::AllLive => true,
+            Removed::NotAllLive => false,
+            Removed::GoneAfterLostAnswer => entry
+                .as_ref()
+                .is_some_and(|entry| heartbeat::lease_runs(&self.shared.common, entry.expires_at)),
+        };
+        if held {
             return Ok(());
         }
         let lost = self

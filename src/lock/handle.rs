@@ -16,7 +16,7 @@ use crate::sync::lock;
 
 use super::guard::Guards;
 use super::protocol;
-use super::protocol::{Acquired, Command, Grant, Wait, Write};
+use super::protocol::{Acquired, Command, Grant, Removed, Wait, Write};
 use super::reply::Replies;
 use super::storage::{from_micros, micros};
 use super::{LockError, LockRequest};
@@ -108,8 +108,8 @@ impl Shared {
         .await
     }
 
-    /// Deletes a request's rows; returns whether every row it had was still live.
-    pub(super) async fn remove(&self, request: u64) -> Result<bool, LockError> {
+    /// Deletes a request's rows; returns what it found of them.
+    pub(super) async fn remove(&self, request: u64) -> Result<Removed, LockError> {
         self.call(|reply| {
             Command::Write(Write::Remove {
                 request,

@@ -186,11 +186,16 @@ async fn daemon(shared: Weak<Shared>, mut running: Running, began: Duration) {
 
 /// When renewals fail, a guard is lost only once its lease has really run out.
 fn lose_expired(common: &Common) {
-    let now = micros(common.clock.now());
-    let renewed = i64::try_from(common.last_renewal.load(Ordering::SeqCst)).unwrap_or(0);
-    let lease = micros(common.lease);
     lock(&common.guards).lose(
-        |_, _, expires_at| expires_at.max(renewed + lease) <= now,
+        |_, _, expires_at| !lease_runs(common, expires_at),
         "renewals failed until it ran out",
     );
+}
+
+/// Whether the lease of a guard granted until `expires_at` (micros, the clock's wall time)
+/// still runs, as this process knows it: until then, or a lease after the owner's last renewal.
+pub(super) fn lease_runs(common: &Common, expires_at: i64) -> bool {
+    let now = micros(common.clock.now());
+    let renewed = i64::try_from(common.last_renewal.load(Ordering::SeqCst)).unwrap_or(0);
+    expires_at.max(renewed.saturating_add(micros(common.lease))) > now
 }

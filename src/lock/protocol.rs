@@ -49,10 +49,10 @@ pub(crate) enum Write {
         reply: Reply<Acquired>,
     },
     /// Delete this owner's rows of a request, whatever their state (release or cancel).
-    /// Replies whether every row it had was still live (a release whose lease held).
+    /// Replies what it found of them (a release whose lease held found them all live).
     Remove {
         request: u64,
-        reply: Option<Reply<bool>>,
+        reply: Option<Reply<Removed>>,
     },
     /// Renew this owner's live rows, unless that was done less than half a heartbeat ago.
     /// Replies with when the rows were last renewed (micros, by the manager's clock).
@@ -60,6 +60,19 @@ pub(crate) enum Write {
     Renew { replies: Vec<Reply<i64>> },
     /// Delete every row of this owner and stop.
     Shutdown { reply: Reply<()> },
+}
+
+/// What a removal found of its request's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Removed {
+    /// Every row, live: nobody else can have held the lock meanwhile.
+    AllLive,
+    /// Some row lapsed or gone.
+    NotAllLive,
+    /// None, on a try after one whose answer was lost (a connection cut as the server answered):
+    /// that try may have deleted them, so the database cannot tell whether they were live. The
+    /// caller judges by the lease as it knows it.
+    GoneAfterLostAnswer,
 }
 
 impl Write {

@@ -36,8 +36,10 @@ use std::time::{Duration, Instant};
 
 use super::grant::{grantable_now, other_keys, promotable_within, RowView};
 use super::handle::Counters;
-use super::protocol::{Acquired, Command, Grant, SlotState, Wait, WaitSlot, Write};
-use super::storage::{from_micros, micros, AtOnce, Changes, Outcome, OwnedRequest, Storage};
+use super::protocol::{Acquired, Command, Grant, Removed, SlotState, Wait, WaitSlot, Write};
+use super::storage::{
+    from_micros, micros, AtOnce, Changes, Deleted, Outcome, OwnedRequest, Storage,
+};
 use super::watch::{first_expiries, others_rows, Look, Waits};
 use super::{Common, LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
@@ -101,8 +103,8 @@ enum Decided {
     Granted(Grant),
     Queued(u64),
     NotNow,
-    /// A removal: whether every row it deleted was live.
-    Removed(bool),
+    /// A removal: what it found of the request's rows.
+    Removed(Removed),
     Done,
 }
 
@@ -145,6 +147,10 @@ pub(crate) struct Worker<S> {
     /// after it committed: its rows, if there, are found (`find_lost_requests`) and deleted
     /// by the next transaction, as `doubtful` ones are.
     lost_replies: bool,
+    /// Removals tried in a call or a transaction that failed for a passing reason, perhaps
+    /// after it committed: a later try that finds none of their rows cannot tell whether that
+    /// first try deleted them (`Removed::GoneAfterLostAnswer`).
+    removals_in_doubt: BTreeSet<u64>,
     /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
     /// live on, renewed with this owner's others.
     failed_removals: Vec<u64>,
@@ -174,6 +180,7 @@ impl<S: Storage> Worker<S> {
             idle_since: None,
             doubtful: Vec::new(),
             lost_replies: false,
+            removals_in_doubt: BTreeSet::new(),
             failed_removals: Vec::new(),
         }
     }
@@ -390,7 +397,7 @@ impl<S: Storage> Worker<S> {
                         writes.push(Write::Remove { request, reply });
                     } else if let Some(reply) = reply {
                         // Nothing was ever written for it, or it is gone already.
-                        let _ = reply.send(Ok(false));
+                        let _ = reply.send(Ok(Removed::NotAllLive));
                     }
                 }
                 Command::Write(Write::Renew { replies }) => {
@@ -553,7 +560,7 @@ impl<S: Storage> Worker<S> {
                     // Its acquisition, earlier in this batch, wrote nothing: nothing to remove.
                     let write = writes.remove(0);
                     let now = self.now();
-                    self.deliver(write, Decided::Removed(true), now);
+                    self.deliver(write, Decided::Removed(Removed::AllLive), now);
                     continue;
                 }
             }
@@ -606,6 +613,7 @@ impl<S: Storage> Worker<S> {
                     }
                 }
             }
+            self.doubt_removals(&writes);
             if !self.storage.again() {
                 self.retry_alone(writes, error);
                 return;
@@ -672,6 +680,7 @@ impl<S: Storage> Worker<S> {
             if writes.iter().any(|w| matches!(w, Write::Acquire { .. })) {
                 self.lost_replies = true;
             }
+            self.doubt_removals(&writes);
             if !self.storage.again() {
                 self.retry_alone(writes, error);
                 return Ok(());
@@ -681,6 +690,30 @@ impl<S: Storage> Worker<S> {
             if !self.doubtful.is_empty() {
                 return Err(writes);
             }
+        }
+    }
+
+    /// The removals among `writes`, tried in a call or transaction that failed: perhaps after
+    /// it committed.
+    fn doubt_removals(&mut self, writes: &[Write]) {
+        for write in writes {
+            if let Write::Remove { request, .. } = write {
+                self.removals_in_doubt.insert(*request);
+            }
+        }
+    }
+
+    /// What the removal of `request` found, having deleted `deleted` of its rows.
+    fn found(&self, request: u64, deleted: &Deleted) -> Removed {
+        let Some(written) = self.requests.get(&request) else {
+            return Removed::AllLive;
+        };
+        if deleted.live == written.keys.len() {
+            Removed::AllLive
+        } else if deleted.rows == 0 && self.removals_in_doubt.contains(&request) {
+            Removed::GoneAfterLostAnswer
+        } else {
+            Removed::NotAllLive
         }
     }
 
@@ -714,8 +747,8 @@ impl<S: Storage> Worker<S> {
                 self.deliver(write, decided, decision.now);
             }
             (Write::Remove { request, .. }, Outcome::Removed(removal)) => {
+                let found = self.found(*request, &removal.deleted);
                 let written = self.requests.get(request);
-                let live = written.is_none_or(|w| removal.deleted.live == w.keys.len());
                 // The storage promoted the single-key waiters it could, and announced the keys
                 // only to other owners: this owner's own waits on several keys there are for
                 // its next look.
@@ -726,7 +759,7 @@ impl<S: Storage> Worker<S> {
                         self.poked = true;
                     }
                 }
-                self.deliver(write, Decided::Removed(live), removal.now);
+                self.deliver(write, Decided::Removed(found), removal.now);
                 self.after_commit(&Freed {
                     any: removal.freed,
                     promoted: removal.promoted,
@@ -975,16 +1008,15 @@ impl<S: Storage> Worker<S> {
                 Ok(self.written(*request, requests, ticket, granted.then_some(expires_at)))
             }
             Write::Remove { request, .. } => {
-                let mut live = true;
-                if let Some(written) = self.requests.get(request) {
-                    let deleted =
-                        self.storage
-                            .delete_request(owner, &written.keys, written.ticket, now)?;
-                    self.deleted |= deleted.rows > 0;
-                    live = deleted.live == written.keys.len();
-                    self.pass.extend(written.keys.iter().cloned());
-                }
-                Ok(Decided::Removed(live))
+                let Some(written) = self.requests.get(request) else {
+                    return Ok(Decided::Removed(Removed::AllLive));
+                };
+                let deleted =
+                    self.storage
+                        .delete_request(owner, &written.keys, written.ticket, now)?;
+                self.deleted |= deleted.rows > 0;
+                self.pass.extend(written.keys.iter().cloned());
+                Ok(Decided::Removed(self.found(*request, &deleted)))
             }
             Write::Renew { .. } => {
                 let expires_at = now + micros(self.common.lease);
@@ -1067,8 +1099,13 @@ impl<S: Storage> Worker<S> {
                 if let Some(Written { ticket, .. }) = self.requests.remove(&request) {
                     self.waits.remove(ticket);
                 }
+                self.removals_in_doubt.remove(&request);
                 if let Some(reply) = reply {
-                    let _ = reply.send(Ok(matches!(decided, Decided::Removed(true))));
+                    let found = match decided {
+                        Decided::Removed(found) => found,
+                        _ => Removed::NotAllLive,
+                    };
+                    let _ = reply.send(Ok(found));
                 }
             }
             (Write::Renew { replies }, _) => {
