@@ -5,16 +5,21 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 
 use super::protocol::Command;
 use super::{Common, Shared};
 use crate::sync::lock;
 
+/// What a worker needs to poke another manager, and no more: never its whole handle, whose last
+/// drop joins that manager's worker (two workers poking each other as their managers go away
+/// would then wait for each other).
 struct Sibling {
     store: String,
     owner: String,
-    shared: Weak<Shared>,
+    tx: Weak<Sender<Command>>,
+    common: Weak<Common>,
 }
 
 static SIBLINGS: Mutex<Vec<Sibling>> = Mutex::new(Vec::new());
@@ -24,11 +29,12 @@ pub(super) fn register(shared: &Arc<Shared>) {
         return;
     };
     let mut siblings = lock(&SIBLINGS);
-    siblings.retain(|s| s.shared.strong_count() > 0);
+    siblings.retain(|s| s.tx.strong_count() > 0);
     siblings.push(Sibling {
         store,
         owner: shared.common.owner.clone(),
-        shared: Arc::downgrade(shared),
+        tx: Arc::downgrade(&shared.tx),
+        common: Arc::downgrade(&shared.common),
     });
 }
 
@@ -38,16 +44,16 @@ pub(super) fn poke(common: &Common, owners: &BTreeSet<String>) {
     let Some(store) = &common.store else {
         return;
     };
-    let targets: Vec<Arc<Shared>> = lock(&SIBLINGS)
+    let targets: Vec<(Arc<Sender<Command>>, Arc<Common>)> = lock(&SIBLINGS)
         .iter()
         .filter(|s| &s.store == store && s.owner != common.owner)
-        .filter_map(|s| s.shared.upgrade())
+        .filter_map(|s| Some((s.tx.upgrade()?, s.common.upgrade()?)))
         .collect();
-    for target in targets {
-        let concerned = owners.contains(&target.common.owner)
-            || target.common.unqueued.load(Ordering::SeqCst) > 0;
+    for (tx, target) in targets {
+        let concerned =
+            owners.contains(&target.owner) || target.unqueued.load(Ordering::SeqCst) > 0;
         if concerned {
-            let _ = target.tx.send(Command::Poke);
+            let _ = tx.send(Command::Poke);
         }
     }
 }
