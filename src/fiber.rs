@@ -11,8 +11,8 @@ use std::task::{Context, Poll};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, Dropped, Interrupted};
-use crate::scope::{panic_message, Scoped};
-use crate::spawn::{default_spawner, Spawner};
+use crate::scope::{current_spawner, panic_message, Scoped};
+use crate::spawn::Spawner;
 use crate::sync::{lock, CompleteOnDrop, Completion};
 
 /// How a fiber ended.
@@ -301,8 +301,10 @@ impl<T> fmt::Debug for Fiber<T> {
 
 /// Effect's forkDaemon: a fiber tied to no scope, on the default spawner.
 ///
-/// The default spawner is, with the `tokio` feature, the tokio runtime this is called on, if any;
-/// otherwise smol's global executor.
+/// Called inside a `Scoped`'s body, that is the body's spawner (given with `with_spawner` or
+/// inherited), so that background work stays on the caller's executor; elsewhere, with the
+/// `tokio` feature, the tokio runtime this is called on, if any; otherwise smol's global
+/// executor.
 ///
 /// # Examples
 ///
@@ -319,7 +321,7 @@ where
     T: Send + 'static,
     Fut: Future<Output = T> + Send + 'static,
 {
-    fork_daemon_on(future, &default_spawner())
+    fork_daemon_on(future, &current_spawner())
 }
 
 /// [`fork_daemon`] on a given spawner.

@@ -218,10 +218,11 @@ pub struct Scope {
 }
 
 impl Scope {
-    /// An open scope whose background work runs on the default spawner: with the `tokio`
-    /// feature, the tokio runtime this is called on, if any; otherwise smol's global executor.
+    /// An open scope whose background work runs on the default spawner: inside a `Scoped`'s
+    /// body, that body's spawner; elsewhere, with the `tokio` feature, the tokio runtime this is
+    /// called on, if any; otherwise smol's global executor.
     pub fn new() -> Self {
-        Scope::with_spawner(default_spawner())
+        Scope::with_spawner(current_spawner())
     }
 
     /// An open scope whose background work (fibers, handed-off clean-ups) runs on `spawner`.

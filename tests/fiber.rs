@@ -325,6 +325,36 @@ fn a_panic_of_a_fiber_nobody_joins_is_logged() {
     });
 }
 
+/// Background work started inside a `Scoped`'s body stays on that body's spawner, whatever
+/// starts it: a daemon, or the fibers of a scope made there.
+#[test]
+fn daemons_and_scopes_made_inside_a_body_run_on_its_spawner() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let spawned = Arc::new(AtomicUsize::new(0));
+    let counted = spawned.clone();
+    let spawner: Arc<dyn leasehold::Spawner> = Arc::new(move |future: BoxFuture<'static, ()>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        std::thread::spawn(move || block_on(future));
+    });
+    let (daemon, forked) = block_on(
+        Scoped::<_, Interrupted>::new(|_| async move {
+            let daemon = fork_daemon(async { 1 }).join().await;
+            let scope = Scope::new();
+            let forked = scope.fork(async { 2 }).join().await;
+            scope.close(ExitStatus::Success).await;
+            Ok((daemon, forked))
+        })
+        .with_spawner(spawner),
+    )
+    .unwrap();
+    assert_eq!((daemon.success(), forked.success()), (Some(1), Some(2)));
+    assert_eq!(
+        spawned.load(Ordering::SeqCst),
+        2,
+        "both ran on the body's spawner"
+    );
+}
+
 #[test]
 fn exit_tells_how_the_fiber_ended() {
     let success: Exit<u8> = Exit::Success(1);
