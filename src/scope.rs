@@ -617,10 +617,31 @@ async fn run_finalizer(finalizer: Finalizer, status: ExitStatus) -> Result<(), P
 }
 
 /// A close (or a finalizer) that runs in the background, where nobody can be given its panic:
-/// the panic is logged instead.
+/// the panic is logged instead. So is the loss of the clean-up itself, if its executor drops it
+/// before it has finished (a runtime shutting down): nothing else would tell.
 fn unattended(close: BoxFuture<'static, Option<Panic>>) -> BoxFuture<'static, ()> {
+    struct Unfinished(bool);
+    impl Unfinished {
+        fn finished(mut self) {
+            self.0 = false;
+        }
+    }
+    impl Drop for Unfinished {
+        fn drop(&mut self) {
+            if self.0 {
+                tracing::error!(
+                    "a clean-up in the background was dropped by its executor before it \
+                     finished (a runtime shutting down?): its remaining finalizers do not run"
+                );
+            }
+        }
+    }
+    // Made before the future, so that a future dropped unpolled reports too.
+    let unfinished = Unfinished(true);
     Box::pin(async move {
-        if let Some(panic) = close.await {
+        let closed = close.await;
+        unfinished.finished();
+        if let Some(panic) = closed {
             log_panic(
                 &panic,
                 "a scope finalizer panicked in a close that nobody awaits",

@@ -966,6 +966,24 @@ fn a_parents_fibers_outlive_the_clean_up_of_its_nested_scoped() {
     }
 }
 
+/// A clean-up handed to an executor that drops it unfinished (a runtime shutting down) cannot
+/// run; that is logged at error, not lost without a word.
+#[test]
+fn a_clean_up_that_its_executor_drops_unfinished_is_reported() {
+    common::error_logged("");
+    let dead: Arc<dyn leasehold::Spawner> = Arc::new(|future: BoxFuture<'static, ()>| drop(future));
+    let mut work = Scoped::<(), Interrupted>::new(|scope| async move {
+        scope.add_finalizer(|_| async {});
+        future::pending().await
+    })
+    .with_spawner(dead);
+    assert!(poll_once(&mut work).is_pending());
+    drop(work);
+    assert!(common::error_logged(
+        "dropped by its executor before it finished"
+    ));
+}
+
 #[test]
 fn interruption_unwinds_every_concurrent_child_before_the_parent_closes() {
     let controller = AbortController::new();
