@@ -284,6 +284,89 @@ fn a_release_whose_answer_is_lost_after_it_committed_succeeds() {
     });
 }
 
+/// A renewal that had to wait for a row lock until after the row's lease ran out must not
+/// revive it (DESIGN §7: renewals compare with the server's clock at the row, not with when
+/// their transaction began). Another session holds our row locked while a renewal waits for
+/// it, lets the lease run out, then lets go: the row keeps its expiry or is gone, and the guard
+/// is told its lease was lost.
+#[test]
+fn a_renewal_that_waited_past_the_lease_does_not_revive_the_row() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(socket) = server.conninfo() else {
+        return; // an external server: the test cannot see the manager's sessions
+    };
+    block_on(async {
+        let schema = pg_support::schema("renewal_waited");
+        let name = format!("app_{schema}");
+        // Lock timeout max(heartbeat / 2, 1 s) = 1 s: longer than lease - heartbeat (300 ms).
+        let locks = LockManager::builder()
+            .schema(&schema)
+            .lease(Duration::from_millis(600))
+            .heartbeat(Duration::from_millis(300))
+            .connect(&server.url_with(&format!("application_name={name}")))
+            .await
+            .unwrap();
+        let guard = locks.exclusive("k", "held").await.unwrap();
+        let mut blocker = postgres::Client::connect(socket, postgres::NoTls).unwrap();
+        let micros = |client: &mut postgres::Client, sql: &str| -> Option<i64> {
+            client.query_opt(sql, &[]).unwrap().map(|row| row.get(0))
+        };
+        let expiry = format!("SELECT expires_at FROM \"{schema}\".locks WHERE key = 'k'");
+        let server_now = "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+        let renewal_waits = format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{name}' \
+             AND wait_event_type = 'Lock'"
+        );
+        let mut caught = false;
+        for _ in 0..20 {
+            blocker.batch_execute("BEGIN").unwrap();
+            let Some(expires_at) = micros(&mut blocker, &format!("{expiry} FOR UPDATE")) else {
+                break; // lost already (a slow machine): nothing left to revive
+            };
+            // A renewal comes within a heartbeat and waits for the row; let the lease pass
+            // while it waits.
+            let waited = {
+                let deadline = std::time::Instant::now() + Duration::from_secs(2);
+                loop {
+                    let now = micros(&mut blocker, server_now).unwrap();
+                    let waiting = server.sql(&renewal_waits) == "1";
+                    if now > expires_at && waiting {
+                        break true;
+                    }
+                    if std::time::Instant::now() > deadline {
+                        break false;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            };
+            blocker.batch_execute("ROLLBACK").unwrap();
+            if !waited {
+                continue;
+            }
+            caught = true;
+            // The renewal goes on now; whatever it does, the lapsed row keeps its expiry.
+            within(5_000, "the renewal after the wait", || async {
+                server.sql(&renewal_waits) == "0"
+            })
+            .await;
+            smol::Timer::after(Duration::from_millis(100)).await;
+            let after = micros(&mut blocker, &expiry);
+            assert!(
+                after.is_none_or(|at| at == expires_at),
+                "a lapsed row was renewed: expired at {expires_at}, now {after:?}"
+            );
+            break;
+        }
+        assert!(caught, "no renewal was ever caught waiting past the lease");
+        within(5_000, "the guard is told its lease was lost", || async {
+            guard.lost().is_aborted()
+        })
+        .await;
+    });
+}
+
 /// A connection cut while idle is found dead by the next transaction, which begins again on a
 /// new connection: the caller sees no error.
 #[test]

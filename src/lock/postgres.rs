@@ -1381,14 +1381,24 @@ impl Storage for Postgres {
         false
     }
 
-    /// In key order, as promotions change rows, so that the two never deadlock.
+    /// Renews the owner's live rows, in two statements. The first locks them in key order, as
+    /// promotions change rows, so that the two never deadlock, and waits for any that another
+    /// transaction holds; the second, which
+    /// runs with every lock held, judges "live" by the server's clock then. Judged in the first
+    /// (or by `now`, when the transaction began), a row whose lock had to be waited for until
+    /// after its lease ran out would be revived: the server does not check a row again after
+    /// such a wait unless it was changed.
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize> {
+        self.execute(
+            "locking this owner's rows",
+            "SELECT 1 FROM {s}.locks WHERE owner = $1 ORDER BY key, ticket FOR UPDATE",
+            &[&owner],
+        )?;
         let renewed = self.execute(
             "renewing leases",
             "UPDATE {s}.locks SET expires_at = $1, heartbeat_at = $2
-             WHERE (key, ticket) IN (
-                 SELECT key, ticket FROM {s}.locks WHERE owner = $3 AND expires_at > $2
-                 ORDER BY key, ticket FOR UPDATE)",
+             WHERE owner = $3
+               AND expires_at > (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
             &[&expires_at, &now, &owner],
         )?;
         Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
