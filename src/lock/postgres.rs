@@ -1431,12 +1431,16 @@ impl Storage for Postgres {
         ))
     }
 
-    fn owned_requests(&mut self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>> {
+    /// Live by the server's clock now, not by `now`: a renewal that waited for a row lock may
+    /// have begun before a row lapsed and then left it, and its guard must hear so at once.
+    fn owned_requests(&mut self, owner: &str, _now: i64) -> Result<Vec<OwnedRequest>> {
         let rows = self.query(
             "reading this owner's rows",
             "SELECT ticket, held, COUNT(*), MIN(expires_at) FROM {s}.locks
-             WHERE owner = $1 AND expires_at > $2 GROUP BY ticket, held",
-            &[&owner, &now],
+             WHERE owner = $1
+               AND expires_at > (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+             GROUP BY ticket, held",
+            &[&owner],
         )?;
         Ok(rows
             .iter()
