@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use futures::executor::block_on;
 use leasehold::{
-    fork_daemon, AbortController, AbortReason, LockError, LockManager, LockRequest, Schedule,
-    TestClock,
+    fork_daemon, AbortController, AbortReason, Clock as _, LockError, LockManager, LockRequest,
+    Schedule, TestClock,
 };
 use lock_support::{bounded, join_within, rows_of, temp_db, within, WriteLock};
 
@@ -342,6 +342,32 @@ fn a_busy_database_is_reported_once_the_busy_schedule_is_done() {
         )
         .await;
         assert!(matches!(refused, Err(LockError::Storage(_))), "{refused:?}");
+    });
+}
+
+/// A clock set absurdly far ahead (about 292,000 years) gives a clear error, not an overflow in
+/// the storage thread (which once panicked, after which every call said `Shutdown`); set back,
+/// the manager works on.
+#[test]
+fn a_clock_past_the_last_keepable_time_is_an_error_and_the_manager_lives_on() {
+    block_on(async {
+        let clock = TestClock::new();
+        let sane = clock.now();
+        clock.set_wall_time(Duration::from_micros(i64::MAX as u64));
+        let locks = LockManager::builder()
+            .clock(Arc::new(clock.clone()))
+            .open_in_memory()
+            .unwrap();
+        match locks.exclusive("k", "far future").await {
+            Err(LockError::Storage(why)) => assert!(why.contains("clock"), "{why}"),
+            other => panic!(
+                "expected a storage error, got {:?}",
+                other.map(|g| g.fencing_token())
+            ),
+        }
+        clock.set_wall_time(sane);
+        let guard = locks.exclusive("k", "back to now").await.unwrap();
+        guard.release().await.unwrap();
     });
 }
 

@@ -98,6 +98,23 @@ struct Freed {
     owners: BTreeSet<String>,
 }
 
+/// The latest time (micros since the epoch) at which leases can be kept: a lease of the longest
+/// length the builder accepts (under `i64::MAX / 4` micros) still ends within an `i64`. About
+/// 146,000 years from 1970; a clock past it (a custom `Clock`, `TestClock::set_wall_time`) is an
+/// error, not an overflow.
+const LAST_TIME: i64 = i64::MAX / 2;
+
+/// `now`, or an error if it is past [`LAST_TIME`].
+fn within_time_line(now: i64) -> Result<i64, LockError> {
+    if now > LAST_TIME {
+        return Err(LockError::Storage(format!(
+            "the clock reads {now} µs since 1970, past the last time at which leases can be \
+             kept ({LAST_TIME} µs)"
+        )));
+    }
+    Ok(now)
+}
+
 /// What a write decided inside the transaction, delivered once it has committed.
 enum Decided {
     Granted(Grant),
@@ -841,7 +858,7 @@ impl<S: Storage> Worker<S> {
             locked.dedup();
         }
         let keys = locked.as_slice();
-        let now = match self.storage.begin(keys) {
+        let now = match self.storage.begin(keys).and_then(within_time_line) {
             Ok(now) => now,
             Err(error) => {
                 // A begin that failed half-way (a lock wait that timed out) may leave a
