@@ -10,14 +10,19 @@
 //! 2. The close work belongs to whoever started it. If that caller is dropped half-way, the rest
 //!    goes to the spawner: a close is never abandoned.
 //! 3. A `Scoped` checks its signals before every poll of its body. Once it sees one aborted it
-//!    never polls the body again: it marks its scope as unwinding, drops the body, closes the
-//!    scope with `Interrupted(reason)`, and only then resolves.
+//!    never polls the body again: it marks its scope as unwinding and *takes over* the nested
+//!    `Scoped` futures running in its body, newest first, each the same way (what runs nested in
+//!    it, then its body dropped, then its scope closed with `Interrupted(reason)`); only then does
+//!    it drop its own body, close its scope, and resolve. So a nested clean-up finishes while the
+//!    body that awaits it, and that body's locals (a lock guard, say), still live. A `Scoped`
+//!    taken over never resolves (it *parks*): its parent's body is never polled again.
 //! 4. Nesting: while a `Scoped` polls its body, its scope is the thread's *ambient parent*. A
-//!    `Scoped` first polled there remembers it. When such a child is dropped unfinished, its
-//!    remaining close goes to the parent: if the parent is unwinding, to be finished first thing
-//!    in the parent's close, while the parent's fibers still run (inner before outer); if not, as
-//!    a tracked background child (so it runs now, and the parent's close still waits for it).
-//!    Without a parent it goes to the spawner.
+//!    `Scoped` first polled there remembers it, and while its body runs, the parent's scope holds
+//!    that body (`Running`) for taking it over. When such a child is dropped unfinished (it lost
+//!    a `select!`, or its parent was dropped), its remaining close goes to the parent: if the
+//!    parent is unwinding, to be finished first thing in the parent's close, while the parent's
+//!    fibers still run (inner before outer); if not, as a tracked background child (so it runs
+//!    now, and the parent's close still waits for it). Without a parent it goes to the spawner.
 //! 5. A scope's spawner is fixed when the scope is made. A `Scoped` chooses it on its first poll:
 //!    the one given with `with_spawner`, else its parent's, else the default (with the `tokio`
 //!    feature, the runtime it is polled on; otherwise smol's). Fibers run on their scope's
@@ -33,7 +38,10 @@
 //!    that asked for the close): the fiber goes on once the close has finished, and keeps its
 //!    value. The scope's other fibers are interrupted and awaited as usual.
 //!
-//! Lock order: a scope's `state` lock is never held across an await or a call into user code.
+//! Lock order: a scope's `state` lock is never held across an await or a call into user code. A
+//! running body's lock is held while the body is polled; a parent takes it only from its own
+//! poll, which is never inside its child's (a child polled on another thread makes the parent
+//! wait at most for that one poll).
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -180,6 +188,12 @@ struct ScopeState {
     /// The closes of nested `Scoped` futures dropped while this scope's owner unwound: they run
     /// first, while this scope's fibers still live (invariant 1, "inner before outer").
     nested: Vec<BoxFuture<'static, Option<Panic>>>,
+    /// Nested `Scoped` futures running in the owner's body: an owner that unwinds takes them
+    /// over, in reverse order of their start, before it drops its body (invariant 3).
+    running_nested: Vec<Arc<dyn Nested>>,
+    /// Panics of finalizers of nested `Scoped` futures taken over here: this scope's close gives
+    /// them on (invariant 6).
+    handed_panics: Vec<Panic>,
 }
 
 struct ScopeInner {
@@ -246,6 +260,8 @@ impl Scope {
                     finalizers: Vec::new(),
                     children: Vec::new(),
                     nested: Vec::new(),
+                    running_nested: Vec::new(),
+                    handed_panics: Vec::new(),
                 }),
                 closed: Event::new(),
                 spawner,
@@ -483,6 +499,41 @@ impl Scope {
         lock(&self.inner.state).unwinding.clone()
     }
 
+    fn add_nested(&self, nested: Arc<dyn Nested>) {
+        lock(&self.inner.state).running_nested.push(nested);
+    }
+
+    fn remove_nested(&self, nested: &Arc<dyn Nested>) {
+        lock(&self.inner.state)
+            .running_nested
+            .retain(|other| !std::ptr::addr_eq(Arc::as_ptr(other), Arc::as_ptr(nested)));
+    }
+
+    /// Takes over every nested `Scoped` running in the owner's body, newest first: each
+    /// unwinds for `reason`, its clean-up finished, while the owner's body (and its locals)
+    /// still live. Gives back the first finalizer panic among them; later ones are logged.
+    fn take_over_nested(&self, reason: &AbortReason) -> BoxFuture<'static, Option<Panic>> {
+        let nested = std::mem::take(&mut lock(&self.inner.state).running_nested);
+        let reason = reason.clone();
+        Box::pin(async move {
+            let mut first = None;
+            for nested in nested.into_iter().rev() {
+                if let Some(panic) = nested.take_over(reason.clone()).await {
+                    match first {
+                        None => first = Some(panic),
+                        Some(_) => log_panic(&panic, "a further scope finalizer panicked"),
+                    }
+                }
+            }
+            first
+        })
+    }
+
+    /// A finalizer panic of a nested `Scoped` taken over: this scope's close gives it on.
+    fn hand_panic(&self, panic: Panic) {
+        lock(&self.inner.state).handed_panics.push(panic);
+    }
+
     /// Takes over the unfinished close of a child that was dropped while first polled here.
     fn adopt_close(&self, close: BoxFuture<'static, Option<Panic>>) {
         if self.unwinding().is_some() {
@@ -563,6 +614,7 @@ async fn run_close(
     let mut first_panic = None;
     loop {
         enum Next {
+            Handed(Panic),
             Nested(BoxFuture<'static, Option<Panic>>),
             Children(Vec<Child>),
             Finalizer(Finalizer),
@@ -570,7 +622,9 @@ async fn run_close(
         }
         let next = {
             let mut state = lock(&inner.state);
-            if let Some(close) = state.nested.pop() {
+            if let Some(panic) = state.handed_panics.pop() {
+                Next::Handed(panic)
+            } else if let Some(close) = state.nested.pop() {
                 Next::Nested(close)
             } else if !state.children.is_empty() {
                 Next::Children(std::mem::take(&mut state.children))
@@ -582,6 +636,7 @@ async fn run_close(
             }
         };
         let panicked = match next {
+            Next::Handed(panic) => Some(panic),
             Next::Nested(close) => close.await,
             Next::Children(mut children) => {
                 children.retain(|child| Some(child.id()) != closer);
@@ -753,9 +808,61 @@ pub(crate) fn current_spawner() -> Arc<dyn Spawner> {
 
 type Body<T, E> = Box<dyn FnOnce(Scope) -> BoxFuture<'static, Result<T, E>> + Send>;
 
+/// A running body, shared with the scope of the `Scoped` it is nested in, if any, so that an
+/// unwinding parent can take it over without polling its own body (invariant 3). `None` once it
+/// has ended, or was taken over.
+struct Running<T, E> {
+    body: Mutex<Option<BoxFuture<'static, Result<T, E>>>>,
+    scope: Scope,
+}
+
+/// A nested `Scoped` as the scope of its parent knows it.
+trait Nested: Send + Sync {
+    /// Unwinds it for `reason`, its future not polled: first what runs nested in it, then its
+    /// body is dropped, then its scope closed. Gives back a finalizer panic, if any.
+    fn take_over(self: Arc<Self>, reason: AbortReason) -> BoxFuture<'static, Option<Panic>>;
+}
+
+impl<T: Send + 'static, E: Send + 'static> Nested for Running<T, E> {
+    fn take_over(self: Arc<Self>, reason: AbortReason) -> BoxFuture<'static, Option<Panic>> {
+        Box::pin(async move {
+            if lock(&self.body).is_none() {
+                return None;
+            }
+            self.scope.start_unwinding(&reason);
+            let first = self.scope.take_over_nested(&reason).await;
+            let body = lock(&self.body).take();
+            drop(body);
+            let later = self
+                .scope
+                .close_owned(ExitStatus::Interrupted(reason))
+                .await;
+            match (first, later) {
+                (Some(first), later) => {
+                    if let Some(later) = later {
+                        log_panic(&later, "a further scope finalizer panicked");
+                    }
+                    Some(first)
+                }
+                (None, later) => later,
+            }
+        })
+    }
+}
+
 enum Phase<T, E> {
     Init(Body<T, E>),
-    Running(BoxFuture<'static, Result<T, E>>),
+    Running(Arc<Running<T, E>>),
+    /// Interrupted: the nested `Scoped` futures running in the body are being taken over; the
+    /// body is not polled again, and is dropped once they are done.
+    Unwinding {
+        running: Arc<Running<T, E>>,
+        nested: BoxFuture<'static, Option<Panic>>,
+        reason: AbortReason,
+    },
+    /// Taken over by its unwinding parent, which closed its scope: it never resolves (the
+    /// parent's body, which awaits it, is not polled again, and drops it).
+    Parked,
     Closing {
         close: BoxFuture<'static, Option<Panic>>,
         outcome: Outcome<T, E>,
@@ -784,6 +891,8 @@ struct ScopedInner<T, E> {
     /// Whether to take the ambient parent on the first poll (fibers do not).
     inherit: bool,
     parent: Option<Scope>,
+    /// How the parent's scope knows this one, while it runs there.
+    registered: Option<Arc<dyn Nested>>,
     scope: Option<Scope>,
 }
 
@@ -855,6 +964,7 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
                 spawner: None,
                 inherit: true,
                 parent: None,
+                registered: None,
                 scope: None,
             }),
         }
@@ -1013,19 +1123,30 @@ impl<T, E> ScopedInner<T, E> {
             .expect("a started Scoped always has a scope")
     }
 
-    /// Stops the body for `reason`: nested scopes hand their closes over as the body drops.
+    /// Stops the body for `reason`: the nested `Scoped` futures running in it are taken over
+    /// first (`Unwinding`), then it is dropped.
     fn unwind(&mut self, reason: AbortReason) {
         let scope = self.scope().clone();
         scope.start_unwinding(&reason);
-        self.phase = Phase::Done;
-        self.phase = Phase::Closing {
-            close: scope.close_owned(ExitStatus::Interrupted(reason.clone())),
-            outcome: Outcome::Interrupted(reason),
+        let Phase::Running(running) = std::mem::replace(&mut self.phase, Phase::Done) else {
+            unreachable!("only a running body unwinds")
         };
+        self.phase = Phase::Unwinding {
+            running,
+            nested: scope.take_over_nested(&reason),
+            reason,
+        };
+    }
+
+    /// The body has ended, or is to be dropped: the parent need not take it over any more.
+    fn leave_parent(&mut self) {
+        if let (Some(parent), Some(nested)) = (&self.parent, self.registered.take()) {
+            parent.remove_nested(&nested);
+        }
     }
 }
 
-impl<T, E> Future for Scoped<T, E> {
+impl<T: Send + 'static, E: Send + 'static> Future for Scoped<T, E> {
     type Output = Result<T, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T, E>> {
@@ -1059,13 +1180,39 @@ impl<T, E> Future for Scoped<T, E> {
                     let Phase::Init(body) = std::mem::replace(&mut this.phase, Phase::Done) else {
                         unreachable!("matched Init above")
                     };
-                    this.phase = Phase::Running(body(scope));
-                }
-                Phase::Running(body) => {
-                    let scope = this.scope.as_ref().expect("a running Scoped has a scope");
-                    let polled = with_ambient(scope, || {
-                        catch_unwind(AssertUnwindSafe(|| body.as_mut().poll(cx)))
+                    let running = Arc::new(Running {
+                        body: Mutex::new(Some(body(scope.clone()))),
+                        scope,
                     });
+                    if let Some(parent) = &this.parent {
+                        let nested: Arc<dyn Nested> = running.clone();
+                        parent.add_nested(nested.clone());
+                        this.registered = Some(nested);
+                    }
+                    this.phase = Phase::Running(running);
+                }
+                Phase::Running(running) => {
+                    let scope = this.scope.as_ref().expect("a running Scoped has a scope");
+                    let polled = {
+                        let mut body = lock(&running.body);
+                        let Some(future) = body.as_mut() else {
+                            // Taken over by its parent, which closed its scope.
+                            drop(body);
+                            this.phase = Phase::Parked;
+                            return Poll::Pending;
+                        };
+                        let polled = with_ambient(scope, || {
+                            catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx)))
+                        });
+                        if !matches!(polled, Ok(Poll::Pending)) {
+                            *body = None;
+                        }
+                        polled
+                    };
+                    if !matches!(polled, Ok(Poll::Pending)) {
+                        this.leave_parent();
+                    }
+                    let scope = this.scope().clone();
                     let (status, outcome) = match polled {
                         Ok(Poll::Pending) => return Poll::Pending,
                         Ok(Poll::Ready(Ok(value))) => {
@@ -1079,6 +1226,29 @@ impl<T, E> Future for Scoped<T, E> {
                     let close = scope.close_owned(status);
                     this.phase = Phase::Closing { close, outcome };
                 }
+                Phase::Unwinding { nested, .. } => {
+                    let Poll::Ready(panic) = nested.as_mut().poll(cx) else {
+                        return Poll::Pending;
+                    };
+                    let Phase::Unwinding {
+                        running, reason, ..
+                    } = std::mem::replace(&mut this.phase, Phase::Done)
+                    else {
+                        unreachable!("matched Unwinding above")
+                    };
+                    let scope = this.scope().clone();
+                    if let Some(panic) = panic {
+                        scope.hand_panic(panic);
+                    }
+                    this.leave_parent();
+                    let body = lock(&running.body).take();
+                    drop(body);
+                    this.phase = Phase::Closing {
+                        close: scope.close_owned(ExitStatus::Interrupted(reason.clone())),
+                        outcome: Outcome::Interrupted(reason),
+                    };
+                }
+                Phase::Parked => return Poll::Pending,
                 Phase::Closing { close, .. } => {
                     let Poll::Ready(finalizer_panic) = close.as_mut().poll(cx) else {
                         return Poll::Pending;
@@ -1111,13 +1281,17 @@ impl<T, E> Future for Scoped<T, E> {
 
 impl<T, E> Drop for ScopedInner<T, E> {
     fn drop(&mut self) {
+        self.leave_parent();
         let close = match std::mem::replace(&mut self.phase, Phase::Done) {
-            Phase::Init(_) | Phase::Done => return,
-            Phase::Running(body) => {
+            Phase::Init(_) | Phase::Done | Phase::Parked => return,
+            Phase::Running(running) | Phase::Unwinding { running, .. } => {
+                let body = lock(&running.body).take();
+                // Taken over by its parent, which closed its scope.
+                let Some(body) = body else { return };
                 let reason = self
-                    .parent
-                    .as_ref()
-                    .and_then(Scope::unwinding)
+                    .scope()
+                    .unwinding()
+                    .or_else(|| self.parent.as_ref().and_then(Scope::unwinding))
                     .unwrap_or_else(|| AbortReason::new(Dropped));
                 let scope = self.scope().clone();
                 scope.start_unwinding(&reason);
@@ -1138,7 +1312,7 @@ impl<T, E> Drop for ScopedInner<T, E> {
 }
 
 /// `select!` takes a `Scoped` without `.fuse()`: one that has resolved is never polled again.
-impl<T, E> FusedFuture for Scoped<T, E> {
+impl<T: Send + 'static, E: Send + 'static> FusedFuture for Scoped<T, E> {
     fn is_terminated(&self) -> bool {
         // Between polls, `Done` means resolved: the other phases pass through it only inside
         // `poll` (or in `Drop`, after which nobody can ask).
@@ -1151,6 +1325,8 @@ impl<T, E> fmt::Debug for Scoped<T, E> {
         let phase = match self.inner.phase {
             Phase::Init(_) => "not started",
             Phase::Running(_) => "running",
+            Phase::Unwinding { .. } => "unwinding",
+            Phase::Parked => "parked",
             Phase::Closing { .. } => "closing",
             Phase::Done => "done",
         };

@@ -984,6 +984,84 @@ fn a_clean_up_that_its_executor_drops_unfinished_is_reported() {
     ));
 }
 
+/// On interruption the nested `Scoped` futures unwind first, their finalizers finished, and only
+/// then is the parent's body dropped: its locals outlive the nested clean-up.
+#[test]
+fn a_nested_clean_up_finishes_before_the_interrupted_parents_body_is_dropped() {
+    on_every_executor(|| async {
+        let log = Log::new();
+        struct Local(Log);
+        impl Drop for Local {
+            fn drop(&mut self) {
+                self.0.push("parent body dropped");
+            }
+        }
+        let stop = AbortController::new();
+        let started = Flag::new();
+        let (in_body, in_finalizer, body_started) = (log.clone(), log.clone(), started.clone());
+        let parent = Scoped::<(), Interrupted>::new(move |_| async move {
+            let _local = Local(in_body);
+            Scoped::<(), Interrupted>::new(move |nested| async move {
+                nested.add_finalizer(move |_| async move {
+                    yield_now().await;
+                    in_finalizer.push("nested finalizer finished");
+                });
+                body_started.set();
+                future::pending().await
+            })
+            .await
+        })
+        .with_signal(&stop.signal());
+        let abort = async {
+            within(GENEROUS, "the nested body started", || started.is_set()).await;
+            stop.abort("stop");
+        };
+        let (result, ()) = future::join(parent, abort).await;
+        assert!(result.is_err());
+        assert_eq!(
+            log.entries(),
+            ["nested finalizer finished", "parent body dropped"]
+        );
+    });
+}
+
+/// The same with a lock: a nested clean-up of work done under the parent's guard still runs
+/// under it.
+#[test]
+fn a_nested_clean_up_runs_while_the_interrupted_parent_still_holds_its_lock() {
+    on_every_executor(|| async {
+        let locks = leasehold::LockManager::open_in_memory().unwrap();
+        let held = Arc::new(std::sync::Mutex::new(None));
+        let stop = AbortController::new();
+        let started = Flag::new();
+        let (inner_locks, seen, body_started) = (locks.clone(), held.clone(), started.clone());
+        let parent = Scoped::<(), leasehold::LockError>::new(move |_| async move {
+            let _guard = inner_locks.exclusive("repo", "write").await?;
+            Scoped::<(), leasehold::LockError>::new(move |nested| async move {
+                nested.add_finalizer(move |_| async move {
+                    *seen.lock().unwrap() = Some(inner_locks.is_locked("repo").await.unwrap());
+                });
+                body_started.set();
+                future::pending().await
+            })
+            .await
+        })
+        .with_signal(&stop.signal());
+        let abort = async {
+            within(GENEROUS, "the nested body started", || started.is_set()).await;
+            stop.abort("stop");
+        };
+        let (result, ()) = future::join(parent, abort).await;
+        assert!(result.is_err());
+        assert_eq!(
+            *held.lock().unwrap(),
+            Some(true),
+            "the lock was released before the nested clean-up ran"
+        );
+        assert!(!locks.is_locked("repo").await.unwrap());
+    });
+}
+
 #[test]
 fn interruption_unwinds_every_concurrent_child_before_the_parent_closes() {
     let controller = AbortController::new();
