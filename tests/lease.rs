@@ -710,6 +710,34 @@ fn a_lock_heartbeat_dropped_unpolled_is_started_again_for_a_later_guard() {
     });
 }
 
+/// A guard whose lock heartbeat never runs (its executor dropped it: a runtime that shut down)
+/// is still told, by the storage worker, when its lease runs out, as a heartbeat would have.
+#[test]
+fn a_guard_whose_heartbeat_never_runs_is_told_when_its_lease_runs_out() {
+    block_on(async {
+        let dead: Arc<dyn leasehold::Spawner> =
+            Arc::new(|future: futures::future::BoxFuture<'static, ()>| drop(future));
+        let locks = LockManager::builder()
+            .lease(Duration::from_millis(400))
+            .heartbeat(Duration::from_millis(200))
+            .spawner(dead)
+            .open_in_memory()
+            .unwrap();
+        let guard = locks.exclusive("k", "unrenewed").await.unwrap();
+        let lost = guard.lost();
+        within(5_000, "the guard is told its lease ran out", || {
+            let told = lost.is_aborted();
+            async move { told }
+        })
+        .await;
+        assert_eq!(locks.stats().heartbeats, 0, "a heartbeat ran after all");
+        assert!(matches!(
+            guard.release().await,
+            Err(LockError::LeaseLost(_))
+        ));
+    });
+}
+
 /// The same for a lock granted at once: a `try_acquire` whose reply is read after the lease ran
 /// out takes the lock again, with a new ticket, or reports it busy; never an expired guard.
 #[test]

@@ -273,6 +273,15 @@ impl Guards {
         self.entries.is_empty()
     }
 
+    /// While guards are held and no lock heartbeat runs (an executor dropped it), the earliest
+    /// of their leases' ends, each as `deadline` gives it from the guard's grant.
+    pub(super) fn unrenewed_until(&self, deadline: impl Fn(i64) -> i64) -> Option<i64> {
+        if self.daemon_running {
+            return None;
+        }
+        self.entries.values().map(|e| deadline(e.expires_at)).min()
+    }
+
     /// Records a new guard, unless the manager has shut down: then its controller is returned,
     /// for the caller to tell the guard it is lost.
     fn insert(&mut self, ticket: u64, entry: GuardEntry) -> Option<AbortController> {

@@ -193,9 +193,14 @@ fn lose_expired(common: &Common) {
 }
 
 /// Whether the lease of a guard granted until `expires_at` (micros, the clock's wall time)
-/// still runs, as this process knows it: until then, or a lease after the owner's last renewal.
+/// still runs, as this process knows it.
 pub(super) fn lease_runs(common: &Common, expires_at: i64) -> bool {
-    let now = micros(common.clock.now());
+    lease_end(common, expires_at) > micros(common.clock.now())
+}
+
+/// When the lease of a guard granted until `expires_at` runs out, as this process knows it:
+/// then, or a lease after the owner's last renewal.
+pub(super) fn lease_end(common: &Common, expires_at: i64) -> i64 {
     let renewed = i64::try_from(common.last_renewal.load(Ordering::SeqCst)).unwrap_or(0);
-    expires_at.max(renewed.saturating_add(micros(common.lease))) > now
+    expires_at.max(renewed.saturating_add(micros(common.lease)))
 }

@@ -41,7 +41,7 @@ use super::storage::{
     from_micros, micros, AtOnce, Changes, Deleted, Outcome, OwnedRequest, Storage,
 };
 use super::watch::{first_expiries, others_rows, Look, Waits};
-use super::{Common, LockError, LockRequest};
+use super::{heartbeat, Common, LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
 use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
@@ -232,6 +232,7 @@ impl<S: Storage> Worker<S> {
                         .next_look()
                         .into_iter()
                         .chain(self.waits.next_beat())
+                        .chain(self.unrenewed_end())
                         .min();
                     let left = due.map(|at| at.saturating_sub(self.common.clock.monotonic()));
                     let received = match left.into_iter().chain(self.marker_left()).min() {
@@ -265,6 +266,7 @@ impl<S: Storage> Worker<S> {
                 }
             }
             self.start_due_beats();
+            self.lose_unrenewed();
             if self.look_due() {
                 self.look_for_changes();
                 self.last_look = self.common.clock.monotonic();
@@ -280,6 +282,28 @@ impl<S: Storage> Worker<S> {
                 }
             }
         }
+    }
+
+    /// While guards are held and no lock heartbeat runs (its executor dropped it, say a runtime
+    /// that shut down), when the first of their leases runs out (the clock's monotonic time):
+    /// the worker then tells that guard, as the heartbeat would have (`lose_unrenewed`).
+    fn unrenewed_end(&self) -> Option<Duration> {
+        let end = lock(&self.common.guards)
+            .unrenewed_until(|expires_at| heartbeat::lease_end(&self.common, expires_at))?;
+        let left = from_micros(end).saturating_sub(self.common.clock.now());
+        Some(self.common.clock.monotonic().saturating_add(left))
+    }
+
+    /// Tells the guards whose leases ran out with no lock heartbeat running that they are lost.
+    fn lose_unrenewed(&self) {
+        let mut guards = lock(&self.common.guards);
+        if guards.daemon_running || guards.is_empty() {
+            return;
+        }
+        guards.lose(
+            |_, _, expires_at| !heartbeat::lease_runs(&self.common, expires_at),
+            "no lock heartbeat ran (did its executor stop?) until the lease ran out",
+        );
     }
 
     /// The poll's next look after a look (or the start of the schedule) at `ended_at`.
