@@ -751,6 +751,15 @@ impl Future for Closing {
 impl Drop for Closing {
     fn drop(&mut self) {
         if self.handed_off {
+            if let Some(work) = self.work.take() {
+                // Dropped unfinished by the spawner too (a runtime shutting down): there is
+                // nowhere left to go, and `unattended` logs the loss. The scope counts as closed,
+                // so that a later `close` (which waits for this one) returns instead of waiting
+                // for ever.
+                drop(work);
+                lock(&self.scope.inner.state).done = true;
+                self.scope.inner.closed.notify(usize::MAX);
+            }
             return;
         }
         if let Some(work) = self.work.take() {

@@ -320,3 +320,43 @@ fn a_spawner_given_explicitly_wins_over_the_runtime_the_scoped_is_polled_on() {
         .unwrap();
     assert!(matches!(exit, Exit::Success(true)), "{exit:?}");
 }
+
+/// A close whose runtime shut down half-way, and whose spawner (that runtime) drops the rest, is
+/// lost (and logged); a later `close`, which waits for the first, must still return.
+#[test]
+fn a_later_close_returns_after_the_first_was_lost_with_its_runtime() {
+    use leasehold::{ExitStatus, Scope};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let handle = runtime.handle().clone();
+    let scope = Scope::with_spawner(Arc::new(move |future| {
+        handle.spawn(future);
+    }));
+    let started = Flag::new();
+    let finalizer_started = started.clone();
+    scope.add_finalizer(move |_| async move {
+        finalizer_started.set();
+        smol::Timer::after(Duration::from_millis(300)).await;
+    });
+    {
+        let scope = scope.clone();
+        runtime.spawn(async move { scope.close(ExitStatus::Success).await });
+    }
+    runtime.block_on(async {
+        while !started.is_set() {
+            tokio::task::yield_now().await;
+        }
+    });
+    drop(runtime);
+    let (done, is_done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        futures::executor::block_on(scope.close(ExitStatus::Success));
+        let _ = done.send(());
+    });
+    assert!(
+        is_done.recv_timeout(GENEROUS).is_ok(),
+        "a later close still waited after the first was lost with its runtime"
+    );
+}
