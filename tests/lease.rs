@@ -738,6 +738,40 @@ fn a_guard_whose_heartbeat_never_runs_is_told_when_its_lease_runs_out() {
     });
 }
 
+/// The same when the executor keeps the heartbeat but never runs it (an idle runtime): the
+/// heartbeat counts as running, yet renews nothing, and the guard must still be told.
+#[test]
+fn a_guard_whose_heartbeat_is_never_polled_is_told_when_its_lease_runs_out() {
+    block_on(async {
+        let kept = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let idle: Arc<dyn leasehold::Spawner> = {
+            let kept = kept.clone();
+            Arc::new(move |future: futures::future::BoxFuture<'static, ()>| {
+                kept.lock().unwrap().push(future);
+            })
+        };
+        let locks = LockManager::builder()
+            .lease(Duration::from_millis(400))
+            .heartbeat(Duration::from_millis(200))
+            .spawner(idle)
+            .open_in_memory()
+            .unwrap();
+        let first = locks.exclusive("a", "first").await.unwrap();
+        let second = locks.exclusive("b", "second").await.unwrap();
+        let lost = [first.lost(), second.lost()];
+        within(5_000, "both guards are told their leases ran out", || {
+            let told = lost.iter().all(|l| l.is_aborted());
+            async move { told }
+        })
+        .await;
+        assert_eq!(locks.stats().heartbeats, 0, "a heartbeat ran after all");
+        assert!(
+            !kept.lock().unwrap().is_empty(),
+            "the heartbeat was never handed over"
+        );
+    });
+}
+
 /// The same for a lock granted at once: a `try_acquire` whose reply is read after the lease ran
 /// out takes the lock again, with a new ticket, or reports it busy; never an expired guard.
 #[test]

@@ -255,6 +255,9 @@ pub(super) struct Guards {
     entries: HashMap<u64, GuardEntry>,
     /// Whether the owner's lock heartbeat runs (see `heartbeat::ensure_daemon`).
     pub(super) daemon_running: bool,
+    /// How many guards were granted until each time (micros): the earliest is where the storage
+    /// worker watches for leases that no heartbeat renewed (`Worker::lose_unrenewed`).
+    grant_ends: std::collections::BTreeMap<i64, usize>,
     /// Set (as the entries are drained) when the worker has shut down, so that a guard made
     /// afterwards is born lost instead of missing the drain.
     shut_down: bool,
@@ -273,13 +276,24 @@ impl Guards {
         self.entries.is_empty()
     }
 
-    /// While guards are held and no lock heartbeat runs (an executor dropped it), the earliest
-    /// of their leases' ends, each as `deadline` gives it from the guard's grant.
-    pub(super) fn unrenewed_until(&self, deadline: impl Fn(i64) -> i64) -> Option<i64> {
-        if self.daemon_running {
-            return None;
+    /// The earliest lease end as granted among the guards held (micros, clock time).
+    pub(super) fn first_grant_end(&self) -> Option<i64> {
+        self.grant_ends.keys().next().copied()
+    }
+
+    fn add_grant_end(&mut self, expires_at: i64) {
+        *self.grant_ends.entry(expires_at).or_default() += 1;
+    }
+
+    fn remove_grant_end(&mut self, expires_at: i64) {
+        if let std::collections::btree_map::Entry::Occupied(mut count) =
+            self.grant_ends.entry(expires_at)
+        {
+            *count.get_mut() -= 1;
+            if *count.get() == 0 {
+                count.remove();
+            }
         }
-        self.entries.values().map(|e| deadline(e.expires_at)).min()
     }
 
     /// Records a new guard, unless the manager has shut down: then its controller is returned,
@@ -288,13 +302,16 @@ impl Guards {
         if self.shut_down {
             return Some(entry.lost);
         }
+        self.add_grant_end(entry.expires_at);
         self.entries.insert(ticket, entry);
         None
     }
 
     /// The guard is released: its lease is no longer this owner's business.
     fn forget(&mut self, ticket: u64) -> Option<GuardEntry> {
-        self.entries.remove(&ticket)
+        let entry = self.entries.remove(&ticket)?;
+        self.remove_grant_end(entry.expires_at);
+        Some(entry)
     }
 
     /// Tells every guard for which `is_lost(rows, expires_at)` holds that its lease is lost, and
@@ -311,7 +328,7 @@ impl Guards {
             .map(|(&ticket, _)| ticket)
             .collect();
         for &ticket in &lost {
-            if let Some(entry) = self.entries.remove(&ticket) {
+            if let Some(entry) = self.forget(ticket) {
                 tracing::warn!(ticket, keys = ?entry.keys, "lease lost: {why}");
                 entry.lost.abort(AbortReason::new(LeaseLost::expired()));
             }
@@ -323,6 +340,7 @@ impl Guards {
     pub(super) fn shut_down(&mut self) {
         self.shut_down = true;
         let reason = AbortReason::new(LeaseLost::shutdown());
+        self.grant_ends.clear();
         for (_, entry) in self.entries.drain() {
             entry.lost.abort(reason.clone());
         }

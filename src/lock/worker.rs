@@ -284,25 +284,36 @@ impl<S: Storage> Worker<S> {
         }
     }
 
-    /// While guards are held and no lock heartbeat runs (its executor dropped it, say a runtime
-    /// that shut down), when the first of their leases runs out (the clock's monotonic time):
-    /// the worker then tells that guard, as the heartbeat would have (`lose_unrenewed`).
+    /// While guards are held, when the first of their leases runs out unrenewed (micros, clock
+    /// time): the earliest grant's end, or a lease after the last renewal, whichever is later.
+    /// With a heartbeat that runs, that keeps moving on; with none (its executor dropped it, or
+    /// does not run it), the worker tells the guards then, as a heartbeat would have. Cheap: it
+    /// reads the earliest grant, not every guard.
+    fn unrenewed_end_micros(&self) -> Option<i64> {
+        let first = lock(&self.common.guards).first_grant_end()?;
+        Some(heartbeat::lease_end(&self.common, first))
+    }
+
+    /// [`unrenewed_end_micros`](Self::unrenewed_end_micros) on the clock's monotonic time.
     fn unrenewed_end(&self) -> Option<Duration> {
-        let end = lock(&self.common.guards)
-            .unrenewed_until(|expires_at| heartbeat::lease_end(&self.common, expires_at))?;
+        let end = self.unrenewed_end_micros()?;
         let left = from_micros(end).saturating_sub(self.common.clock.now());
         Some(self.common.clock.monotonic().saturating_add(left))
     }
 
-    /// Tells the guards whose leases ran out with no lock heartbeat running that they are lost.
+    /// Tells the guards whose leases ran out unrenewed that they are lost (once that time has
+    /// come: only then does it read every guard).
     fn lose_unrenewed(&self) {
-        let mut guards = lock(&self.common.guards);
-        if guards.daemon_running || guards.is_empty() {
+        let Some(end) = self.unrenewed_end_micros() else {
+            return;
+        };
+        if end > micros(self.common.clock.now()) {
             return;
         }
-        guards.lose(
+        lock(&self.common.guards).lose(
             |_, _, expires_at| !heartbeat::lease_runs(&self.common, expires_at),
-            "no lock heartbeat ran (did its executor stop?) until the lease ran out",
+            "no lock heartbeat renewed it (did its executor stop, or not run it?) until the lease \
+             ran out",
         );
     }
 
