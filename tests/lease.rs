@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::executor::block_on;
 use leasehold::{
     fork_daemon, Clock, EntryState, Fiber, Guard, LeaseLost, LockError, LockManager, LockRequest,
-    SystemClock, TestClock,
+    Scoped, SystemClock, TestClock,
 };
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -563,6 +563,37 @@ fn locks_granted_from_the_queue_on_real_clocks_are_not_lost() {
     });
 }
 
+/// B's acquisition of "k", queued behind A's and granted when A releases, but polled only by the
+/// test: its task is "stalled" between polls, and has not read its grant yet.
+async fn granted_while_stalled(a: &LockManager, b: &LockManager) -> Scoped<Guard, LockError> {
+    let holder = a.exclusive("k", "A").await.unwrap();
+    let mut acquisition = b.exclusive("k", "B");
+    within(5_000, "B queued", || {
+        assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
+        async { b.inspect(Some("k")).await.unwrap().len() == 2 }
+    })
+    .await;
+    holder.release().await.unwrap();
+    within(5_000, "B's row promoted", || async {
+        let rows = b.inspect(Some("k")).await.unwrap();
+        rows.len() == 1 && rows[0].state == EntryState::Held
+    })
+    .await;
+    acquisition
+}
+
+/// Polls a stalled acquisition again until it returns a guard.
+async fn read_when_stalled(acquisition: &mut Scoped<Guard, LockError>) -> Guard {
+    let mut delivered = None;
+    within(5_000, "the acquisition returned", || {
+        delivered = futures::FutureExt::now_or_never(&mut *acquisition);
+        let returned = delivered.is_some();
+        async move { returned }
+    })
+    .await;
+    delivered.unwrap().unwrap()
+}
+
 /// A grant whose lease ran out between the decision and its delivery (the caller's executor
 /// stalled past the lease) is never handed out: the caller gets a live guard or keeps waiting.
 #[test]
@@ -571,31 +602,11 @@ fn a_grant_delivered_after_its_lease_ran_out_is_not_handed_out() {
         let dir = tempfile::tempdir().unwrap();
         let clock = TestClock::new();
         let (a, b) = tight_managers(&dir.path().join("l.db"), &clock);
-        let holder = a.exclusive("k", "A").await.unwrap();
-        // B's acquisition is polled only by this test: its task is "stalled" between polls.
-        let mut acquisition = b.exclusive("k", "B");
-        within(5_000, "B queued", || {
-            assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
-            async { b.inspect(Some("k")).await.unwrap().len() == 2 }
-        })
-        .await;
-        holder.release().await.unwrap();
-        within(5_000, "B's row promoted", || async {
-            let rows = b.inspect(Some("k")).await.unwrap();
-            rows.len() == 1 && rows[0].state == EntryState::Held
-        })
-        .await;
+        let mut acquisition = granted_while_stalled(&a, &b).await;
 
         // The stall outlasts the lease, and nobody renews the row meanwhile.
         clock.advance(Duration::from_secs(3));
-        let mut delivered = None;
-        within(5_000, "B's acquisition returned", || {
-            delivered = futures::FutureExt::now_or_never(&mut acquisition);
-            let returned = delivered.is_some();
-            async move { returned }
-        })
-        .await;
-        let guard = delivered.unwrap().unwrap();
+        let guard = read_when_stalled(&mut acquisition).await;
         assert!(!guard.lost().is_aborted());
         let rows = b.inspect(Some("k")).await.unwrap();
         assert_eq!(rows.len(), 1, "B's guard has no live row: {rows:?}");
@@ -614,30 +625,11 @@ fn a_guard_delivered_late_but_live_is_renewed_before_its_lease_runs_out() {
         let dir = tempfile::tempdir().unwrap();
         let clock = TestClock::new();
         let (a, b) = tight_managers(&dir.path().join("l.db"), &clock);
-        let holder = a.exclusive("k", "A").await.unwrap();
-        let mut acquisition = b.exclusive("k", "B");
-        within(5_000, "B queued", || {
-            assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
-            async { b.inspect(Some("k")).await.unwrap().len() == 2 }
-        })
-        .await;
-        holder.release().await.unwrap();
-        within(5_000, "B's row promoted", || async {
-            let rows = b.inspect(Some("k")).await.unwrap();
-            rows.len() == 1 && rows[0].state == EntryState::Held
-        })
-        .await;
+        let mut acquisition = granted_while_stalled(&a, &b).await;
         let expires = b.inspect(Some("k")).await.unwrap()[0].expires_at;
 
         clock.advance(Duration::from_millis(1_500));
-        let mut delivered = None;
-        within(5_000, "B's acquisition returned", || {
-            delivered = futures::FutureExt::now_or_never(&mut acquisition);
-            let returned = delivered.is_some();
-            async move { returned }
-        })
-        .await;
-        let guard = delivered.unwrap().unwrap();
+        let guard = read_when_stalled(&mut acquisition).await;
         assert!(clock.now() < expires, "handed out while live");
 
         // The first lock heartbeat is due already: it renews without the clock moving.
