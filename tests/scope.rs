@@ -984,6 +984,23 @@ fn a_clean_up_that_its_executor_drops_unfinished_is_reported() {
     ));
 }
 
+/// Runs `work`, interrupting it through `stop` once `started` is set; its outcome.
+async fn interrupted_once<T, E>(
+    work: Scoped<T, E>,
+    stop: &AbortController,
+    started: &Flag,
+) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: Send + 'static,
+{
+    let abort = async {
+        within(GENEROUS, "the nested body started", || started.is_set()).await;
+        stop.abort("stop");
+    };
+    future::join(work, abort).await.0
+}
+
 /// On interruption the nested `Scoped` futures unwind first, their finalizers finished, and only
 /// then is the parent's body dropped: its locals outlive the nested clean-up.
 #[test]
@@ -1012,12 +1029,7 @@ fn a_nested_clean_up_finishes_before_the_interrupted_parents_body_is_dropped() {
             .await
         })
         .with_signal(&stop.signal());
-        let abort = async {
-            within(GENEROUS, "the nested body started", || started.is_set()).await;
-            stop.abort("stop");
-        };
-        let (result, ()) = future::join(parent, abort).await;
-        assert!(result.is_err());
+        assert!(interrupted_once(parent, &stop, &started).await.is_err());
         assert_eq!(
             log.entries(),
             ["nested finalizer finished", "parent body dropped"]
@@ -1047,12 +1059,7 @@ fn a_nested_clean_up_runs_while_the_interrupted_parent_still_holds_its_lock() {
             .await
         })
         .with_signal(&stop.signal());
-        let abort = async {
-            within(GENEROUS, "the nested body started", || started.is_set()).await;
-            stop.abort("stop");
-        };
-        let (result, ()) = future::join(parent, abort).await;
-        assert!(result.is_err());
+        assert!(interrupted_once(parent, &stop, &started).await.is_err());
         assert_eq!(
             *held.lock().unwrap(),
             Some(true),
