@@ -92,7 +92,7 @@ fn main() {
 
 const USAGE: &str = "usage: torture [--seconds N] [--processes N] [--tasks N] [--seed N] \
                      [--lease-ms N] [--heartbeat-ms N] [--backend sqlite|postgres] [--url URL] \
-                     [--no-cuts] [--json]";
+                     [--runtime smol|tokio] [--hold-ms N] [--no-cuts] [--json]";
 
 /// Where the locks are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,6 +101,15 @@ pub enum Backend {
     Sqlite,
     /// A fresh schema on a PostgreSQL server (feature `postgres`).
     Postgres,
+}
+
+/// What runs a child's tasks (and so its background work, which follows the caller).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runtime {
+    /// smol's global executor.
+    Smol,
+    /// A tokio runtime with two worker threads.
+    Tokio,
 }
 
 /// What a run does.
@@ -126,6 +135,11 @@ pub struct Config {
     pub url: Option<String>,
     /// On PostgreSQL, cut children's connections now and then.
     pub cut_connections: bool,
+    /// What runs each child's tasks.
+    pub runtime: Runtime,
+    /// The longest pause inside a hold, between entering the register and writing, and between
+    /// writing and leaving (each drawn from zero to this).
+    pub hold: Duration,
     /// How to start a child: program and arguments (the child's settings go in its environment).
     pub child_command: Vec<String>,
 }
@@ -170,6 +184,14 @@ impl Config {
                     }
                 }
                 "--url" => config.url = Some(value),
+                "--runtime" => {
+                    config.runtime = match value.as_str() {
+                        "smol" => Runtime::Smol,
+                        "tokio" => Runtime::Tokio,
+                        _ => return Err(format!("{flag}: smol or tokio, not {value:?}")),
+                    }
+                }
+                "--hold-ms" => config.hold = Duration::from_millis(value.parse().map_err(bad)?),
                 _ => return Err(format!("unknown flag {flag}")),
             }
         }
@@ -203,6 +225,8 @@ impl Default for Config {
             backend: Backend::Sqlite,
             url: None,
             cut_connections: true,
+            runtime: Runtime::Smol,
+            hold: Duration::from_millis(20),
             child_command: vec![exe],
         }
     }
@@ -803,6 +827,8 @@ struct ChildContext {
     tag: String,
     deadline: u64,
     lease: Duration,
+    /// The longest pause inside a hold (`Config::hold`).
+    hold: Duration,
     locks: LockManager,
     counters: Counters,
 }
@@ -852,6 +878,8 @@ pub fn child_main() {
     let lease = Duration::from_millis(env_number("TORTURE_LEASE_MS"));
     let heartbeat = Duration::from_millis(env_number("TORTURE_HEARTBEAT_MS"));
     let deadline = env_number("TORTURE_DEADLINE");
+    let hold = Duration::from_millis(env_number("TORTURE_HOLD_MS"));
+    let tokio = env("TORTURE_RUNTIME") == "tokio";
     let skew: i64 = env("TORTURE_SKEW_MS")
         .parse()
         .expect("the child's TORTURE_SKEW_MS is not a number");
@@ -880,10 +908,20 @@ pub fn child_main() {
         id,
         deadline,
         lease,
+        hold,
         locks,
         counters,
     });
-    smol::block_on(child(context, seed, tasks));
+    if tokio {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("start the child's tokio runtime")
+            .block_on(child(context, seed, tasks));
+    } else {
+        smol::block_on(child(context, seed, tasks));
+    }
 }
 
 async fn child(context: Arc<ChildContext>, seed: u64, tasks: u64) {
@@ -1208,7 +1246,8 @@ async fn work_on(
             register.read().await?
         }
     };
-    sleep(rng.millis(0, 20)).await;
+    let hold = context.hold.as_millis() as u64;
+    sleep(rng.millis(0, hold)).await;
     match mode {
         Mode::Exclusive => match register.write(mark, first).await? {
             Written::Refused => bump(&context.counters.stale_writes_refused),
@@ -1232,7 +1271,7 @@ async fn work_on(
             }
         }
     }
-    sleep(rng.millis(0, 20)).await;
+    sleep(rng.millis(0, hold)).await;
     outcome.suspicious |= register.leave(mark).await?;
     Ok(outcome)
 }
@@ -1587,6 +1626,14 @@ fn spawn_child(
             config.heartbeat.as_millis().to_string(),
         )
         .env("TORTURE_DEADLINE", deadline.to_string())
+        .env("TORTURE_HOLD_MS", config.hold.as_millis().to_string())
+        .env(
+            "TORTURE_RUNTIME",
+            match config.runtime {
+                Runtime::Smol => "smol",
+                Runtime::Tokio => "tokio",
+            },
+        )
         .env(
             "TORTURE_SKEW_MS",
             clock_skew(config.backend, id).to_string(),

@@ -13,7 +13,7 @@ mod torture;
 
 use std::time::Duration;
 
-use torture::{Backend, Config, Store, Summary};
+use torture::{Backend, Config, Runtime, Store, Summary};
 
 #[test]
 fn torture_child() {
@@ -36,6 +36,8 @@ fn short_run(seconds: f64, backend: Backend) -> Config {
         backend,
         url: None,
         cut_connections: true,
+        runtime: Runtime::Smol,
+        hold: Duration::from_millis(20),
         child_command: vec![
             exe.display().to_string(),
             "--exact".into(),
