@@ -589,15 +589,15 @@ fn a_schema_written_by_a_newer_version_is_refused() {
     });
 }
 
-/// A schema of version 3 (an acquisition and a release each had a function, with no `decide`)
-/// or 4 (a `decide` without shortcuts) is brought up to date when a manager connects, keeping
-/// its rows.
+/// A schema of version 3 (an acquisition and a release each had a function, with no `decide`),
+/// 4 (a `decide` without shortcuts) or 5 (a `decide` that could judge on a stale read) is
+/// brought up to date when a manager connects, keeping its rows.
 #[test]
-fn a_schema_of_version_3_or_4_is_migrated_keeping_its_rows() {
+fn a_schema_of_an_older_version_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    for old_version in [3, 4] {
+    for old_version in [3, 4, 5] {
         block_on(migrated_from(server, old_version));
     }
 }
@@ -611,7 +611,7 @@ async fn migrated_from(server: &pg_support::Server, old_version: i32) {
     ));
     let new = manager(server.url(), &schema).await;
     let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
-    assert_eq!(version.trim(), "5");
+    assert_eq!(version.trim(), "6");
     let busy = new
         .try_acquire(LockRequest::exclusive("kept", "after"))
         .await;
@@ -969,5 +969,84 @@ fn a_begin_that_times_out_on_its_key_lock_is_done_again() {
         other.wait().unwrap();
         guard.release().await.unwrap();
         assert!(locks.inspect(None).await.unwrap().is_empty());
+    });
+}
+
+/// A decision on a key whose only row lapsed, while a renewal of that row that judged it live
+/// has not yet committed, must see the renewal: the decision's deletion of lapsed rows waits for
+/// the renewal, finds the row renewed and leaves it, and the rule is then asked about the row as
+/// it is, not as it was read before the wait. (Judged on the earlier read, the key was granted a
+/// second time while the renewed holder went on holding it, with no lost lease to tell it.)
+#[test]
+fn a_decision_that_waited_for_a_renewal_sees_the_row_renewed() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(socket) = server.conninfo() else {
+        return; // an external server: the test cannot see the manager's sessions
+    };
+    block_on(async {
+        let schema = pg_support::schema("renewal_straddles");
+        let name = format!("app_{schema}");
+        let locks = LockManager::builder()
+            .schema(&schema)
+            .connect(&server.url_with(&format!("application_name={name}")))
+            .await
+            .unwrap();
+        let now = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+        // Another owner's lock whose lease ran out a moment ago, as its owner's renewal comes.
+        server.sql(&format!(
+            "INSERT INTO \"{schema}\".locks (key, ticket, mode, operation, owner, held, \
+             requested_at, acquired_at, expires_at, heartbeat_at) \
+             SELECT 'k', nextval('\"{schema}\".tickets'), 1, 'renewed', 'other-owner', true, \
+             {now} - 10000000, {now} - 10000000, {now} - 1000, {now} - 2000000"
+        ));
+        // The renewal: it judged the row live, renewed it, and has not committed yet.
+        let mut renewal = postgres::Client::connect(socket, postgres::NoTls).unwrap();
+        renewal.batch_execute("BEGIN").unwrap();
+        renewal
+            .execute(
+                &format!(
+                    "UPDATE \"{schema}\".locks SET expires_at = {now} + 60000000, \
+                     heartbeat_at = {now} WHERE key = 'k'"
+                ),
+                &[],
+            )
+            .unwrap();
+        let attempt = {
+            let locks = locks.clone();
+            fork_daemon(async move {
+                locks
+                    .try_acquire(LockRequest::exclusive("k", "second"))
+                    .await
+            })
+        };
+        let waiting = format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{name}' \
+             AND wait_event_type = 'Lock'"
+        );
+        within(
+            5_000,
+            "the decision waits for the renewal's row lock",
+            || async { server.sql(&waiting) == "1" },
+        )
+        .await;
+        renewal.batch_execute("COMMIT").unwrap();
+        let granted = match join_within(5_000, "the decision", attempt).await {
+            Exit::Success(result) => result.unwrap(),
+            other => panic!("the attempt did not succeed: {other:?}"),
+        };
+        assert!(
+            granted.is_none(),
+            "granted a key whose holder's renewal had committed"
+        );
+        let holders: Vec<String> = locks
+            .inspect(Some("k"))
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|entry| entry.operation)
+            .collect();
+        assert_eq!(holders, ["renewed"]);
     });
 }

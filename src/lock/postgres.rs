@@ -57,7 +57,7 @@ use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 5;
+pub(crate) const SCHEMA_VERSION: i32 = 6;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -874,6 +874,14 @@ BEGIN
             JOIN unnest(op_keys, op_modes) AS r(key, mode) ON o.key = r.key;
             IF lapsed > 0 THEN
                 DELETE FROM {s}.locks AS d WHERE d.key = ANY(op_keys) AND d.expires_at <= now;
+                -- The read above may predate a renewal of a row it found lapsed that had not
+                -- committed yet: the deletion waited for that renewal and left the row it
+                -- renewed, so judge the keys again as they are now. (Judged on the first read,
+                -- the key went to a second holder while the first went on renewing it.)
+                SELECT bool_or(o.expires_at > now AND (r.mode = {exclusive} OR o.mode = {exclusive}))
+                INTO blocked
+                FROM {s}.locks AS o
+                JOIN unnest(op_keys, op_modes) AS r(key, mode) ON o.key = r.key;
             END IF;
             granted := NOT coalesce(blocked, false);
             IF NOT granted AND op_wait <> 2 THEN
@@ -1044,7 +1052,8 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
         if found < SCHEMA_VERSION {
             // One round trip per batch of acquisitions and releases: the functions of
             // `FUNCTIONS` (version 3 had one for an acquisition and one for a release; version
-            // 4 had no shortcut for keys without other rows); and the sweep's indexes
+            // 4 had no shortcut for keys without other rows; version 5 judged an acquisition on
+            // a read that a renewal in flight could make stale); and the sweep's indexes
             // (`SWEEP_INDEXES`).
             transaction
                 .batch_execute(&format!(
