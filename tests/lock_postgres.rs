@@ -300,7 +300,8 @@ fn a_renewal_that_waited_past_the_lease_does_not_revive_the_row() {
     block_on(async {
         let schema = pg_support::schema("renewal_waited");
         let name = format!("app_{schema}");
-        // Lock timeout max(heartbeat / 2, 1 s) = 1 s: longer than lease - heartbeat (300 ms).
+        // The renewal comes a heartbeat after the grant and waits for the row, trying again
+        // each time its lock timeout (half a heartbeat) ends, until the lease is past.
         let locks = LockManager::builder()
             .schema(&schema)
             .lease(Duration::from_millis(600))
@@ -931,8 +932,8 @@ fn key_lock(schema: &str, key: &str) -> (i32, i32) {
     (0x4c48_4c44, ((digest ^ (digest >> 32)) as u32) as i32)
 }
 
-/// A transaction that waits for its key's lock longer than the lock timeout (half a heartbeat,
-/// at least a second) fails as it begins; it is ended and done again, so the caller gets the
+/// A transaction that waits for its key's lock longer than the lock timeout (half a heartbeat)
+/// fails as it begins; it is ended and done again, so the caller gets the
 /// lock once the other session lets go, and the manager goes on working.
 #[test]
 fn a_begin_that_times_out_on_its_key_lock_is_done_again() {

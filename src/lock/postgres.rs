@@ -6,7 +6,10 @@
 //! 1. **Time is the server's.** Every transaction reads `clock_timestamp()` once it holds its
 //!    lock, and every expiry is written and compared in that time; clients' clocks, which drift
 //!    between machines, never judge a lease. Between transactions the worker estimates the
-//!    server's time from its own monotonic clock and the offset seen last.
+//!    server's time from its own monotonic clock and the offset seen last, measured from when the
+//!    statement that read the server's time was *sent*: the estimate is never behind the server,
+//!    so a lease as this process knows it never ends after the server's (it may end early by a
+//!    round trip).
 //! 2. **Decisions on a key are serialised by an advisory lock on that key**, taken by every
 //!    write transaction for the keys it decides on (`pg_advisory_xact_lock`, in a class of this
 //!    library's own, keyed by a digest of the schema and the key), all in one statement in one
@@ -119,12 +122,14 @@ impl Target {
     }
 
     /// Bounds every wait on the server by `heartbeat`, so that a stuck statement or lock fails
-    /// (and is retried) before a lease could run out unseen: `statement_timeout` and
-    /// `lock_timeout` at half a heartbeat (at least a second, so that a busy server is not
-    /// taken for a stuck one), added to any options the URL gave; and TCP keepalives, so that a
-    /// server that vanished is noticed within about a heartbeat.
+    /// (and is retried) well before a lease could run out, and the storage thread gets back to
+    /// renewing: `statement_timeout`, `lock_timeout` and `idle_in_transaction_session_timeout`
+    /// at half a heartbeat (the last so that a client paused inside a transaction, by a debugger
+    /// or `SIGSTOP`, holds its locks on other owners' rows for no longer), added to any options
+    /// the URL gave; a connection attempt bounded by a heartbeat (at least a second); and TCP
+    /// keepalives, so that a server that vanished is noticed within about a heartbeat.
     pub(crate) fn bound_by(mut self, heartbeat: Duration) -> Target {
-        let limit = (heartbeat / 2).max(Duration::from_secs(1)).as_millis();
+        let limit = (heartbeat / 2).as_millis().max(1);
         // And planner settings for statements that all find their rows by an index:
         // - Generic plans, made once per connection: a custom plan, which the server otherwise
         //   makes for each of a statement's first calls and keeps making while it estimates it
@@ -137,7 +142,7 @@ impl Target {
         //   for `key = ANY(..)`) never does, and walks them all every time.
         let ours = format!(
             "-c statement_timeout={limit} -c lock_timeout={limit} \
-             -c plan_cache_mode=force_generic_plan -c enable_seqscan=off \
+             -c idle_in_transaction_session_timeout={limit} -c plan_cache_mode=force_generic_plan -c enable_seqscan=off \
              -c enable_bitmapscan=off"
         );
         let options = match self.config.get_options() {
@@ -147,6 +152,7 @@ impl Target {
         self.config.options(&options);
         let idle = heartbeat.max(Duration::from_secs(1));
         self.config
+            .connect_timeout(idle)
             .keepalives(true)
             .keepalives_idle(idle)
             .keepalives_interval((idle / 4).max(Duration::from_secs(1)))
@@ -215,7 +221,8 @@ pub(crate) struct Postgres {
     /// schedule's run for doing failed work again.
     transient: bool,
     retry: ScheduleRun,
-    /// The server's time less this process's monotonic time, as of the last reading (micros).
+    /// The server's time less this process's monotonic time when the statement that read it
+    /// was sent (micros): at least the true offset, by up to that statement's round trip.
     offset: i64,
     /// The keys (by digest) the open transaction freed or promoted rows on, to announce with
     /// its commit.
@@ -447,7 +454,7 @@ impl Postgres {
     }
 
     fn monotonic(&self) -> i64 {
-        i64::try_from(self.started.elapsed().as_micros()).unwrap_or(i64::MAX)
+        micros_since(self.started)
     }
 
     /// The open connection, opened (and the schema brought up to date) if there is none.
@@ -492,8 +499,9 @@ impl Postgres {
                     return Err(error);
                 }
             }
+            let sent = self.monotonic();
             let now = self.server_now()?;
-            self.offset = now - self.monotonic();
+            self.offset = now - sent;
         }
         Ok(self.client.as_mut().expect("connected above"))
     }
@@ -587,7 +595,11 @@ impl Postgres {
     ) -> Result<Vec<Outcome>> {
         self.transient = false;
         let args = DecideArgs::new(&self.schema, owner, lease, ops);
-        let rows = self.query("deciding", DECIDE, &args.params())?;
+        let statement = self.statement("deciding", DECIDE)?;
+        let sent = self.monotonic();
+        let rows = self.with("deciding", |client| {
+            client.query(&statement, &args.params())
+        })?;
         self.succeeded();
         if rows.len() != ops.len() {
             return Err(LockError::Storage(format!(
@@ -596,10 +608,13 @@ impl Postgres {
                 ops.len()
             )));
         }
+        if let Some(first) = rows.first() {
+            // The first operation's time: the earliest read after the call was sent.
+            self.offset = first.get::<_, i64>(0) - sent;
+        }
         let mut outcomes = Vec::with_capacity(ops.len());
         for (op, row) in ops.iter().zip(&rows) {
             let now: i64 = row.get(0);
-            self.offset = now - self.monotonic();
             outcomes.push(match op {
                 AtOnce::Acquire { wait, .. } => Outcome::Acquired(decision(row, *wait)),
                 AtOnce::Remove { .. } => {
@@ -632,6 +647,11 @@ impl Postgres {
     fn simple(&mut self, doing: &str, sql: &str) -> Result<()> {
         self.with(doing, |client| client.batch_execute(sql))
     }
+}
+
+/// Micros since `start`: this process's monotonic time, as the server's time is estimated on.
+fn micros_since(start: Instant) -> i64 {
+    i64::try_from(start.elapsed().as_micros()).unwrap_or(i64::MAX)
 }
 
 /// The `NOTIFY` channel of a schema. A channel is an identifier, at most 63 bytes (a longer
@@ -1000,18 +1020,21 @@ fn migrate(client: &mut Client, schema: &str) -> Result<()> {
     let s = quote(schema);
     let doing = "creating the schema";
     let mut transaction = client.transaction().map_err(|e| storage_error(doing, &e))?;
+    // The planner as the server has it, for these queries of the catalog (`Target::bound_by`
+    // sets it for the lock statements); and time enough for another process's creation of the
+    // schema, whose lock this waits for (the lock statements' timeouts are a fraction of a
+    // heartbeat).
+    transaction
+        .batch_execute(
+            "SET LOCAL plan_cache_mode = auto; SET LOCAL enable_seqscan = on;
+             SET LOCAL enable_bitmapscan = on; SET LOCAL statement_timeout = '60s';
+             SET LOCAL lock_timeout = '60s'; SET LOCAL idle_in_transaction_session_timeout = '60s'",
+        )
+        .map_err(|e| storage_error(doing, &e))?;
     transaction
         .execute(
             "SELECT pg_advisory_xact_lock($1, hashtext($2))",
             &[&LOCK_CLASS, &schema],
-        )
-        .map_err(|e| storage_error(doing, &e))?;
-    // The planner as the server has it, for these queries of the catalog (`Target::bound_by`
-    // sets it for the lock statements).
-    transaction
-        .batch_execute(
-            "SET LOCAL plan_cache_mode = auto; SET LOCAL enable_seqscan = on;
-             SET LOCAL enable_bitmapscan = on",
         )
         .map_err(|e| storage_error(doing, &e))?;
     let exists: bool = transaction
@@ -1172,9 +1195,12 @@ impl Storage for Postgres {
             locks.join(",")
         );
         let mut again = true;
-        let messages = loop {
-            match self.client()?.simple_query(&sql) {
-                Ok(messages) => break messages,
+        let started = self.started;
+        let (sent, messages) = loop {
+            let client = self.client()?;
+            let sent = micros_since(started);
+            match client.simple_query(&sql) {
+                Ok(messages) => break (sent, messages),
                 // The session was found ended (its connection cut, or the server restarted
                 // since the last call): nothing was begun in it, so begin once more, on a new
                 // connection.
@@ -1196,7 +1222,7 @@ impl Storage for Postgres {
             .ok_or_else(|| {
                 LockError::Storage("while starting a write transaction: no server time".into())
             })?;
-        self.offset = now - self.monotonic();
+        self.offset = now - sent;
         self.in_transaction = true;
         Ok(now)
     }
