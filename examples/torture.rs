@@ -286,6 +286,14 @@ fn publish(path: &Path, content: &str) {
     }
 }
 
+/// Adds `line` to a file that several processes add to (each line in one write).
+fn append(path: &Path, line: &str) {
+    let opened = fs::OpenOptions::new().create(true).append(true).open(path);
+    if let Ok(mut file) = opened {
+        let _ = file.write_all(line.as_bytes());
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The register: one small file per key, read and written under an OS file lock so that each of
 // its operations is atomic across processes.
@@ -712,6 +720,100 @@ impl Store {
         Ok(statement.read::<i64, _>(0)? as u64)
     }
 
+    /// Keeps, from now on, every change to a lock row (inserted, changed, deleted) with the time
+    /// the store made it and who made it, so that a violation can be explained from the store's
+    /// point of view (`history`).
+    fn keep_history(&self, folder: &Path) -> Result<(), Box<dyn std::error::Error>> {
+        #[cfg(feature = "postgres")]
+        if let Some(pg) = &self.postgres {
+            let s = format!("\"{}\"", pg.schema);
+            pg.server.sql(&format!(
+                "CREATE TABLE {s}.history (
+                     at bigint NOT NULL, op text NOT NULL, txid bigint NOT NULL, app text NOT NULL,
+                     key text NOT NULL, ticket bigint NOT NULL, owner text NOT NULL,
+                     held boolean NOT NULL, expires_at bigint NOT NULL);
+                 CREATE INDEX ON {s}.history (key, at);
+                 GRANT INSERT ON {s}.history TO PUBLIC;
+                 CREATE FUNCTION {s}.keep_history() RETURNS trigger LANGUAGE plpgsql AS $$
+                 DECLARE
+                     r record;
+                 BEGIN
+                     IF TG_OP = 'DELETE' THEN r := OLD; ELSE r := NEW; END IF;
+                     INSERT INTO {s}.history VALUES (
+                         (extract(epoch FROM clock_timestamp()) * 1000000)::bigint, lower(TG_OP),
+                         txid_current(), current_setting('application_name'), r.key, r.ticket,
+                         r.owner, r.held, r.expires_at);
+                     RETURN NULL;
+                 END $$;
+                 CREATE TRIGGER keep_history AFTER INSERT OR UPDATE OR DELETE ON {s}.locks
+                     FOR EACH ROW EXECUTE FUNCTION {s}.keep_history();"
+            ));
+            return Ok(());
+        }
+        let connection = sqlite::open(folder.join("locks.db"))?;
+        connection.execute("PRAGMA busy_timeout = 10000")?;
+        let now = "CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)";
+        let mut sql = String::from(
+            "CREATE TABLE history (at INTEGER NOT NULL, op TEXT NOT NULL, key TEXT NOT NULL,
+                 ticket INTEGER NOT NULL, owner TEXT NOT NULL, held INTEGER NOT NULL,
+                 expires_at INTEGER NOT NULL);
+             CREATE INDEX history_key ON history (key, at);",
+        );
+        for (op, row) in [("insert", "NEW"), ("update", "NEW"), ("delete", "OLD")] {
+            sql.push_str(&format!(
+                "CREATE TRIGGER history_{op} AFTER {op} ON locks BEGIN
+                     INSERT INTO history VALUES ({now}, '{op}', {row}.key, {row}.ticket,
+                         {row}.owner, {row}.held, {row}.expires_at);
+                 END;"
+            ));
+        }
+        connection.execute(sql)?;
+        Ok(())
+    }
+
+    /// The changes to the rows of `key` made from `from` to `to` (unix micros), one per line,
+    /// oldest first: when (the store's time), what, by whom, and the row as it then was.
+    fn history(
+        &self,
+        folder: &Path,
+        key: &str,
+        from: u64,
+        to: u64,
+    ) -> Result<String, Box<dyn std::error::Error>> {
+        let header = "at (store's clock, unix µs)\top\tticket\towner\theld\texpires_at\tleft (µs)";
+        #[cfg(feature = "postgres")]
+        if let Some(pg) = &self.postgres {
+            let rows = pg.server.sql(&format!(
+                "SELECT at, op || ' (txid ' || txid || ', ' || app || ')', ticket, owner, held,
+                        expires_at, expires_at - at
+                 FROM \"{}\".history WHERE key = '{}' AND at BETWEEN {from} AND {to}
+                 ORDER BY at, txid",
+                pg.schema,
+                key.replace('\'', "''")
+            ));
+            return Ok(format!("{header}\n{}", rows.replace('|', "\t")));
+        }
+        let connection = sqlite::open(folder.join("locks.db"))?;
+        let mut statement = connection.prepare(
+            "SELECT at, op, ticket, owner, held, expires_at, expires_at - at FROM history
+             WHERE key = ? AND at BETWEEN ? AND ? ORDER BY at",
+        )?;
+        statement.bind((1, key))?;
+        statement.bind((2, from as i64))?;
+        statement.bind((3, to as i64))?;
+        let mut text = header.to_owned();
+        while let sqlite::State::Row = statement.next()? {
+            text.push('\n');
+            for column in 0..7 {
+                if column > 0 {
+                    text.push('\t');
+                }
+                text.push_str(&statement.read::<String, _>(column)?);
+            }
+        }
+        Ok(text)
+    }
+
     /// After a run that passed: drops the run's schema from a server this run did not start
     /// (its own server goes away with it).
     fn forget(&self) {
@@ -800,6 +902,7 @@ counters! {
     lost_signals,
     lost_on_release,
     violations,
+    late_losses,
     lost_updates,
     stale_writes_accepted,
     stale_writes_refused,
@@ -1142,12 +1245,15 @@ async fn hold(context: &ChildContext, rng: &mut Rng, guard: &Guard) {
         tag: context.tag.clone(),
     };
     let mut suspicious = false;
+    let mut unexplained = false;
     let mut lost_updates = 0;
+    let lost = guard.lost();
     for request in guard.requests() {
         let register = Register::new(&context.folder, &request.key);
-        match work_on(context, rng, &register, &mark, request.mode).await {
+        match work_on(context, rng, &register, &mark, request.mode, &lost).await {
             Ok(outcome) => {
                 suspicious |= outcome.suspicious;
+                unexplained |= outcome.unexplained;
                 lost_updates += outcome.lost_updates;
             }
             Err(error) => {
@@ -1162,9 +1268,19 @@ async fn hold(context: &ChildContext, rng: &mut Rng, guard: &Guard) {
     }
     if suspicious || stopped || lost_updates > 0 {
         // Someone newer was here (or this process was paused past its lease): that is fine only
-        // if this holder's lease was lost, which its heartbeat must notice soon after it runs.
-        let lost = guard.lost();
+        // if this holder's lease was lost, and `lost()` must have said so by the time the newer
+        // holder's work showed: nobody is granted the lock before the lease has run out, and
+        // the lease as this process knows it runs out no later than that.
         let noticed = race(lost.aborted(), context.lease * 3).await.is_some();
+        let detected_at = unix_micros();
+        if unexplained && noticed {
+            bump(&context.counters.late_losses);
+            eprintln!(
+                "child {}: overlap seen before lost() fired, which it did later ({mark:?})",
+                context.tag
+            );
+            suspect(context, "late loss", guard, granted_at, detected_at);
+        }
         if noticed {
             if suspicious || lost_updates > 0 {
                 bump(&context.counters.overlaps_after_loss);
@@ -1179,6 +1295,7 @@ async fn hold(context: &ChildContext, rng: &mut Rng, guard: &Guard) {
                     "child {}: overlap while the lease held ({mark:?})",
                     context.tag
                 );
+                suspect(context, "violation", guard, granted_at, detected_at);
             }
             if lost_updates > 0 {
                 context
@@ -1194,6 +1311,23 @@ async fn hold(context: &ChildContext, rng: &mut Rng, guard: &Guard) {
                 );
             }
         }
+    }
+}
+
+/// Notes a holder whose overlap with another `lost()` did not explain in time, for the parent to
+/// explain with the store's history of the keys (see `Store::history`): one line per key,
+/// `what tag token key granted_at detected_at` (unix micros).
+fn suspect(context: &ChildContext, what: &str, guard: &Guard, granted_at: u64, detected_at: u64) {
+    for request in guard.requests() {
+        append(
+            &context.folder.join("suspects"),
+            &format!(
+                "{what}\t{}\t{}\t{}\t{granted_at}\t{detected_at}\n",
+                context.tag,
+                guard.fencing_token(),
+                request.key
+            ),
+        );
     }
 }
 
@@ -1224,7 +1358,17 @@ async fn late_writes(context: &ChildContext, guard: &Guard, mark: &Mark) {
 struct WorkOutcome {
     /// Another holder's mark was found, or the value changed under a reader.
     suspicious: bool,
+    /// Something suspicious was seen while `lost()` had not fired.
+    unexplained: bool,
     lost_updates: u64,
+}
+
+impl WorkOutcome {
+    /// Another holder's work showed; `lost` should have fired already.
+    fn overlap(&mut self, lost: &AbortSignal) {
+        self.suspicious = true;
+        self.unexplained |= !lost.is_aborted();
+    }
 }
 
 async fn work_on(
@@ -1233,16 +1377,18 @@ async fn work_on(
     register: &Register,
     mark: &Mark,
     mode: Mode,
+    lost: &AbortSignal,
 ) -> std::io::Result<WorkOutcome> {
     let mut outcome = WorkOutcome {
         suspicious: false,
+        unexplained: false,
         lost_updates: 0,
     };
     let entered = register.enter(mark, mode).await?;
     let first = match entered {
         Entry::Entered(value) => value,
         Entry::Stale => {
-            outcome.suspicious = true;
+            outcome.overlap(lost);
             register.read().await?
         }
     };
@@ -1262,17 +1408,20 @@ async fn work_on(
                 }
                 if lost_update {
                     outcome.lost_updates += 1;
+                    outcome.unexplained |= !lost.is_aborted();
                 }
             }
         },
         Mode::Shared => {
             if register.read().await? != first {
-                outcome.suspicious = true;
+                outcome.overlap(lost);
             }
         }
     }
     sleep(rng.millis(0, hold)).await;
-    outcome.suspicious |= register.leave(mark).await?;
+    if register.leave(mark).await? {
+        outcome.overlap(lost);
+    }
     Ok(outcome)
 }
 
@@ -1328,6 +1477,7 @@ impl Summary {
         let mut failures = Vec::new();
         for (name, value) in [
             ("violations", t.violations),
+            ("late_losses", t.late_losses),
             ("lost_updates", t.lost_updates),
             ("stale_writes_accepted", t.stale_writes_accepted),
             ("leaked_rows", self.leaked_rows),
@@ -1359,6 +1509,7 @@ impl Summary {
             ("lost_signals", t.lost_signals),
             ("lost_on_release", t.lost_on_release),
             ("violations", t.violations),
+            ("late_losses", t.late_losses),
             ("lost_updates", t.lost_updates),
             ("stale_writes_accepted", t.stale_writes_accepted),
             ("stale_writes_refused", t.stale_writes_refused),
@@ -1444,6 +1595,15 @@ pub fn run(config: &Config, store: &Store) -> Summary {
         ),
     )
     .expect("open the lock database");
+    if let Err(error) = store.keep_history(&folder) {
+        eprintln!("the store's history is not kept (a violation will be told without it): {error}");
+    }
+    let note_fault = |what: &str, tag: &str| {
+        append(
+            &folder.join("faults"),
+            &format!("{}\t{what}\t{tag}\n", unix_micros()),
+        );
+    };
     let run_start = unix_micros();
     let deadline = run_start + (config.seconds * 1e6) as u64;
     let mut incarnations = 0u64;
@@ -1473,7 +1633,10 @@ pub fn run(config: &Config, store: &Store) -> Summary {
         }
         if let Some(&(at, immediate)) = restarts.get(summary.server_restarts as usize) {
             if now >= at {
+                let how = if immediate { "immediate" } else { "fast" };
+                note_fault(&format!("server restart ({how}) begins"), "");
                 restart(store, &folder, &mut windows, immediate);
+                note_fault(&format!("server restart ({how}) ends"), "");
                 summary.server_restarts += 1;
                 next_fault = unix_micros() + micros(rng.millis(100, 300));
                 continue;
@@ -1506,6 +1669,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
             let name = format!("torture-{}", workers[index].tag());
             if store.cut_connections(&name) > 0 {
                 summary.connection_kills += 1;
+                note_fault("connections cut", &workers[index].tag());
             }
         } else if kill {
             let worker = &mut workers[index];
@@ -1513,6 +1677,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
             let _ = worker.child.wait();
             summary.kills += 1;
             let tag = worker.tag();
+            note_fault("killed", &tag);
             for key in KEYS {
                 let _ = smol::block_on(Register::new(&folder, key).clear(&tag));
             }
@@ -1523,6 +1688,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
             let pid = worker.child.id().to_string();
             let stopped_at = unix_micros();
             if signal(&pid, "-STOP") {
+                note_fault("stopped", &worker.tag());
                 wait_until_stopped(&pid);
                 // Written while the child is stopped: whatever reads it has really been paused.
                 publish(
@@ -1531,6 +1697,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
                 );
                 std::thread::sleep(pause_for() + config.lease / 2 * rng.below(100) as u32 / 100);
                 signal(&pid, "-CONT");
+                note_fault("continued", &worker.tag());
                 summary.stops += 1;
             }
         }
@@ -1543,9 +1710,16 @@ pub fn run(config: &Config, store: &Store) -> Summary {
         next_fault = unix_micros() + micros(gap);
     }
     for worker in &mut workers {
-        if !wait_for_exit(&mut worker.child, Duration::from_secs(30)) {
-            summary.failed_children += 1;
-            eprintln!("child {} did not finish in time; killed", worker.tag());
+        match wait_for_exit(&mut worker.child, Duration::from_secs(30)) {
+            Ok(()) => {}
+            Err(why) => {
+                summary.failed_children += 1;
+                eprintln!(
+                    "child {} {why} (its log: {})",
+                    worker.tag(),
+                    folder.join(format!("child-{}.log", worker.tag())).display()
+                );
+            }
         }
     }
     let _ = smol::block_on(observer.shutdown());
@@ -1566,6 +1740,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
         }
     }
     summary.elapsed = started.elapsed();
+    explain_suspects(config, store, &folder);
     if summary.failures().is_empty() {
         let _ = fs::remove_dir_all(&folder);
         store.forget();
@@ -1706,18 +1881,84 @@ fn wait_until_stopped(pid: &str) {
     }
 }
 
-fn wait_for_exit(child: &mut Child, limit: Duration) -> bool {
+/// Waits for `child` to exit by itself; else says why not. A child still running at `limit`
+/// has its threads' stacks written to its log (by `gdb`, if the machine has it), then is killed.
+fn wait_for_exit(child: &mut Child, limit: Duration) -> Result<(), String> {
     let deadline = Instant::now() + limit;
     loop {
         match child.try_wait() {
-            Ok(Some(status)) => return status.success(),
+            Ok(Some(status)) if status.success() => return Ok(()),
+            Ok(Some(status)) => return Err(format!("exited with {status}")),
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-            _ => {
+            Ok(None) => {
+                let stacks = Command::new("gdb")
+                    .args([
+                        "-p",
+                        &child.id().to_string(),
+                        "-batch",
+                        "-ex",
+                        "thread apply all bt",
+                    ])
+                    .stdin(Stdio::null())
+                    .output();
                 let _ = child.kill();
                 let _ = child.wait();
-                return false;
+                return Err(match stacks {
+                    Ok(stacks) => format!(
+                        "did not finish in time; killed. Its threads were at:\n{}",
+                        String::from_utf8_lossy(&stacks.stdout)
+                    ),
+                    Err(_) => "did not finish in time; killed (no gdb to show where)".into(),
+                });
+            }
+            Err(error) => return Err(format!("could not be waited for: {error}")),
+        }
+    }
+}
+
+/// For every holder the children suspected (see `suspect`): the store's history of the key
+/// around it, and the faults the parent made then, printed and kept in the run's folder
+/// (`explain.txt`).
+fn explain_suspects(config: &Config, store: &Store, folder: &Path) {
+    let suspects = fs::read_to_string(folder.join("suspects")).unwrap_or_default();
+    let faults = fs::read_to_string(folder.join("faults")).unwrap_or_default();
+    let lease = micros(config.lease);
+    let mut report = String::new();
+    for line in suspects.lines().take(10) {
+        let fields: Vec<&str> = line.split('\t').collect();
+        let [what, tag, token, key, granted_at, detected_at] = fields[..] else {
+            continue;
+        };
+        let (Ok(granted_at), Ok(detected_at)) =
+            (granted_at.parse::<u64>(), detected_at.parse::<u64>())
+        else {
+            continue;
+        };
+        let (from, to) = (granted_at.saturating_sub(2 * lease), detected_at + lease);
+        report.push_str(&format!(
+            "\n== {what}: child {tag}, token {token}, key {key:?}, granted at {granted_at}, \
+             seen at {detected_at} (unix µs)\n-- faults from {from} to {to}:\n"
+        ));
+        for fault in faults.lines() {
+            let at = fault
+                .split('\t')
+                .next()
+                .and_then(|at| at.parse::<u64>().ok());
+            if at.is_some_and(|at| (from..=to).contains(&at)) {
+                report.push_str(fault);
+                report.push('\n');
             }
         }
+        report.push_str(&format!("-- the store's history of {key:?}:\n"));
+        match store.history(folder, key, from, to) {
+            Ok(history) => report.push_str(&history),
+            Err(error) => report.push_str(&format!("(not read: {error})")),
+        }
+        report.push('\n');
+    }
+    if !report.is_empty() {
+        publish(&folder.join("explain.txt"), &report);
+        eprintln!("what the store saw of the suspected holders:{report}");
     }
 }
 
