@@ -11,10 +11,14 @@
 //!    that only the combined signal refers to (a `timeout`, or an inner `any`) lives as long as
 //!    the combined signal, and there is no reference cycle.
 //!
-//! 5. A timeout is aborted by its timer task, and also by whoever looks at it (or at a signal
-//!    made from it by `any`) once its time has come on its clock: what a look sees follows the
-//!    clock, not when that task happens to run (a zero timeout is aborted at the first look; a
-//!    `TestClock` advanced past it aborts it at the next).
+//! 5. A signal with a deadline (a timeout, or a lock's lease) is aborted by whoever looks at it
+//!    (or at a signal made from it by `any`) once its time has come on its clock: what a look
+//!    sees follows the clock, not when some task happens to run (a zero timeout is aborted at
+//!    the first look; a `TestClock` advanced past it aborts it at the next). Whoever awaits it
+//!    (`aborted`, a `Scoped` it is attached to) also sleeps on that clock until the deadline, so
+//!    no task of any executor has to run for it to fire.
+//! 6. A deadline only moves later, and only while it has not come: once a look could have seen
+//!    it pass, the signal aborts (`AbortController::extend_deadline`).
 //!
 //! Lock order: a signal's `state` lock is never held while another signal's lock is taken.
 
@@ -24,11 +28,12 @@ use std::future::Future;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+
 use crate::clock::{Clock, SystemClock};
-use crate::spawn::default_spawner;
 // loom's under `--cfg leasehold_loom`, for the model tests (`Arc` stays std's: loom's has no
 // `Weak`).
-use crate::sync::{lock, wait_for, AtomicBool, Event, EventListener, Mutex, Ordering};
+use crate::sync::{lock, AtomicBool, AtomicU64, Event, EventListener, Mutex, Ordering};
 
 /// Why a unit of work was interrupted: the caller's own error object, shared.
 ///
@@ -223,20 +228,34 @@ struct SignalInner {
     event: Event,
     /// For a signal made by `any`: keeps sources alive that nobody else holds (invariant 4).
     sources: Vec<Arc<SignalInner>>,
-    /// For a timeout: when it aborts, on its clock's monotonic time line (invariant 5).
-    deadline: Option<(Arc<dyn Clock>, Duration)>,
-    /// For a signal made by `any`: the timeouts among its sources, theirs included.
+    /// For a timeout or a lease: when it aborts by itself (invariant 5).
+    deadline: Option<Deadline>,
+    /// For a signal made by `any`: the sources with a deadline, theirs included.
     timeouts: Vec<Arc<SignalInner>>,
-    /// Notified when the signal is dropped, so a timer waiting to abort it can stop early.
-    dropped: Option<Arc<Event>>,
 }
 
-impl Drop for SignalInner {
-    fn drop(&mut self) {
-        if let Some(dropped) = &self.dropped {
-            dropped.notify(usize::MAX);
-        }
+/// When a signal aborts by itself, and with what reason.
+struct Deadline {
+    clock: Arc<dyn Clock>,
+    /// On the clock's monotonic time line, in nanoseconds; moved only later (invariant 6).
+    at: AtomicU64,
+    reason: AbortReason,
+}
+
+impl Deadline {
+    fn at(&self) -> Duration {
+        Duration::from_nanos(self.at.load(Ordering::Acquire))
     }
+
+    /// How long until it comes, by its clock (zero once it has).
+    fn left(&self) -> Duration {
+        self.at().saturating_sub(self.clock.monotonic())
+    }
+}
+
+/// A time on a monotonic time line as `Deadline::at` keeps it (saturating, some 584 years on).
+fn nanos(at: Duration) -> u64 {
+    u64::try_from(at.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[derive(Default)]
@@ -262,10 +281,60 @@ impl SignalInner {
             state: Mutex::new(SignalState::default()),
             event: Event::new(),
             sources,
-            dropped: None,
             deadline: None,
             timeouts,
         })
+    }
+
+    /// A signal that aborts with `reason` once `clock`'s monotonic time reaches `at`.
+    fn with_deadline(clock: Arc<dyn Clock>, at: Duration, reason: AbortReason) -> Arc<Self> {
+        Arc::new(SignalInner {
+            aborted: AtomicBool::new(false),
+            state: Mutex::new(SignalState::default()),
+            event: Event::new(),
+            sources: Vec::new(),
+            deadline: Some(Deadline {
+                clock,
+                at: AtomicU64::new(nanos(at)),
+                reason,
+            }),
+            timeouts: Vec::new(),
+        })
+    }
+
+    /// This signal's deadline and its sources', while they have not aborted.
+    fn deadlines(&self) -> impl Iterator<Item = &Deadline> {
+        std::iter::once(self)
+            .chain(self.timeouts.iter().map(|t| &**t))
+            .filter(|signal| !signal.aborted.load(Ordering::Acquire))
+            .filter_map(|signal| signal.deadline.as_ref())
+    }
+
+    /// Resolves once the earliest of its deadlines may have come (invariant 5): a sleep on each
+    /// clock they are on, until the earliest on it. `None` without deadlines. A deadline moved
+    /// later meanwhile wakes it early; the caller looks, and waits again.
+    fn deadline_passes(&self) -> Option<BoxFuture<'static, ()>> {
+        let mut earliest: Vec<(&Arc<dyn Clock>, Duration)> = Vec::new();
+        for deadline in self.deadlines() {
+            let left = deadline.left();
+            match earliest.iter_mut().find(|(clock, _)| {
+                std::ptr::addr_eq(Arc::as_ptr(clock), Arc::as_ptr(&deadline.clock))
+            }) {
+                Some((_, soonest)) => *soonest = (*soonest).min(left),
+                None => earliest.push((&deadline.clock, left)),
+            }
+        }
+        let mut sleeps: Vec<BoxFuture<'static, ()>> = earliest
+            .into_iter()
+            .map(|(clock, left)| clock.sleep(left))
+            .collect();
+        match sleeps.len() {
+            0 => None,
+            1 => sleeps.pop(),
+            _ => Some(Box::pin(async move {
+                futures::future::select_all(sleeps).await;
+            })),
+        }
     }
 
     fn reason(&self) -> Option<AbortReason> {
@@ -281,11 +350,11 @@ impl SignalInner {
         lock(&self.state).reason.clone()
     }
 
-    /// Aborts a timeout (with [`TimedOut`]) whose time has come on its clock.
+    /// Aborts a signal whose deadline has come on its clock, with the deadline's reason.
     fn abort_if_due(&self) {
-        if let Some((clock, at)) = &self.deadline {
-            if clock.monotonic() >= *at {
-                self.abort(AbortReason::new(TimedOut));
+        if let Some(deadline) = &self.deadline {
+            if deadline.clock.monotonic() >= deadline.at() {
+                self.abort(deadline.reason.clone());
             }
         }
     }
@@ -406,6 +475,30 @@ impl AbortController {
             inner: self.inner.clone(),
         }
     }
+
+    /// A controller whose signal also aborts by itself, with `reason`, once `clock`'s monotonic
+    /// time reaches `at`, unless [`extend_deadline`](Self::extend_deadline) moves that later
+    /// first: a lock's lease, as this process knows it.
+    pub(crate) fn with_deadline(
+        clock: Arc<dyn Clock>,
+        at: Duration,
+        reason: impl Into<AbortReason>,
+    ) -> Self {
+        AbortController {
+            inner: SignalInner::with_deadline(clock, at, reason.into()),
+        }
+    }
+
+    /// Moves the deadline later, to `at` (never earlier), unless it has come already: then the
+    /// signal aborts, as any look at it would have seen (invariant 6). Returns whether the signal
+    /// is still not aborted.
+    pub(crate) fn extend_deadline(&self, at: Duration) -> bool {
+        self.inner.abort_if_due();
+        if let Some(deadline) = &self.inner.deadline {
+            deadline.at.fetch_max(nanos(at), Ordering::AcqRel);
+        }
+        !self.inner.aborted.load(Ordering::Acquire)
+    }
 }
 
 impl Default for AbortController {
@@ -451,8 +544,10 @@ impl AbortSignal {
     /// A signal that aborts with a [`TimedOut`] reason once `after` has passed (real time,
     /// measured from this call on the monotonic clock).
     ///
-    /// The timer runs on the default spawner (with the `tokio` feature, the tokio runtime this is
-    /// called on, if any; otherwise smol's global executor), so this works under any executor.
+    /// No task runs for it: a look at the signal once the time has come finds it aborted, and
+    /// whoever awaits it (or a [`Scoped`](crate::Scoped) it is attached to) sleeps until then
+    /// on the clock's own timer, so it fires under any executor, including after the runtime
+    /// it was made on has gone away.
     ///
     /// # Examples
     ///
@@ -474,7 +569,7 @@ impl AbortSignal {
     /// counted from this call on its monotonic time line: with a [`TestClock`](crate::TestClock),
     /// when the test advances it that far.
     ///
-    /// The timer runs on the default spawner, as for [`timeout`](AbortSignal::timeout).
+    /// As for [`timeout`](AbortSignal::timeout), no task runs for it.
     ///
     /// # Examples
     ///
@@ -489,38 +584,21 @@ impl AbortSignal {
     /// clock.advance(Duration::from_secs(29));
     /// assert!(!signal.is_aborted());
     /// clock.advance(Duration::from_secs(1));
-    /// assert!(signal.is_aborted()); // seen at once, whenever the timer task runs
+    /// assert!(signal.is_aborted()); // seen at once: the clock says so
     /// let reason = signal.aborted().await;
     /// assert!(reason.downcast_ref::<TimedOut>().is_some());
     /// # });
     /// ```
     pub fn timeout_on(clock: Arc<dyn Clock>, after: Duration) -> Self {
-        let dropped = Arc::new(Event::new());
-        // Listen before the signal exists, so that its drop cannot be missed.
-        let gone = dropped.listen();
-        // Started here, not when the task first runs: the time counts from this call.
-        let timer = clock.sleep(after);
+        // Counted from this call.
         let at = clock.monotonic().saturating_add(after);
-        let inner = Arc::new(SignalInner {
-            aborted: AtomicBool::new(false),
-            state: Mutex::new(SignalState::default()),
-            event: Event::new(),
-            sources: Vec::new(),
-            dropped: Some(dropped),
-            deadline: Some((clock, at)),
-            timeouts: Vec::new(),
-        });
-        let weak = Arc::downgrade(&inner);
-        default_spawner().spawn(Box::pin(async move {
-            // The timer task ends when the signal is dropped, so many short-lived timeouts do
-            // not leave as many sleeping tasks behind.
-            if let futures::future::Either::Left(_) = futures::future::select(timer, gone).await {
-                if let Some(inner) = weak.upgrade() {
-                    inner.abort(AbortReason::new(TimedOut));
-                }
-            }
-        }));
-        AbortSignal { inner: Some(inner) }
+        AbortSignal {
+            inner: Some(SignalInner::with_deadline(
+                clock,
+                at,
+                AbortReason::new(TimedOut),
+            )),
+        }
     }
 
     /// A signal that aborts when any of `signals` does, with that signal's reason.
@@ -575,13 +653,34 @@ impl AbortSignal {
             let Some(inner) = inner else {
                 return std::future::pending().await;
             };
-            wait_for(&inner.event, || inner.reason()).await
+            loop {
+                // Listen first, then look: an abort in between would otherwise be missed.
+                let listener = inner.event.listen();
+                if let Some(reason) = inner.reason() {
+                    return reason;
+                }
+                match inner.deadline_passes() {
+                    Some(deadline) => {
+                        let listener = std::pin::pin!(listener);
+                        futures::future::select(listener, deadline).await;
+                    }
+                    None => listener.await,
+                }
+            }
         }
     }
 
     /// A listener that fires when the signal aborts; `None` for a signal that never aborts.
+    /// A signal with a deadline aborts by itself when it is looked at once its time has come:
+    /// wait for [`deadline_passes`](Self::deadline_passes) too.
     pub(crate) fn listen(&self) -> Option<EventListener> {
         self.inner.as_ref().map(|inner| inner.event.listen())
+    }
+
+    /// Resolves once the earliest deadline of this signal (or of those it was made from) may
+    /// have come, when it should be looked at again; `None` if it has none.
+    pub(crate) fn deadline_passes(&self) -> Option<BoxFuture<'static, ()>> {
+        self.inner.as_ref()?.deadline_passes()
     }
 }
 

@@ -891,6 +891,9 @@ struct ScopedInner<T, E> {
     /// the reason, whenever this future happens to be polled.
     signal: Option<AbortSignal>,
     listener: Option<EventListener>,
+    /// When the signal's earliest deadline (a timeout's, a lease's) may have come: it is then
+    /// looked at again, whether or not anything else wakes this future.
+    deadline: Option<BoxFuture<'static, ()>>,
     /// Timeouts not yet started: each becomes an attached signal on the first poll, so that it
     /// counts from when the work starts, not from when it was built.
     timeouts: Vec<(Arc<dyn Clock>, Duration)>,
@@ -968,6 +971,7 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
                 phase: Phase::Init(Box::new(move |scope| Box::pin(body(scope)))),
                 signal: None,
                 listener: None,
+                deadline: None,
                 timeouts: Vec::new(),
                 interrupted: E::from,
                 spawner: None,
@@ -1101,6 +1105,7 @@ impl<T, E> ScopedInner<T, E> {
         };
         self.signal = Some(combined);
         self.listener = None;
+        self.deadline = None;
     }
 
     /// The reason of the first attached signal to abort; otherwise arranges to be woken when one
@@ -1111,6 +1116,7 @@ impl<T, E> ScopedInner<T, E> {
             // Listen first, then check: an abort in between would otherwise be missed.
             if self.listener.is_none() {
                 self.listener = signal.listen();
+                self.deadline = signal.deadline_passes();
             }
             if let Some(reason) = signal.reason() {
                 return Some(reason);
@@ -1119,10 +1125,15 @@ impl<T, E> ScopedInner<T, E> {
                 Some(listener) => Pin::new(listener).poll(cx).is_ready(),
                 None => false,
             };
-            if !fired {
+            let due = match self.deadline.as_mut() {
+                Some(deadline) => deadline.as_mut().poll(cx).is_ready(),
+                None => false,
+            };
+            if !fired && !due {
                 return None;
             }
             self.listener = None;
+            self.deadline = None;
         }
     }
 

@@ -13,13 +13,13 @@ pub(crate) use event_listener::{Event, EventListener};
 #[cfg(not(leasehold_loom))]
 pub(crate) use futures::task::AtomicWaker;
 #[cfg(leasehold_loom)]
-pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 #[cfg(leasehold_loom)]
 pub(crate) use loom::sync::{Arc, Mutex};
 #[cfg(leasehold_loom)]
 pub(crate) use model_event::{Event, EventListener};
 #[cfg(not(leasehold_loom))]
-pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 #[cfg(not(leasehold_loom))]
 pub(crate) use std::sync::{Arc, Mutex};
 
