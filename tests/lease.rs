@@ -616,6 +616,45 @@ fn a_grant_delivered_after_its_lease_ran_out_is_not_handed_out() {
     });
 }
 
+/// A grant read late, after its first lease, but whose row the owner's heartbeat kept renewing
+/// meanwhile (the owner holds another lock), is handed out: its place was never lost, so it
+/// keeps its ticket, and its lease is the renewed one.
+#[test]
+fn a_grant_read_late_whose_row_heartbeats_kept_live_is_handed_out() {
+    block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = TestClock::new();
+        let (a, b) = tight_managers(&dir.path().join("l.db"), &clock);
+        let other = b
+            .exclusive("other", "keeps B's heartbeat beating")
+            .await
+            .unwrap();
+        let mut acquisition = granted_while_stalled(&a, &b).await;
+        let ticket = b.inspect(Some("k")).await.unwrap()[0].ticket;
+        // Three heartbeats while the caller stalls: past the grant's first lease of 2 s.
+        for _ in 0..3 {
+            let beats = b.stats().heartbeats;
+            within(5_000, "B's lock heartbeat asleep", || async {
+                clock.sleepers() >= 1
+            })
+            .await;
+            clock.advance(Duration::from_secs(1));
+            within(5_000, "B's lock heartbeat ran", || async {
+                b.stats().heartbeats > beats
+            })
+            .await;
+        }
+        let guard = read_when_stalled(&mut acquisition).await;
+        assert_eq!(guard.fencing_token(), ticket, "it lost its place");
+        assert!(!guard.lost().is_aborted());
+        let rows = b.inspect(Some("k")).await.unwrap();
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(rows[0].ticket, ticket);
+        guard.release().await.unwrap();
+        other.release().await.unwrap();
+    });
+}
+
 /// A grant read late but while its lease still runs (the caller stalled for 1.5 s of a 2 s lease)
 /// is handed out, and its lock heartbeat beats at once, not a heartbeat after the delivery
 /// (which would be after the row ran out): with every heartbeat on time, the lock is kept.

@@ -9,12 +9,13 @@ mod stores;
 
 use lock_support::{join_within, within};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use leasehold::{
-    fork_daemon, AbortController, AbortReason, EntryState, Exit, Fiber, Guard, LockEntry,
-    LockError, LockManager, LockRequest, Mode,
+    fork_daemon, AbortController, AbortReason, Clock, EntryState, Exit, Fiber, Guard, LeaseLost,
+    LockEntry, LockError, LockManager, LockRequest, Mode, SystemClock,
 };
 
 /// The entries of `key`, as (operation, state) pairs in ticket order.
@@ -736,6 +737,64 @@ fn a_long_wait_keeps_its_row_and_its_place_at_the_smallest_lease() {
         let guard = waiter.join().await.success().unwrap().unwrap();
         assert_eq!(guard.fencing_token(), first.ticket, "it kept its place");
         guard.release().await.unwrap();
+    });
+}
+
+/// The two promises of a lease while the storage thread is stuck (the database busy, another
+/// session holding the owner's rows): the guard's `lost()` has fired by the time the store's
+/// row runs out, when another owner could take the lock, whatever the storage thread is doing;
+/// and the caller's executor goes on running its other tasks meanwhile, since no call of the
+/// library blocks its thread. On every executor and both backends.
+#[test]
+fn a_guard_hears_its_lease_lost_by_its_end_while_the_storage_thread_is_stuck() {
+    stores::on_every_store(|store| async move {
+        let lease = Duration::from_millis(600);
+        let builder = LockManager::builder().lease(lease).heartbeat(lease / 3);
+        let locks = store.open_with(builder).await;
+        let guard = locks.exclusive("k", "stuck").await.unwrap();
+        assert!(!guard.lost().is_aborted(), "lost at once");
+        let stall = store.stall(locks.owner_id());
+        // When the store's row runs out, renewed as it may have been before the stall (by the
+        // machine's clock, which the server shares here).
+        let expires_at = Duration::from_micros(store.latest_expiry(locks.owner_id()) as u64);
+        let left = expires_at.saturating_sub(SystemClock.now());
+        let runs_out = Instant::now() + left + Duration::from_millis(1);
+        let renewals = locks.stats().heartbeats;
+        let ticks = AtomicUsize::new(0);
+        let ticker = async {
+            loop {
+                smol::Timer::after(Duration::from_millis(5)).await;
+                ticks.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        let lost = guard.lost();
+        let watch = async {
+            let awaited = lost.aborted();
+            smol::Timer::at(runs_out).await;
+            assert!(lost.is_aborted(), "not lost when the row ran out");
+            let reason = lock_support::bounded(5_000, "the awaiter wakes", awaited).await;
+            assert!(reason.downcast_ref::<LeaseLost>().is_some(), "{reason:?}");
+        };
+        futures::pin_mut!(ticker, watch);
+        futures::future::select(watch, ticker).await;
+        assert!(
+            ticks.load(Ordering::Relaxed) >= 10,
+            "the executor's other task hardly ran: {} ticks",
+            ticks.load(Ordering::Relaxed)
+        );
+        assert_eq!(locks.stats().heartbeats, renewals, "a renewal came back");
+        drop(stall);
+        assert!(matches!(
+            guard.release().await,
+            Err(LockError::LeaseLost(_))
+        ));
+        locks
+            .exclusive("k", "after")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
     });
 }
 

@@ -432,7 +432,6 @@ impl LockManagerBuilder {
             guards: Mutex::new(Guards::default()),
             changed: Event::new(),
             unqueued: AtomicUsize::new(0),
-            last_renewal: AtomicU64::new(0),
             store,
             replies: Replies::default(),
         });

@@ -9,6 +9,7 @@ use futures::channel::oneshot;
 use futures::future::BoxFuture;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal};
+use crate::clock::Clock;
 use crate::scope::Release;
 use crate::sync::lock;
 
@@ -49,6 +50,7 @@ pub struct Guard {
 }
 
 impl Guard {
+    /// The guard of `grant`, whose lease the worker keeps already (see [`Guards::granted`]).
     pub(super) fn new(
         shared: &Arc<Shared>,
         request: u64,
@@ -57,24 +59,9 @@ impl Guard {
         started: Option<Duration>,
     ) -> Guard {
         let ticket = grant.ticket;
-        let common = &shared.common;
-        let now = common.clock.now();
-        let lost = AbortController::new();
-        let signal = lost.signal();
-        let entry = GuardEntry {
-            rows: requests.len(),
-            keys: requests.iter().map(|r| r.key.clone()).collect(),
-            lost,
-            expires_at: grant.expires_at,
-        };
-        let born_lost = lock(&common.guards).insert(ticket, entry);
-        match born_lost {
-            // Granted in the batch that shut the manager down, whose deletion took it again:
-            // the shutdown has already told the other guards, so tell this one here.
-            Some(lost) => {
-                lost.abort(AbortReason::new(LeaseLost::shutdown()));
-            }
-            None => heartbeat::ensure_daemon(shared, grant.expires_at),
+        let now = shared.common.clock.now();
+        if !grant.lost.is_aborted() {
+            heartbeat::ensure_daemon(shared, grant.began);
         }
         for request in &requests {
             tracing::debug!(
@@ -91,7 +78,7 @@ impl Guard {
             request,
             ticket,
             requests,
-            lost: signal,
+            lost: grant.lost,
             acquired_at: now,
             released: false,
         }
@@ -111,6 +98,13 @@ impl Guard {
 
     /// Aborted with a [`LeaseLost`] reason if the lease is lost while held. Attach it to the
     /// protected work with [`Scoped::with_signal`](crate::Scoped::with_signal).
+    ///
+    /// It follows the lease as this process knows it: it aborts once the lease has run out
+    /// since the last renewal that came back (reckoned from when that renewal was sent, so never
+    /// after the store's own reckoning), whether or not anything runs then. A look at it
+    /// ([`is_aborted`](AbortSignal::is_aborted)) finds it so at once, and whoever awaits it
+    /// wakes then, even while the storage thread or the connection is stuck, or the heartbeat's
+    /// executor has stopped. It also aborts as soon as a heartbeat finds the lock's rows gone.
     pub fn lost(&self) -> AbortSignal {
         self.lost.clone()
     }
@@ -169,7 +163,7 @@ impl Guard {
             Removed::NotAllLive => false,
             Removed::GoneAfterLostAnswer => entry
                 .as_ref()
-                .is_some_and(|entry| heartbeat::lease_runs(&self.shared.common, entry.expires_at)),
+                .is_some_and(|entry| !entry.lost.signal().is_aborted()),
         };
         if held {
             return Ok(());
@@ -248,17 +242,16 @@ impl fmt::Debug for Guard {
     }
 }
 
-/// The guards an owner holds, as its heartbeat and its storage worker see them. Every change to
-/// them is one of these methods, so that a lost lease is told in one place.
+/// The leases an owner holds: of every request the worker granted, from the moment it decided
+/// the grant until the guard is released (or the request removed before its caller took the
+/// guard), as its heartbeat and its storage worker see them. Every change to them is one of
+/// these methods, so that a lost lease is told in one place.
 #[derive(Default)]
 pub(super) struct Guards {
     entries: HashMap<u64, GuardEntry>,
     /// Whether the owner's lock heartbeat runs (see `heartbeat::ensure_daemon`).
     pub(super) daemon_running: bool,
-    /// How many guards were granted until each time (micros): the earliest is where the storage
-    /// worker watches for leases that no heartbeat renewed (`Worker::lose_unrenewed`).
-    grant_ends: std::collections::BTreeMap<i64, usize>,
-    /// Set (as the entries are drained) when the worker has shut down, so that a guard made
+    /// Set (as the entries are drained) when the worker has shut down, so that a grant made
     /// afterwards is born lost instead of missing the drain.
     shut_down: bool,
 }
@@ -266,65 +259,67 @@ pub(super) struct Guards {
 pub(super) struct GuardEntry {
     rows: usize,
     keys: Vec<String>,
+    /// Its signal is the guard's `lost()`: it aborts by itself at the lease's deadline, which
+    /// each renewal of all the request's rows moves on.
     lost: AbortController,
-    /// When the rows' lease ran out as granted (clock micros), before any renewal.
-    expires_at: i64,
 }
 
 impl Guards {
-    pub(super) fn is_empty(&self) -> bool {
+    /// Whether no lease is kept that may still be live: those lost by their deadline are
+    /// forgotten first, so that a heartbeat with nothing left to renew stops.
+    pub(super) fn is_empty(&mut self) -> bool {
+        self.entries
+            .retain(|_, entry| !entry.lost.signal().is_aborted());
         self.entries.is_empty()
     }
 
-    /// The earliest lease end as granted among the guards held (micros, clock time).
-    pub(super) fn first_grant_end(&self) -> Option<i64> {
-        self.grant_ends.keys().next().copied()
-    }
-
-    fn add_grant_end(&mut self, expires_at: i64) {
-        *self.grant_ends.entry(expires_at).or_default() += 1;
-    }
-
-    fn remove_grant_end(&mut self, expires_at: i64) {
-        if let std::collections::btree_map::Entry::Occupied(mut count) =
-            self.grant_ends.entry(expires_at)
-        {
-            *count.get_mut() -= 1;
-            if *count.get() == 0 {
-                count.remove();
-            }
-        }
-    }
-
-    /// Records a new guard, unless the manager has shut down: then its controller is returned,
-    /// for the caller to tell the guard it is lost.
-    fn insert(&mut self, ticket: u64, entry: GuardEntry) -> Option<AbortController> {
-        if self.shut_down {
-            return Some(entry.lost);
-        }
-        self.add_grant_end(entry.expires_at);
-        self.entries.insert(ticket, entry);
-        None
-    }
-
-    /// The guard is released: its lease is no longer this owner's business.
-    fn forget(&mut self, ticket: u64) -> Option<GuardEntry> {
-        let entry = self.entries.remove(&ticket)?;
-        self.remove_grant_end(entry.expires_at);
-        Some(entry)
-    }
-
-    /// Tells every guard for which `is_lost(rows, expires_at)` holds that its lease is lost, and
-    /// forgets it; `why` goes to the log. Returns how many were lost.
-    pub(super) fn lose(
+    /// Keeps the lease of `ticket`, just granted on `keys`, until `deadline` (the clock's
+    /// monotonic time) unless renewed; returns the signal that tells of its loss. A grant made
+    /// after the manager shut down is born lost.
+    pub(super) fn granted(
         &mut self,
-        mut is_lost: impl FnMut(u64, usize, i64) -> bool,
-        why: &str,
-    ) -> usize {
+        ticket: u64,
+        keys: Vec<String>,
+        clock: Arc<dyn Clock>,
+        deadline: Duration,
+    ) -> AbortSignal {
+        let expired = AbortReason::new(LeaseLost::expired());
+        let lost = AbortController::with_deadline(clock, deadline, expired);
+        let signal = lost.signal();
+        if self.shut_down {
+            lost.abort(AbortReason::new(LeaseLost::shutdown()));
+            return signal;
+        }
+        let rows = keys.len();
+        self.entries.insert(ticket, GuardEntry { rows, keys, lost });
+        signal
+    }
+
+    /// The guard is released, or its request removed: its lease is no longer this owner's
+    /// business. Returns its entry, unless a lost lease or a shutdown took it already.
+    pub(super) fn forget(&mut self, ticket: u64) -> Option<GuardEntry> {
+        self.entries.remove(&ticket)
+    }
+
+    /// After a renewal that made `deadline` (the clock's monotonic time) the end of the leases
+    /// it renewed, `renewed(ticket)` being how many of a request's held rows it renewed: the
+    /// leases whose rows were all renewed last until then; the others are lost (their rows are
+    /// gone, or ran out before the renewal came), and so are those whose deadline came before
+    /// this renewal came back. Returns how many were lost.
+    pub(super) fn renewed(&mut self, renewed: impl Fn(u64) -> usize, deadline: Duration) -> usize {
+        self.lose(
+            |ticket, entry| renewed(ticket) < entry.rows || !entry.lost.extend_deadline(deadline),
+            "the lock's rows are gone or expired",
+        )
+    }
+
+    /// Tells every lease for which `is_lost` holds that it is lost, and forgets it; `why` goes
+    /// to the log. Returns how many were lost.
+    fn lose(&mut self, mut is_lost: impl FnMut(u64, &GuardEntry) -> bool, why: &str) -> usize {
         let lost: Vec<u64> = self
             .entries
             .iter()
-            .filter(|(&ticket, entry)| is_lost(ticket, entry.rows, entry.expires_at))
+            .filter(|(&ticket, entry)| is_lost(ticket, entry))
             .map(|(&ticket, _)| ticket)
             .collect();
         for &ticket in &lost {
@@ -336,11 +331,10 @@ impl Guards {
         lost.len()
     }
 
-    /// The manager has shut down: every guard is lost, and any made later is born lost.
+    /// The manager has shut down: every lease is lost, and any granted later is born lost.
     pub(super) fn shut_down(&mut self) {
         self.shut_down = true;
         let reason = AbortReason::new(LeaseLost::shutdown());
-        self.grant_ends.clear();
         for (_, entry) in self.entries.drain() {
             entry.lost.abort(reason.clone());
         }

@@ -18,7 +18,7 @@ use super::guard::Guards;
 use super::protocol;
 use super::protocol::{Acquired, Command, Grant, Removed, Wait, Write};
 use super::reply::Replies;
-use super::storage::{from_micros, micros};
+use super::storage::from_micros;
 use super::{LockError, LockRequest};
 
 /// What the storage worker and the heartbeats share with the handles (no command sender: the
@@ -41,9 +41,6 @@ pub(crate) struct Common {
     pub(super) changed: Event,
     /// Waiters without a queue position (`many`), so the worker keeps looking for changes.
     pub(super) unqueued: AtomicUsize,
-    /// When this owner's rows were last renewed (micros), for deciding a lease ran out when
-    /// renewals fail.
-    pub(super) last_renewal: AtomicU64,
     /// What the rows are kept in, named so that the managers of this process that share it
     /// agree (the file's absolute path; PostgreSQL's host, database and schema), for waking each
     /// other; `None` for a private in-memory database. Never holds a password.
@@ -119,16 +116,18 @@ impl Shared {
         .await
     }
 
-    /// `grant` if its lease has not run out by now. Otherwise its rows are removed and `None`
-    /// returned, for the caller to ask again: a grant is read late when the caller's executor
-    /// (or its whole process) was stalled after the worker decided it, and a guard whose lease
-    /// has already run out must never be handed out, since another owner may hold the lock.
+    /// `grant` if its lease has not been lost by now: it ran out (as renewed since the grant,
+    /// if a heartbeat renewed it), or its rows were found gone. Otherwise its rows are removed
+    /// and `None` returned, for the caller to ask again: a grant is read late when the caller's
+    /// executor (or its whole process) was stalled after the worker decided it, and a guard
+    /// whose lease has already run out must never be handed out, since another owner may hold
+    /// the lock.
     pub(super) async fn deliverable(
         &self,
         request: u64,
         grant: Grant,
     ) -> Result<Option<Grant>, LockError> {
-        if micros(self.common.clock.now()) < grant.expires_at {
+        if !grant.lost.is_aborted() {
             return Ok(Some(grant));
         }
         tracing::warn!(

@@ -14,14 +14,11 @@
 //! (see `Beats`): a beat is a run of the schedule, and the run ends when the renewal it asked
 //! for was made, whoever asked for it.
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::storage::{from_micros, micros};
 use super::{Common, Shared};
 
-use crate::clock::{Clock, SystemClock};
 use crate::fiber::fork_daemon_on;
 use crate::schedule::{Schedule, ScheduleRun};
 use crate::scope::current_spawner;
@@ -44,11 +41,6 @@ impl<'a> Beats<'a> {
         (beats, first)
     }
 
-    /// Beats counted from a renewal made at `renewed_at` (the clock's wall time).
-    fn since_renewal(common: &'a Common, renewed_at: Duration) -> (Self, Duration) {
-        Beats::since(common, monotonic_at(common, renewed_at))
-    }
-
     /// How long to wait for the next beat, now that the renewal it asked for was made at
     /// `renewed_at` (the clock's wall time, as the worker reports it): one heartbeat after that,
     /// even when that renewal was made for another caller (the worker coalesces renewals).
@@ -69,11 +61,18 @@ impl<'a> Beats<'a> {
     }
 }
 
-/// When `wall` (the clock's wall time) was on its monotonic time line, on which schedules run:
-/// how long ago it was, read on the wall time line, taken from the monotonic now.
-fn monotonic_at(common: &Common, wall: Duration) -> Duration {
-    let ago = common.clock.now().saturating_sub(wall);
-    common.clock.monotonic().saturating_sub(ago)
+/// When `wall` (the clock's wall time) is or was on its monotonic time line, on which schedules
+/// and deadlines run: its distance from now, read on the wall time line, from the monotonic now.
+/// Never later than it is: the monotonic time is read first, so a pause between the two
+/// readings moves the answer earlier.
+pub(super) fn monotonic_at(common: &Common, wall: Duration) -> Duration {
+    let monotonic = common.clock.monotonic();
+    let now = common.clock.now();
+    if wall >= now {
+        monotonic.saturating_add(wall - now)
+    } else {
+        monotonic.saturating_sub(now - wall)
+    }
 }
 
 /// Renews while a request waits; forked into the acquisition's scope. The first beat comes one
@@ -94,11 +93,11 @@ pub(super) async fn waiter(shared: Arc<Shared>, since: Duration) {
     }
 }
 
-/// Starts the owner's lock heartbeat unless it runs already, for a guard whose rows' lease runs
-/// out at `expires_at` (micros, the clock's wall time). A daemon that runs renews every row of
-/// the owner, the new guard's too; a new one beats first one heartbeat after that lease began,
-/// which is at once for a grant handed out late.
-pub(super) fn ensure_daemon(shared: &Arc<Shared>, expires_at: i64) {
+/// Starts the owner's lock heartbeat unless it runs already, for a guard whose lease began at
+/// `began` (the clock's monotonic time). A daemon that runs renews every row of the owner, the
+/// new guard's too; a new one beats first one heartbeat after that lease began, which is at once
+/// for a grant handed out late.
+pub(super) fn ensure_daemon(shared: &Arc<Shared>, began: Duration) {
     {
         let mut guards = lock(&shared.common.guards);
         if guards.daemon_running {
@@ -107,7 +106,6 @@ pub(super) fn ensure_daemon(shared: &Arc<Shared>, expires_at: i64) {
         guards.daemon_running = true;
     }
     let common = shared.common.clone();
-    let began = from_micros(expires_at).saturating_sub(common.lease);
     let spawner = common.spawner.clone().unwrap_or_else(current_spawner);
     // Made before the spawn and moved into the daemon, so that an executor that drops the
     // daemon unpolled (a runtime that has shut down) marks it stopped too.
@@ -137,10 +135,14 @@ impl Drop for Running {
 }
 
 /// Renews every heartbeat while the owner holds a guard; stops when it holds none. The first
-/// beat comes one heartbeat after `began` (wall time), when the first guard's lease began.
+/// beat comes one heartbeat after `began` (monotonic), when the first guard's lease began.
+///
+/// It tells no guard of a lost lease by itself: each guard's `lost()` aborts at its lease's
+/// deadline, which only a renewal that came back moves on, however late this runs or whether
+/// it runs at all; and the worker tells those whose rows a renewal found gone.
 async fn daemon(shared: Weak<Shared>, mut running: Running, began: Duration) {
     let common = running.common.clone();
-    let (mut beats, mut pause) = Beats::since_renewal(&common, began);
+    let (mut beats, mut pause) = Beats::since(&common, began);
     loop {
         common.clock.sleep(pause).await;
         let shared = {
@@ -155,52 +157,12 @@ async fn daemon(shared: Weak<Shared>, mut running: Running, began: Duration) {
                 }
             }
         };
-        // A renewal stuck behind a busy database must not keep a guard from hearing that its
-        // lease ran out: look every heartbeat while it is pending. (How long a renewal takes
-        // is real time, whatever clock judges the leases.)
-        let watch = async {
-            SystemClock.sleep(common.heartbeat).await;
-            let _ = Schedule::spaced(common.heartbeat)
-                .repeat(|| async {
-                    lose_expired(&common);
-                    Ok::<(), ()>(())
-                })
-                .await;
-            std::future::pending().await
-        };
-        let renewal = std::pin::pin!(shared.renew());
-        let renewed = futures::future::select(renewal, std::pin::pin!(watch))
-            .await
-            .factor_first()
-            .0;
-        pause = match renewed {
+        pause = match shared.renew().await {
             Ok(renewed_at) => beats.after_renewal(renewed_at),
             Err(error) => {
                 tracing::warn!(%error, "renewing lock leases failed; retrying at the next heartbeat");
-                lose_expired(&common);
                 beats.after_failure()
             }
         };
     }
-}
-
-/// When renewals fail, a guard is lost only once its lease has really run out.
-fn lose_expired(common: &Common) {
-    lock(&common.guards).lose(
-        |_, _, expires_at| !lease_runs(common, expires_at),
-        "renewals failed until it ran out",
-    );
-}
-
-/// Whether the lease of a guard granted until `expires_at` (micros, the clock's wall time)
-/// still runs, as this process knows it.
-pub(super) fn lease_runs(common: &Common, expires_at: i64) -> bool {
-    lease_end(common, expires_at) > micros(common.clock.now())
-}
-
-/// When the lease of a guard granted until `expires_at` runs out, as this process knows it:
-/// then, or a lease after the owner's last renewal.
-pub(super) fn lease_end(common: &Common, expires_at: i64) -> i64 {
-    let renewed = i64::try_from(common.last_renewal.load(Ordering::SeqCst)).unwrap_or(0);
-    expires_at.max(renewed.saturating_add(micros(common.lease)))
 }

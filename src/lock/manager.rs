@@ -12,7 +12,7 @@ use crate::scope::{ExitStatus, Scope, Scoped};
 
 use super::guard::Guard;
 use super::handle::{Common, Shared};
-use super::protocol::{Acquired, Command, Grant, Wait, Write};
+use super::protocol::{Acquired, Command, Wait, Write};
 use super::storage::from_micros;
 use super::types::validate;
 use super::{grant, heartbeat};
@@ -498,7 +498,7 @@ async fn acquire_in_scope(
                             }));
                         }
                         match slot.granted().await? {
-                            Some(expires_at) => Grant { ticket, expires_at },
+                            Some(grant) => grant,
                             None => {
                                 tracing::warn!(
                                     ticket,

@@ -1423,20 +1423,24 @@ impl Storage for Postgres {
     /// (or by `now`, when the transaction began), a row whose lock had to be waited for until
     /// after its lease ran out would be revived: the server does not check a row again after
     /// such a wait unless it was changed.
-    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize> {
+    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>> {
         self.execute(
             "locking this owner's rows",
             "SELECT 1 FROM {s}.locks WHERE owner = $1 ORDER BY key, ticket FOR UPDATE",
             &[&owner],
         )?;
-        let renewed = self.execute(
+        let renewed = self.query(
             "renewing leases",
             "UPDATE {s}.locks SET expires_at = $1, heartbeat_at = $2
              WHERE owner = $3
-               AND expires_at > (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+               AND expires_at > (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+             RETURNING ticket, held",
             &[&expires_at, &now, &owner],
         )?;
-        Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
+        let rows = renewed
+            .iter()
+            .map(|row| (ticket_of(row.get(0)), row.get(1)));
+        Ok(OwnedRequest::group(rows, expires_at))
     }
 
     fn decides_at_once(&self) -> bool {
@@ -1464,28 +1468,6 @@ impl Storage for Postgres {
                 .map(|row| (ticket_of(row.get(0)), row.get(1)))
                 .collect(),
         ))
-    }
-
-    /// Live by the server's clock now, not by `now`: a renewal that waited for a row lock may
-    /// have begun before a row lapsed and then left it, and its guard must hear so at once.
-    fn owned_requests(&mut self, owner: &str, _now: i64) -> Result<Vec<OwnedRequest>> {
-        let rows = self.query(
-            "reading this owner's rows",
-            "SELECT ticket, held, COUNT(*), MIN(expires_at) FROM {s}.locks
-             WHERE owner = $1
-               AND expires_at > (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
-             GROUP BY ticket, held",
-            &[&owner],
-        )?;
-        Ok(rows
-            .iter()
-            .map(|row| OwnedRequest {
-                ticket: ticket_of(row.get(0)),
-                held: row.get(1),
-                rows: usize::try_from(row.get::<_, i64>(2)).unwrap_or(0),
-                expires_at: row.get(3),
-            })
-            .collect())
     }
 
     fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>> {

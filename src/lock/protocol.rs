@@ -3,12 +3,14 @@
 //! `heartbeat.rs`) and the worker; neither side needs to know more of the other.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use event_listener::Event;
 use futures::channel::oneshot;
 
 use super::storage::Row;
 use super::{LockError, LockRequest};
+use crate::abort::AbortSignal;
 use crate::sync::{lock, wait_for};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, LockError>>;
@@ -88,12 +90,17 @@ pub(crate) enum Acquired {
     NotNow,
 }
 
-/// A granted request: its ticket, and when its rows' lease runs out unless renewed (clock
-/// micros), so that a caller who reads the grant late can tell it is no longer good.
-#[derive(Clone, Copy, Debug)]
+/// A granted request: its ticket, and its lease as this process knows it, kept by the worker
+/// from the moment it decided the grant (see `guard::Guards`), so that a caller who reads the
+/// grant late can tell whether it is still good.
+#[derive(Clone, Debug)]
 pub(crate) struct Grant {
     pub(crate) ticket: u64,
-    pub(crate) expires_at: i64,
+    /// Aborted once the lease is lost: by its deadline, or when its rows are found gone.
+    pub(crate) lost: AbortSignal,
+    /// When the lease began, on the clock's monotonic time line: the lock heartbeat beats first
+    /// one heartbeat after it.
+    pub(crate) began: Duration,
 }
 
 /// Where a queued request learns that it was granted (or can never be), and what starts its
@@ -105,12 +112,11 @@ pub(crate) struct WaitSlot {
     beat: Mutex<Beat>,
 }
 
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone)]
 pub(super) enum SlotState {
     #[default]
     Waiting,
-    /// Granted; the rows' lease runs out at this clock time (micros) unless renewed.
-    Granted(i64),
+    Granted(Grant),
     Expired,
     Shutdown,
 }
@@ -144,10 +150,13 @@ impl std::fmt::Debug for Beat {
 
 impl WaitSlot {
     pub(super) fn set(&self, state: SlotState) {
+        let over = !matches!(state, SlotState::Waiting);
         *lock(&self.state) = state;
-        if state != SlotState::Waiting {
-            // The wait is over: its heartbeat never starts. (Dropped outside the lock.)
-            drop(std::mem::replace(&mut *lock(&self.beat), Beat::Over));
+        if over {
+            // The wait is over: its heartbeat never starts. Dropped outside the lock: what it
+            // holds may be the last handle on the manager.
+            let beat = std::mem::replace(&mut *lock(&self.beat), Beat::Over);
+            drop(beat);
         }
         self.event.notify(usize::MAX);
     }
@@ -182,21 +191,21 @@ impl WaitSlot {
     }
 
     fn get(&self) -> SlotState {
-        *lock(&self.state)
+        lock(&self.state).clone()
     }
 
-    /// Resolves with when the granted rows' lease runs out, `None` if it ran out while the
-    /// request waited (its rows are gone: it may queue again), or `Shutdown`.
-    pub(crate) async fn granted(&self) -> Result<Option<i64>, LockError> {
+    /// Resolves with the grant, `None` if the request's lease ran out while it waited (its rows
+    /// are gone: it may queue again), or `Shutdown`.
+    pub(crate) async fn granted(&self) -> Result<Option<Grant>, LockError> {
         loop {
             match wait_for(&self.event, || {
-                Some(self.get()).filter(|s| *s != SlotState::Waiting)
+                Some(self.get()).filter(|s| !matches!(s, SlotState::Waiting))
             })
             .await
             {
                 SlotState::Shutdown => return Err(LockError::Shutdown),
                 SlotState::Expired => return Ok(None),
-                SlotState::Granted(expires_at) => return Ok(Some(expires_at)),
+                SlotState::Granted(grant) => return Ok(Some(grant)),
                 SlotState::Waiting => {}
             }
         }
@@ -245,19 +254,20 @@ mod tests {
 
     #[test]
     fn a_heartbeat_never_starts_once_the_wait_is_over() {
-        for end in [
-            SlotState::Granted(1),
-            SlotState::Expired,
-            SlotState::Shutdown,
-        ] {
+        let granted = SlotState::Granted(Grant {
+            ticket: 1,
+            lost: AbortSignal::never(),
+            began: Duration::ZERO,
+        });
+        for end in [granted, SlotState::Expired, SlotState::Shutdown] {
             let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
             slot.arm(counted(&runs));
-            slot.set(end);
+            slot.set(end.clone());
             slot.beat_due();
             assert_eq!(runs.load(Ordering::SeqCst), 0, "started after {end:?}");
             // Nor when armed after the end (a late task), however due.
             let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
-            slot.set(end);
+            slot.set(end.clone());
             slot.beat_due();
             slot.arm(counted(&runs));
             assert_eq!(runs.load(Ordering::SeqCst), 0, "started after {end:?}");

@@ -878,19 +878,24 @@ impl Storage for Db<'_> {
     }
 
     /// Renews every live row of `owner` in one statement; never touches an expired row.
-    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize> {
+    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>> {
         let doing = "renewing leases";
         let mut statement = self.prepare(
             doing,
-            "UPDATE locks SET expires_at = ?, heartbeat_at = ? WHERE owner = ? AND expires_at > ?",
+            "UPDATE locks SET expires_at = ?, heartbeat_at = ? WHERE owner = ? AND expires_at > ?
+             RETURNING ticket, held",
         )?;
         bind(doing, &mut statement, 1, expires_at)?;
         bind(doing, &mut statement, 2, now)?;
         bind(doing, &mut statement, 3, owner)?;
         bind(doing, &mut statement, 4, now)?;
-        step(doing, &mut statement)?;
-        let renewed = self.conn.change_count();
+        let mut rows = Vec::new();
+        while step(doing, &mut statement)? {
+            let ticket = ticket_of(read(doing, &statement, 0)?);
+            rows.push((ticket, read::<i64>(doing, &statement, 1)? != 0));
+        }
         drop(statement);
+        let renewed = OwnedRequest::group(rows, expires_at);
         for rows in self.known.keys.values_mut() {
             for row in rows.iter_mut() {
                 if &*row.view.owner == owner && row.view.expires_at > now {
@@ -920,27 +925,6 @@ impl Storage for Db<'_> {
     }
 
     /// This owner's live requests: ticket, whether held, and how many rows.
-    fn owned_requests(&mut self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>> {
-        let doing = "reading this owner's rows";
-        let mut statement = self.prepare(
-            doing,
-            "SELECT ticket, held, COUNT(*), MIN(expires_at) FROM locks
-             WHERE owner = ? AND expires_at > ? GROUP BY ticket, held",
-        )?;
-        bind(doing, &mut statement, 1, owner)?;
-        bind(doing, &mut statement, 2, now)?;
-        let mut requests = Vec::new();
-        while step(doing, &mut statement)? {
-            requests.push(OwnedRequest {
-                ticket: ticket_of(read(doing, &statement, 0)?),
-                held: read::<i64>(doing, &statement, 1)? != 0,
-                rows: usize::try_from(read::<i64>(doing, &statement, 2)?).unwrap_or(0),
-                expires_at: read(doing, &statement, 3)?,
-            });
-        }
-        Ok(requests)
-    }
-
     /// Live rows, of one key or all, ordered by key and ticket.
     fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>> {
         let doing = "inspecting locks";

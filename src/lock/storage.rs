@@ -27,9 +27,12 @@ pub(crate) trait Storage {
     fn now(&self) -> i64;
 
     /// How far that time is ahead of `clock`'s: the worker tells callers, who judge by their
-    /// own clock, of expiries in theirs.
+    /// own clock, of expiries in theirs. Never less than it is: `clock` is read first, so a
+    /// pause between the two readings makes a lease end earlier as the caller knows it, never
+    /// later.
     fn ahead_of(&self, clock: &dyn Clock) -> i64 {
-        self.now() - micros(clock.now())
+        let theirs = micros(clock.now());
+        self.now() - theirs
     }
 
     /// Whether transactions on different keys may run at once (PostgreSQL), so that a
@@ -131,7 +134,9 @@ pub(crate) trait Storage {
     /// Lapsed rows are invisible to every decision already, so nothing waits for this.
     fn sweep(&mut self, now: i64) -> Result<()>;
     /// Renews every live row of `owner` until `expires_at`; never touches an expired row.
-    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<usize>;
+    /// Returns what it renewed, by request: every live request of `owner`, as the storage
+    /// judged "live" as it renewed.
+    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>>;
 
     /// Whether this backend decides acquisitions and removals in one call (`decide_at_once`);
     /// where it does not, the worker runs `begin`, the reads and writes, and `commit`.
@@ -163,8 +168,6 @@ pub(crate) trait Storage {
     /// the worker finds a request written by a call whose reply was lost.
     fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>>;
 
-    /// `owner`'s live requests: ticket, whether held, how many rows, earliest expiry.
-    fn owned_requests(&mut self, owner: &str, now: i64) -> Result<Vec<OwnedRequest>>;
     /// Live rows, of one key or all, ordered by key and ticket.
     fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>>;
     /// Whether `key` has a live held row.
@@ -305,7 +308,7 @@ pub(crate) struct Row {
     pub(crate) expires_at: i64,
 }
 
-/// The live rows of one owner's request.
+/// The live rows of one owner's request, held or waiting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct OwnedRequest {
     pub(crate) ticket: u64,
@@ -313,6 +316,28 @@ pub(crate) struct OwnedRequest {
     pub(crate) rows: usize,
     /// The earliest lease expiry among them.
     pub(crate) expires_at: i64,
+}
+
+impl OwnedRequest {
+    /// `(ticket, held)` for each row renewed until `expires_at`, grouped by request.
+    pub(crate) fn group(rows: impl IntoIterator<Item = (u64, bool)>, expires_at: i64) -> Vec<Self> {
+        let mut requests: Vec<OwnedRequest> = Vec::new();
+        for (ticket, held) in rows {
+            match requests
+                .iter_mut()
+                .find(|r| r.ticket == ticket && r.held == held)
+            {
+                Some(request) => request.rows += 1,
+                None => requests.push(OwnedRequest {
+                    ticket,
+                    held,
+                    rows: 1,
+                    expires_at,
+                }),
+            }
+        }
+        requests
+    }
 }
 
 /// What deleting a request's rows found: how many rows there were, and how many of them had a

@@ -63,6 +63,11 @@ impl Waits {
 
     /// Ends the wait of `ticket`; returns its slot.
     pub(crate) fn remove(&mut self, ticket: u64) -> Option<Arc<WaitSlot>> {
+        self.end(ticket).map(|waiting| waiting.slot)
+    }
+
+    /// Ends the wait of `ticket`; returns what it was.
+    pub(crate) fn end(&mut self, ticket: u64) -> Option<Waiting> {
         let waiting = self.by_ticket.remove(&ticket)?;
         for key in &waiting.keys {
             let Some(tickets) = self.by_key.get_mut(key) else {
@@ -81,7 +86,7 @@ impl Waits {
                 self.forget_if_unwatched(key);
             }
         }
-        Some(waiting.slot)
+        Some(waiting)
     }
 
     /// Ends every wait; returns their slots.

@@ -117,11 +117,17 @@ fn within_time_line(now: i64) -> Result<i64, LockError> {
 
 /// What a write decided inside the transaction, delivered once it has committed.
 enum Decided {
-    Granted(Grant),
+    /// Granted, with rows whose lease runs out at `expires_at` (the storage's time).
+    Granted {
+        ticket: u64,
+        expires_at: i64,
+    },
     Queued(u64),
     NotNow,
     /// A removal: what it found of the request's rows.
     Removed(Removed),
+    /// A renewal: this owner's live requests, all renewed.
+    Renewed(Vec<OwnedRequest>),
     Done,
 }
 
@@ -232,7 +238,6 @@ impl<S: Storage> Worker<S> {
                         .next_look()
                         .into_iter()
                         .chain(self.waits.next_beat())
-                        .chain(self.unrenewed_end())
                         .min();
                     let left = due.map(|at| at.saturating_sub(self.common.clock.monotonic()));
                     let received = match left.into_iter().chain(self.marker_left()).min() {
@@ -266,7 +271,6 @@ impl<S: Storage> Worker<S> {
                 }
             }
             self.start_due_beats();
-            self.lose_unrenewed();
             if self.look_due() {
                 self.look_for_changes();
                 self.last_look = self.common.clock.monotonic();
@@ -282,39 +286,6 @@ impl<S: Storage> Worker<S> {
                 }
             }
         }
-    }
-
-    /// While guards are held, when the first of their leases runs out unrenewed (micros, clock
-    /// time): the earliest grant's end, or a lease after the last renewal, whichever is later.
-    /// With a heartbeat that runs, that keeps moving on; with none (its executor dropped it, or
-    /// does not run it), the worker tells the guards then, as a heartbeat would have. Cheap: it
-    /// reads the earliest grant, not every guard.
-    fn unrenewed_end_micros(&self) -> Option<i64> {
-        let first = lock(&self.common.guards).first_grant_end()?;
-        Some(heartbeat::lease_end(&self.common, first))
-    }
-
-    /// [`unrenewed_end_micros`](Self::unrenewed_end_micros) on the clock's monotonic time.
-    fn unrenewed_end(&self) -> Option<Duration> {
-        let end = self.unrenewed_end_micros()?;
-        let left = from_micros(end).saturating_sub(self.common.clock.now());
-        Some(self.common.clock.monotonic().saturating_add(left))
-    }
-
-    /// Tells the guards whose leases ran out unrenewed that they are lost (once that time has
-    /// come: only then does it read every guard).
-    fn lose_unrenewed(&self) {
-        let Some(end) = self.unrenewed_end_micros() else {
-            return;
-        };
-        if end > micros(self.common.clock.now()) {
-            return;
-        }
-        lock(&self.common.guards).lose(
-            |_, _, expires_at| !heartbeat::lease_runs(&self.common, expires_at),
-            "no lock heartbeat renewed it (did its executor stop, or not run it?) until the lease \
-             ran out",
-        );
     }
 
     /// The poll's next look after a look (or the start of the schedule) at `ended_at`.
@@ -1072,9 +1043,9 @@ impl<S: Storage> Worker<S> {
             }
             Write::Renew { .. } => {
                 let expires_at = now + micros(self.common.lease);
-                self.storage.renew(owner, now, expires_at)?;
+                let renewed = self.storage.renew(owner, now, expires_at)?;
                 self.storage.sweep(now)?;
-                Ok(Decided::Done)
+                Ok(Decided::Renewed(renewed))
             }
             Write::Shutdown { .. } => {
                 self.delete_own_rows(now)?;
@@ -1118,19 +1089,21 @@ impl<S: Storage> Worker<S> {
         let keys = requests.iter().map(|r| r.key.clone()).collect();
         self.requests.insert(request, Written { ticket, keys });
         match granted_until {
-            Some(expires_at) => Decided::Granted(Grant { ticket, expires_at }),
+            Some(expires_at) => Decided::Granted { ticket, expires_at },
             None => Decided::Queued(ticket),
         }
     }
 
     fn deliver(&mut self, write: Write, decided: Decided, now: i64) {
         match (write, decided) {
-            (Write::Acquire { reply, .. }, Decided::Granted(grant)) => {
-                let expires_at = self.local(grant.expires_at);
-                let _ = reply.send(Ok(Acquired::Granted(Grant {
-                    expires_at,
-                    ..grant
-                })));
+            (
+                Write::Acquire {
+                    reply, requests, ..
+                },
+                Decided::Granted { ticket, expires_at },
+            ) => {
+                let grant = self.grant(ticket, keys_of(&requests), expires_at);
+                let _ = reply.send(Ok(Acquired::Granted(grant)));
             }
             (
                 Write::Acquire {
@@ -1150,6 +1123,9 @@ impl<S: Storage> Worker<S> {
             (Write::Remove { request, reply }, decided) => {
                 if let Some(Written { ticket, .. }) = self.requests.remove(&request) {
                     self.waits.remove(ticket);
+                    // Granted, perhaps, but never handed to its caller (or released: then
+                    // forgotten already).
+                    lock(&self.common.guards).forget(ticket);
                 }
                 self.removals_in_doubt.remove(&request);
                 if let Some(reply) = reply {
@@ -1160,16 +1136,15 @@ impl<S: Storage> Worker<S> {
                     let _ = reply.send(Ok(found));
                 }
             }
-            (Write::Renew { replies }, _) => {
+            (Write::Renew { replies }, decided) => {
                 self.last_renewal = Some(now);
-                let local = self.local(now);
-                self.common.last_renewal.store(
-                    u64::try_from(local).unwrap_or(0),
-                    std::sync::atomic::Ordering::SeqCst,
-                );
                 Counters::bump(&self.counters().heartbeats);
-                let checked = self.check_own_rows(now).map(|()| local);
-                send_all(replies, checked);
+                let renewed = match decided {
+                    Decided::Renewed(renewed) => renewed,
+                    _ => Vec::new(),
+                };
+                self.settle_renewed(now, &renewed);
+                send_all(replies, Ok(self.local(now)));
             }
             (Write::Shutdown { reply }, _) => {
                 self.requests.clear();
@@ -1188,11 +1163,9 @@ impl<S: Storage> Worker<S> {
     /// the waiters without a queue position and the other managers of this process.
     fn after_commit(&mut self, freed: &Freed) {
         // This owner's rows were promoted with this owner's lease (see `Db::promote`).
-        let expires_at = self.local(freed.at + micros(self.common.lease));
-        for ticket in &freed.promoted {
-            if let Some(slot) = self.waits.remove(*ticket) {
-                slot.set(SlotState::Granted(expires_at));
-            }
+        let expires_at = freed.at + micros(self.common.lease);
+        for &ticket in &freed.promoted {
+            self.grant_wait(ticket, expires_at);
         }
         if freed.any {
             self.common.changed.notify(usize::MAX);
@@ -1201,75 +1174,105 @@ impl<S: Storage> Worker<S> {
         self.storage.wake_others();
     }
 
-    /// Compares this owner's live rows with its guards and waits: a guard whose rows are gone
-    /// or expired has lost its lease; a wait whose rows are gone can never be granted. (Once per
-    /// heartbeat: it reads every row of this owner.)
-    fn check_own_rows(&mut self, now: i64) -> Result<(), LockError> {
-        let owned = self.storage.owned_requests(&self.common.owner, now)?;
-        let find_request = |ticket: u64, held: bool| {
-            owned
+    /// After a renewal at `now` (the storage's time) that renewed `renewed`, every live request
+    /// of this owner: the guards whose rows it renewed last a lease from then, as this process
+    /// reckons it; a guard whose rows are gone or ran out has lost its lease; a wait whose rows
+    /// are held now was promoted by another manager; one whose rows are gone can never be
+    /// granted. The storage says what it renewed, so nothing more is read.
+    fn settle_renewed(&mut self, now: i64, renewed: &[OwnedRequest]) {
+        let find = |ticket: u64, held: bool| {
+            renewed
                 .iter()
-                .find(|r: &&OwnedRequest| r.ticket == ticket && r.held == held)
+                .find(|r| r.ticket == ticket && r.held == held)
         };
-        let find = |ticket: u64, held: bool| find_request(ticket, held).map_or(0, |r| r.rows);
-        let lost = lock(&self.common.guards).lose(
-            |ticket, rows, _| find(ticket, true) < rows,
-            "the lock's rows are gone or expired",
-        );
+        let rows = |ticket: u64, held: bool| find(ticket, held).map_or(0, |r| r.rows);
+        let deadline = self.deadline(now + micros(self.common.lease));
+        let lost = lock(&self.common.guards).renewed(|ticket| rows(ticket, true), deadline);
         if lost > 0 {
             // Their rows ran out unseen by this owner's deadlines, which watch other owners'
             // rows: a waiter of this owner behind them may be free.
             self.look_all = true;
         }
-        let ahead = self.storage.ahead_of(&*self.common.clock);
-        let mut settled = Vec::new();
-        for (ticket, slot) in self.waits.all() {
-            if let Some(held) = find_request(ticket, true) {
-                // Promoted by another manager, with this owner's lease from its clock.
-                slot.set(SlotState::Granted(held.expires_at - ahead));
-                settled.push(ticket);
-            } else if find(ticket, false) == 0 {
+        let mut promoted = Vec::new();
+        let mut gone = Vec::new();
+        for (ticket, _) in self.waits.all() {
+            if let Some(held) = find(ticket, true) {
+                promoted.push((ticket, held.expires_at));
+            } else if rows(ticket, false) == 0 {
+                gone.push(ticket);
+            }
+        }
+        for (ticket, expires_at) in promoted {
+            // Promoted by another manager, with this owner's lease.
+            self.grant_wait(ticket, expires_at);
+        }
+        for ticket in gone {
+            if let Some(slot) = self.waits.remove(ticket) {
                 slot.set(SlotState::Expired);
-                settled.push(ticket);
             }
+            self.requests.retain(|_, written| written.ticket != ticket);
         }
-        for ticket in settled {
-            self.waits.remove(ticket);
-            if find(ticket, false) == 0 && find(ticket, true) == 0 {
-                self.requests.retain(|_, written| written.ticket != ticket);
-            }
+    }
+
+    /// `expires_at`, the storage's time at which a lease of this owner runs out, on the clock's
+    /// monotonic time line, where its deadline is kept (see `Guards::granted`).
+    fn deadline(&self, expires_at: i64) -> Duration {
+        heartbeat::monotonic_at(&self.common, from_micros(self.local(expires_at)))
+    }
+
+    /// The grant of `ticket` on `keys`, whose rows' lease runs out at `expires_at` (the
+    /// storage's time): its lease is kept from now on (`Guards::granted`).
+    fn grant(&self, ticket: u64, keys: Vec<String>, expires_at: i64) -> Grant {
+        let deadline = self.deadline(expires_at);
+        let lost =
+            lock(&self.common.guards).granted(ticket, keys, self.common.clock.clone(), deadline);
+        Grant {
+            ticket,
+            lost,
+            began: deadline.saturating_sub(self.common.lease),
         }
-        Ok(())
+    }
+
+    /// The queued request `ticket` was granted, its rows' lease running out at `expires_at`
+    /// (the storage's time): its wait ends, with the grant.
+    fn grant_wait(&mut self, ticket: u64, expires_at: i64) {
+        if let Some(waiting) = self.waits.end(ticket) {
+            let grant = self.grant(ticket, waiting.keys, expires_at);
+            waiting.slot.set(SlotState::Granted(grant));
+        }
     }
 
     /// The same, for the waits on `keys` only, from `rows` (every live row on them): a wait
     /// whose row there is held was promoted (by another manager: this one's promotions settle
     /// their waits as they commit); one whose row there is gone ran out.
     fn settle_waits(&mut self, keys: &BTreeSet<String>, rows: &[RowView]) {
-        let ahead = self.storage.ahead_of(&*self.common.clock);
         let seen: HashMap<(&str, u64), &RowView> = rows
             .iter()
             .filter(|row| *row.owner == *self.common.owner)
             .map(|row| ((&*row.key, row.ticket), row))
             .collect();
-        let mut settled = BTreeSet::new();
+        let mut promoted = BTreeMap::new();
+        let mut gone = BTreeSet::new();
         for key in keys {
-            for (ticket, slot) in self.waits.on(key) {
+            for (ticket, _) in self.waits.on(key) {
                 match seen.get(&(key.as_str(), ticket)) {
                     Some(row) if row.held => {
-                        slot.set(SlotState::Granted(row.expires_at - ahead));
-                        settled.insert(ticket);
+                        promoted.insert(ticket, row.expires_at);
                     }
                     Some(_) => {}
                     None => {
-                        slot.set(SlotState::Expired);
-                        settled.insert(ticket);
+                        gone.insert(ticket);
                     }
                 }
             }
         }
-        for ticket in settled {
-            self.waits.remove(ticket);
+        for (ticket, expires_at) in promoted {
+            self.grant_wait(ticket, expires_at);
+        }
+        for ticket in gone {
+            if let Some(slot) = self.waits.remove(ticket) {
+                slot.set(SlotState::Expired);
+            }
         }
     }
 

@@ -108,24 +108,106 @@ impl Store {
     /// How many rows of the locks table meet the SQL condition `condition`, read past the
     /// managers, as an operator would.
     pub fn count_rows(&self, condition: &str) -> i64 {
+        self.read_number(&format!("SELECT COUNT(*) FROM locks WHERE {condition}"))
+    }
+
+    /// The latest lease expiry of `owner`'s rows (micros since the Unix epoch, by the clock the
+    /// store judges leases with), read past the managers.
+    pub fn latest_expiry(&self, owner: &str) -> i64 {
+        self.read_number(&format!(
+            "SELECT MAX(expires_at) FROM locks WHERE owner = '{owner}'"
+        ))
+    }
+
+    /// The one number `query` (of the table `locks`) reads.
+    fn read_number(&self, query: &str) -> i64 {
         match self {
             Store::Sqlite { path, .. } => {
                 let connection = sqlite::open(path).expect("open the database");
-                let mut count = connection
-                    .prepare(format!("SELECT COUNT(*) FROM locks WHERE {condition}"))
+                let mut statement = connection
+                    .prepare(query)
                     .expect("a query of the locks table");
-                count.next().expect("a count");
-                count.read::<i64, _>(0).expect("a count")
+                statement.next().expect("a number");
+                statement.read::<i64, _>(0).expect("a number")
             }
             #[cfg(feature = "postgres")]
             Store::Postgres { schema, .. } => pg_support::server()
                 .expect("the server was there before")
-                .sql(&format!(
-                    "SELECT count(*) FROM {schema}.locks WHERE {condition}"
-                ))
+                .sql(&query.replace(" locks ", &format!(" {schema}.locks ")))
                 .trim()
                 .parse()
-                .expect("a count"),
+                .expect("a number"),
+        }
+    }
+}
+
+/// Holds the storage thread of an owner inside a statement until dropped, as a busy or stuck
+/// database would: on SQLite another connection holds the write lock (every write
+/// transaction waits for it, trying again and again); on PostgreSQL another session holds the
+/// owner's rows locked (its renewal waits for them, and its lock timeout, and waits again).
+pub enum Stall {
+    Sqlite(sqlite::Connection),
+    /// The session's thread (the synchronous client runs a runtime of its own, which may not be
+    /// started inside a tokio runtime), and how to tell it to let go.
+    #[cfg(feature = "postgres")]
+    Postgres(
+        std::sync::mpsc::Sender<()>,
+        Option<std::thread::JoinHandle<()>>,
+    ),
+}
+
+impl Store {
+    /// Stalls the storage thread of `owner` (see [`Stall`]).
+    pub fn stall(&self, owner: &str) -> Stall {
+        match self {
+            Store::Sqlite { path, .. } => {
+                let mut connection = sqlite::open(path).expect("open the database");
+                connection
+                    .set_busy_timeout(10_000)
+                    .expect("set a busy timeout");
+                connection
+                    .execute("BEGIN IMMEDIATE")
+                    .expect("take the write lock");
+                Stall::Sqlite(connection)
+            }
+            #[cfg(feature = "postgres")]
+            Store::Postgres { url, schema } => {
+                let (url, owner) = (url.clone(), owner.to_owned());
+                let lock = format!("SELECT 1 FROM \"{schema}\".locks WHERE owner = $1 FOR UPDATE");
+                let (locked, held) = std::sync::mpsc::channel();
+                let (release, released) = std::sync::mpsc::channel();
+                let session = std::thread::spawn(move || {
+                    let mut client = postgres::Client::connect(&url, postgres::NoTls)
+                        .expect("connect to the server");
+                    client.batch_execute("BEGIN").expect("begin");
+                    let rows = client
+                        .execute(&lock, &[&owner])
+                        .expect("lock the owner's rows");
+                    let _ = locked.send(rows);
+                    let _ = released.recv();
+                    let _ = client.batch_execute("ROLLBACK");
+                });
+                let rows = held.recv().expect("the session locked the rows");
+                assert!(rows > 0, "the owner has no rows to stall on");
+                Stall::Postgres(release, Some(session))
+            }
+        }
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        match self {
+            Stall::Sqlite(connection) => {
+                let _ = connection.execute("ROLLBACK");
+            }
+            #[cfg(feature = "postgres")]
+            Stall::Postgres(release, session) => {
+                let _ = release.send(());
+                if let Some(session) = session.take() {
+                    let _ = session.join();
+                }
+            }
         }
     }
 }
