@@ -614,6 +614,20 @@ fn a_lease_shorter_than_two_heartbeats_or_a_heartbeat_under_a_millisecond_is_ref
     }
 }
 
+/// A path that names no file other processes could open is refused, not opened as a private
+/// database: two managers "sharing" it would never see each other's locks.
+#[test]
+fn a_path_that_names_no_shared_file_is_refused() {
+    for path in ["", ":memory:"] {
+        let error = LockManager::open(path).unwrap_err();
+        assert!(
+            matches!(error, LockError::InvalidConfig(_)),
+            "{path:?}: {error}"
+        );
+        assert!(error.to_string().contains("open_in_memory"), "{error}");
+    }
+}
+
 #[test]
 fn fencing_tokens_increase_across_keys_and_owners() {
     // On SQLite only: on PostgreSQL they increase in grant order on each key.

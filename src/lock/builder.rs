@@ -265,11 +265,27 @@ impl LockManagerBuilder {
     ///
     /// # Errors
     ///
-    /// [`LockError::InvalidConfig`] for impossible settings, [`LockError::Storage`] if the file
-    /// cannot be opened or is not a database, [`LockError::SchemaTooNew`] if a newer version of
-    /// this library wrote it.
+    /// [`LockError::InvalidConfig`] for impossible settings, and for a path that names no file
+    /// that other processes could open: the empty path and `:memory:`, for which SQLite would
+    /// open a private database (use [`open_in_memory`](LockManagerBuilder::open_in_memory) for
+    /// one). [`LockError::Storage`] if the file cannot be opened or is not a database,
+    /// [`LockError::SchemaTooNew`] if a newer version of this library wrote it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{LockError, LockManager};
+    ///
+    /// assert!(matches!(LockManager::open(""), Err(LockError::InvalidConfig(_))));
+    /// ```
     pub fn open(self, path: impl AsRef<Path>) -> Result<LockManager, LockError> {
-        self.start(Some(path.as_ref()))
+        let path = path.as_ref();
+        if path.as_os_str().is_empty() || path.as_os_str() == ":memory:" {
+            return Err(LockError::InvalidConfig(format!(
+                "{path:?} names no database file: SQLite would open a private database that no                  other process sees; give a file's path, or use open_in_memory for a private one"
+            )));
+        }
+        self.start(Some(path))
     }
 
     /// Opens a private in-memory database: one owner, for tests and single-process use.
