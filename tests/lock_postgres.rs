@@ -545,6 +545,32 @@ fn a_password_never_appears_in_errors_or_debug_output() {
         assert!(matches!(error, LockError::Storage(_)), "{shown}");
         assert!(!shown.contains("wrong-password-value"), "{shown}");
         assert!(!shown.contains(&secret.password), "{shown}");
+        // A password with an `@` not written as %40: the parser (as libpq's) would take its
+        // tail for the host, and name it in every error.
+        let unescaped = secret
+            .url
+            .replace(&secret.password, "first-half@second-half");
+        let error = LockManager::builder()
+            .schema(&schema)
+            .connect(&unescaped)
+            .await
+            .unwrap_err();
+        let shown = format!("{error} {error:?}");
+        assert!(matches!(error, LockError::InvalidConfig(_)), "{shown}");
+        assert!(shown.contains("%40"), "{shown}");
+        assert!(!shown.contains("half"), "{shown}");
+        // Written as %40 it is a password like any other.
+        let escaped = secret
+            .url
+            .replace(&secret.password, "first-half%40second-half");
+        let error = LockManager::builder()
+            .schema(&schema)
+            .connect(&escaped)
+            .await
+            .unwrap_err();
+        let shown = format!("{error} {error:?}");
+        assert!(matches!(error, LockError::Storage(_)), "{shown}");
+        assert!(!shown.contains("half"), "{shown}");
     });
 }
 

@@ -163,6 +163,15 @@ impl Target {
 
 /// Parses a libpq connection string or URL, with its TLS settings (see `postgres_tls.rs`).
 pub(crate) fn parse(url: &str) -> std::result::Result<Target, LockError> {
+    if has_unescaped_at(url) {
+        // As libpq would, the parser takes what follows the first `@` for the host, so part of
+        // the password would show up in every message that names the host.
+        return Err(LockError::InvalidConfig(
+            "the PostgreSQL URL has more than one `@` before its host: write an `@` in the user \
+             name or password as %40"
+                .into(),
+        ));
+    }
     let (rest, settings) = super::postgres_tls::split(url)?;
     let mut config = rest.parse::<Config>().map_err(|error| {
         // The parser's message never quotes the string it was given, so no password leaks.
@@ -173,6 +182,19 @@ pub(crate) fn parse(url: &str) -> std::result::Result<Target, LockError> {
     let (mode, tls) = super::postgres_tls::connector(&settings)?;
     config.ssl_mode(mode);
     Ok(Target { config, tls })
+}
+
+/// Whether `url` is a URL whose user information holds an `@` not written as `%40`: its part
+/// before the host (up to the first `/`, `?` or `#`) has more than one `@`.
+fn has_unescaped_at(url: &str) -> bool {
+    let Some(rest) = ["postgres://", "postgresql://"]
+        .iter()
+        .find_map(|scheme| url.strip_prefix(scheme))
+    else {
+        return false;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    authority.matches('@').count() > 1
 }
 
 fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
@@ -1530,6 +1552,19 @@ mod pg_support;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_at_sign_left_in_a_urls_user_information_is_found() {
+        assert!(has_unescaped_at("postgres://u:p@ss@host/db"));
+        assert!(has_unescaped_at("postgresql://u@x:p@host"));
+        assert!(!has_unescaped_at("postgres://u:p%40ss@host/db"));
+        assert!(!has_unescaped_at(
+            "postgres://u@host/db?application_name=a@b"
+        ));
+        assert!(!has_unescaped_at("postgres://host/db#x@y@z"));
+        // The key-value form names the password on its own.
+        assert!(!has_unescaped_at("host=h user=u password=p@ss@word"));
+    }
 
     mod the_rule_in_sql {
         //! The server-side functions (`FUNCTIONS`) against the grant rule of `grant.rs`, on
