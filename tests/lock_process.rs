@@ -542,6 +542,44 @@ fn a_process_waiting_without_a_row_is_woken_by_the_doorbell_not_by_the_poll() {
     );
 }
 
+/// The doorbell's folder deleted while the managers run (by hand, or a clean-up of the folder
+/// the database lives in): each manager binds its socket again, and puts its marker up again if
+/// it waits, so the parent is still woken by the doorbell, not by its 30 s poll; in the queue
+/// and without a row.
+#[cfg(unix)]
+#[test]
+fn after_the_doorbell_folder_is_deleted_a_waiting_process_is_still_woken_by_it() {
+    for queued in [true, false] {
+        let (_dir, folder, db) = folder_and_db();
+        handed_over_after(
+            &folder,
+            &db,
+            Duration::from_secs(30),
+            Duration::from_secs(2),
+            queued,
+            |doorbell| {
+                fs::remove_dir_all(doorbell).unwrap();
+                let entries = |suffix: &str| {
+                    fs::read_dir(doorbell).map_or(0, |entries| {
+                        (entries.filter_map(Result::ok))
+                            .filter(|e| e.file_name().to_string_lossy().ends_with(suffix))
+                            .count()
+                    })
+                };
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                // Both managers' sockets, and the parent's marker if it waits without a row.
+                while entries(".sock") < 2 || (!queued && entries(".wait") < 1) {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "the doorbell was not made again within 5 s"
+                    );
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            },
+        );
+    }
+}
+
 /// A manager's waiting marker makes every other process ring it at each commit that frees rows.
 /// A refused `try_acquire` waits for nothing, and a queued request is rung by name when it is
 /// promoted: neither puts one up. A caller waiting without a row (a `many`) does.
@@ -634,6 +672,18 @@ fn handed_over_by(folder: &Path, db: &Path, poll: Duration, limit: Duration) {
 
 /// `handed_over_by`, the parent waiting in the queue or (`queued` false) without a row.
 fn handed_over(folder: &Path, db: &Path, poll: Duration, limit: Duration, queued: bool) {
+    handed_over_after(folder, db, poll, limit, queued, |_| {});
+}
+
+/// `handed_over`, with `meanwhile` done to the doorbell's folder once the parent waits.
+fn handed_over_after(
+    folder: &Path,
+    db: &Path,
+    poll: Duration,
+    limit: Duration,
+    queued: bool,
+    meanwhile: impl FnOnce(&Path),
+) {
     let mut child = ChildProcess::spawn("hold-then-release", db, folder, "0");
     child.await_marker(folder, "held", Duration::from_secs(20));
     block_on(async {
@@ -668,6 +718,7 @@ fn handed_over(folder: &Path, db: &Path, poll: Duration, limit: Duration, queued
             })
             .await;
         }
+        meanwhile(&db.with_extension("db-doorbell"));
         // However long it waits, it is not granted while the child holds.
         smol::Timer::after(Duration::from_millis(50)).await;
         assert!(!waiter.is_finished(), "granted while the child held");

@@ -23,21 +23,37 @@
 //! when the folder changed), and a `sendto` per promoted owner and per marked manager. A socket
 //! whose owner died (nobody bound: `ECONNREFUSED`) is removed with its marker by whoever rings
 //! it.
+//!
+//! Invariants:
+//!
+//! 1. A listing is trusted only while the folder's modification time is the one it was read
+//!    at, and that time was over [`COARSE`] older than the reading: filesystems keep coarse
+//!    times (a kernel tick, a second, two on FAT), and a marker made in the same tick as the
+//!    change before it leaves the time as it was.
+//! 2. A manager's socket is where others ring it, or its listening thread binds it again
+//!    within [`CHECK_EVERY`] (the folder was deleted, or the socket file): it then pokes the
+//!    worker, which puts its marker up again if it waits, and looks for what it missed.
 
 use std::collections::BTreeSet;
 use std::io::ErrorKind;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime};
 
 use super::protocol::Command;
 use super::storage::fnv1a;
 
-/// How often the listening thread checks that its manager is still there.
+/// How often the listening thread checks that its manager is still there, and that its socket
+/// is (invariant 2).
 const CHECK_EVERY: Duration = Duration::from_millis(500);
+
+/// The coarsest modification times a filesystem keeps (FAT's two seconds): a listing read this
+/// long after the folder last changed is trusted until it changes again (invariant 1).
+const COARSE: Duration = Duration::from_secs(2);
 
 /// The longest socket path a `sockaddr_un` holds (108 bytes with the final NUL on Linux, 104 on
 /// the BSDs: the smaller).
@@ -50,9 +66,15 @@ pub(crate) struct Doorbell {
     sender: UnixDatagram,
     /// Whether this manager's marker is there.
     waiting: bool,
-    /// The folder's modification time when `peers` was read, and the waiting peers' ids.
+    /// The folder's modification time when `peers` was read, if `peers` may be trusted while it
+    /// stays so (invariant 1), and the waiting peers' ids.
     listed: Option<SystemTime>,
     peers: Vec<String>,
+    /// The database's permission bits, which the folder and the socket take.
+    mode: u32,
+    /// Set by the listening thread when it bound its socket again: the marker, if up, may have
+    /// gone with the folder.
+    rebound: Arc<AtomicBool>,
 }
 
 impl Doorbell {
@@ -82,13 +104,7 @@ impl Doorbell {
         // folder follow the database's own permissions (an existing file keeps its own), not the
         // process umask, which `bind` would apply.
         let mode = database_mode(db).unwrap_or(file_mode);
-        let made = make_dir(&dir, mode)
-            .and_then(|()| {
-                let _ = std::fs::remove_file(&socket_path);
-                let socket = UnixDatagram::bind(&socket_path)?;
-                std::fs::set_permissions(&socket_path, std::fs::Permissions::from_mode(mode))?;
-                Ok(socket)
-            })
+        let made = bind(&dir, &socket_path, mode)
             .and_then(|listener| Ok((listener, UnixDatagram::unbound()?)));
         let (listener, sender) = match made {
             Ok(sockets) => sockets,
@@ -102,10 +118,18 @@ impl Doorbell {
             }
         };
         let _ = sender.set_nonblocking(true);
-        let _ = listener.set_read_timeout(Some(CHECK_EVERY));
+        let rebound = Arc::new(AtomicBool::new(false));
+        let listening = Listening {
+            socket: listener,
+            dir: dir.clone(),
+            path: socket_path.clone(),
+            mode,
+            poke,
+            rebound: rebound.clone(),
+        };
         let started = std::thread::Builder::new()
             .name("leasehold-doorbell".into())
-            .spawn(move || listen(&listener, &poke));
+            .spawn(move || listening.run());
         if started.is_err() {
             let _ = std::fs::remove_file(&socket_path);
             return None;
@@ -117,7 +141,18 @@ impl Doorbell {
             waiting: false,
             listed: None,
             peers: Vec::new(),
+            mode,
+            rebound,
         })
+    }
+
+    /// After the listening thread bound its socket again (invariant 2): puts the marker up
+    /// again if it was up, the folder having perhaps gone with it. Cheap when nothing happened.
+    pub(crate) fn refresh(&mut self) {
+        if self.rebound.swap(false, Ordering::AcqRel) && self.waiting {
+            self.waiting = false;
+            self.set_waiting(true);
+        }
     }
 
     /// Puts up or takes down this manager's marker.
@@ -127,7 +162,8 @@ impl Doorbell {
         }
         let marker = self.dir.join(format!("{}.wait", self.id));
         let done = if waiting {
-            std::fs::File::create(&marker).map(drop)
+            // The folder may have been deleted since this manager made it.
+            make_dir(&self.dir, self.mode).and_then(|()| std::fs::File::create(&marker).map(drop))
         } else {
             std::fs::remove_file(&marker)
         };
@@ -139,10 +175,17 @@ impl Doorbell {
 
     /// Rings every other manager with a marker up, and the managers of `owners`.
     pub(crate) fn ring(&mut self, owners: &BTreeSet<String>) {
+        self.refresh();
         let modified = std::fs::metadata(&self.dir).and_then(|m| m.modified()).ok();
         if modified.is_none() || modified != self.listed {
-            self.listed = modified;
+            let read_at = SystemTime::now();
             self.peers = self.waiting_peers();
+            // Trusted from now on only if the folder had not changed for a while (invariant 1).
+            self.listed = modified.filter(|&modified| {
+                read_at
+                    .duration_since(modified)
+                    .is_ok_and(|since| since > COARSE)
+            });
         }
         let named = owners.iter().map(|owner| id_of(owner));
         let peers: BTreeSet<String> = self.peers.iter().cloned().chain(named).collect();
@@ -224,14 +267,101 @@ fn make_dir(dir: &Path, mode: u32) -> std::io::Result<()> {
     }
 }
 
-/// The listening thread: pokes the worker at every datagram, and stops once the worker is gone.
-fn listen(listener: &UnixDatagram, poke: &Weak<Sender<Command>>) {
-    let mut buffer = [0u8; 16];
-    loop {
-        let heard = listener.recv(&mut buffer).is_ok();
-        let Some(tx) = poke.upgrade() else { return };
-        if heard && tx.send(Command::Poke).is_err() {
-            return;
+/// Makes the folder if it is not there and binds a socket at `path` in it, with the
+/// database's permissions (`mode`).
+fn bind(dir: &Path, path: &Path, mode: u32) -> std::io::Result<UnixDatagram> {
+    make_dir(dir, mode)?;
+    let _ = std::fs::remove_file(path);
+    let socket = UnixDatagram::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    socket.set_read_timeout(Some(CHECK_EVERY))?;
+    Ok(socket)
+}
+
+/// What the listening thread listens on, and how it binds it again.
+struct Listening {
+    socket: UnixDatagram,
+    dir: PathBuf,
+    path: PathBuf,
+    mode: u32,
+    poke: Weak<Sender<Command>>,
+    rebound: Arc<AtomicBool>,
+}
+
+impl Listening {
+    /// Pokes the worker at every datagram; binds the socket again where it is gone (invariant
+    /// 2); stops once the worker is gone.
+    fn run(mut self) {
+        let mut buffer = [0u8; 16];
+        let mut bound = inode(&self.path);
+        loop {
+            let heard = self.socket.recv(&mut buffer).is_ok();
+            let Some(tx) = self.poke.upgrade() else {
+                return;
+            };
+            if !heard && (bound.is_none() || inode(&self.path) != bound) {
+                if let Ok(socket) = bind(&self.dir, &self.path, self.mode) {
+                    self.socket = socket;
+                    bound = inode(&self.path);
+                    self.rebound.store(true, Ordering::Release);
+                    tracing::debug!(path = %self.path.display(), "the doorbell's socket was gone; bound again");
+                    // Rings may have been missed meanwhile: look.
+                    if tx.send(Command::Poke).is_err() {
+                        return;
+                    }
+                }
+                continue;
+            }
+            if heard && tx.send(Command::Poke).is_err() {
+                return;
+            }
         }
+    }
+}
+
+/// The inode of the file at `path`, if there is one.
+fn inode(path: &Path) -> Option<u64> {
+    std::fs::metadata(path).ok().map(|metadata| metadata.ino())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer bound at `id`'s socket in `dir`, with its marker up.
+    fn waiting_peer(dir: &Path, id: &str) -> UnixDatagram {
+        let socket = UnixDatagram::bind(dir.join(format!("{id}.sock"))).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        std::fs::File::create(dir.join(format!("{id}.wait"))).unwrap();
+        socket
+    }
+
+    /// A marker put up in the same tick of the filesystem's clock as the change before it
+    /// leaves the folder's modification time as it was (coarse times: a kernel tick, a second,
+    /// two on FAT). Its manager is rung all the same: a listing read so soon after a change is
+    /// never trusted to stand for the folder (invariant 1).
+    #[test]
+    fn a_marker_put_up_in_the_tick_of_the_last_listing_is_rung() {
+        let folder = tempfile::tempdir().unwrap();
+        let db = folder.path().join("locks.db");
+        let (tx, _commands) = std::sync::mpsc::channel();
+        let tx = Arc::new(tx);
+        let mut doorbell = Doorbell::open(&db, "ringer", 0o600, Arc::downgrade(&tx)).unwrap();
+        let dir = doorbell.dir.clone();
+        let first = waiting_peer(&dir, "first");
+        let mut byte = [0u8; 1];
+        doorbell.ring(&BTreeSet::new());
+        first.recv(&mut byte).expect("the first peer was rung");
+        // The second peer comes; the folder's time stays what it was.
+        let unchanged = std::fs::metadata(&dir).unwrap().modified().unwrap();
+        let second = waiting_peer(&dir, "second");
+        std::fs::File::open(&dir)
+            .unwrap()
+            .set_modified(unchanged)
+            .unwrap();
+        doorbell.ring(&BTreeSet::new());
+        second.recv(&mut byte).expect("the second peer was rung");
     }
 }

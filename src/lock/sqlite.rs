@@ -579,6 +579,9 @@ impl Storage for Db<'_> {
         if let Some(file) = &self.file {
             file.check()?;
         }
+        if let Some(doorbell) = &mut self.doorbell {
+            doorbell.refresh();
+        }
         let version = self.data_version()?;
         if self.seen_version == Some(version) {
             return Ok(Changes::Nothing);
