@@ -812,6 +812,37 @@ fn a_guard_hears_its_lease_lost_by_its_end_while_the_storage_thread_is_stuck() {
     });
 }
 
+/// Dropping the last handle waits for the worker to delete the owner's rows, but no longer than
+/// half a heartbeat while the storage is stuck: the caller's thread (an executor's, here) is
+/// held for no more than that, and the rows go once the storage lets the worker through.
+#[test]
+fn dropping_the_last_handle_while_the_storage_is_stuck_returns_within_half_a_heartbeat() {
+    stores::on_every_store(|store| async move {
+        let heartbeat = Duration::from_millis(200);
+        let builder = LockManager::builder()
+            .lease(heartbeat * 3)
+            .heartbeat(heartbeat);
+        let locks = store.open_with(builder).await;
+        let owner = locks.owner_id().to_owned();
+        let guard = locks.exclusive("k", "held").await.unwrap();
+        let stall = store.stall(&owner);
+        drop(guard);
+        let started = Instant::now();
+        drop(locks);
+        let took = started.elapsed();
+        // Half a heartbeat, and a generous margin for a busy machine.
+        assert!(
+            took < heartbeat / 2 + Duration::from_secs(1),
+            "the drop took {took:?}"
+        );
+        drop(stall);
+        within(10_000, "the owner's rows gone", || async {
+            store.count_rows(&format!("owner = '{owner}'")) == 0
+        })
+        .await;
+    });
+}
+
 #[test]
 fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
     stores::on_every_store(|store| async move {

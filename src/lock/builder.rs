@@ -15,7 +15,7 @@ use crate::spawn::Spawner;
 
 use super::guard::Guards;
 use super::handle::Counters;
-use super::handle::{Common, Shared};
+use super::handle::{Common, Shared, WorkerThread};
 use super::protocol::Command;
 use super::reply::Replies;
 use super::sqlite::Db;
@@ -455,10 +455,15 @@ impl LockManagerBuilder {
         let tx = Arc::new(tx);
         let poke = Arc::downgrade(&tx);
         let worker_common = common.clone();
-        let worker = std::thread::Builder::new()
+        let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
+        let handle = std::thread::Builder::new()
             .name("leasehold-storage".into())
-            .spawn(move || run(worker_common, commands, poke))
+            .spawn(move || {
+                let _ended = ended_tx;
+                run(worker_common, commands, poke);
+            })
             .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
+        let worker = WorkerThread { handle, ended };
         Ok(Starting { common, tx, worker })
     }
 }
@@ -475,7 +480,7 @@ fn default_busy_schedule() -> Schedule {
 struct Starting {
     common: Arc<Common>,
     tx: Arc<Sender<Command>>,
-    worker: std::thread::JoinHandle<()>,
+    worker: WorkerThread,
 }
 
 impl Starting {

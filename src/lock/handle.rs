@@ -56,19 +56,38 @@ pub(crate) struct Shared {
     pub(super) tx: Arc<Sender<Command>>,
     pub(super) common: Arc<Common>,
     pub(super) next_request: AtomicU64,
-    pub(super) worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    pub(super) worker: Mutex<Option<WorkerThread>>,
+}
+
+/// The storage worker's thread, and what tells that it has ended.
+pub(crate) struct WorkerThread {
+    pub(super) handle: std::thread::JoinHandle<()>,
+    /// Disconnected when the thread's work is done (its sender is dropped as it ends).
+    pub(super) ended: std::sync::mpsc::Receiver<()>,
 }
 
 impl Drop for Shared {
     /// The last handle is gone: disconnect the worker, and wait for it to delete this owner's
-    /// rows and close the database, so that the file is settled when the drop returns.
+    /// rows and close the database, so that the file is settled when the drop returns: for at
+    /// most half a heartbeat (when the storage is stuck, its statements' timeouts end them by
+    /// then). After that the worker finishes in the background, and whatever it could not
+    /// delete expires with its lease: a drop on an executor's thread never holds it longer.
     fn drop(&mut self) {
         let (disconnected, _) = std::sync::mpsc::channel();
         drop(std::mem::replace(&mut self.tx, Arc::new(disconnected)));
         let worker = lock(&self.worker).take();
-        if let Some(worker) = worker {
-            if worker.thread().id() != std::thread::current().id() {
-                let _ = worker.join();
+        let Some(worker) = worker else { return };
+        if worker.handle.thread().id() == std::thread::current().id() {
+            return;
+        }
+        match worker.ended.recv_timeout(self.common.heartbeat / 2) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => tracing::warn!(
+                owner = %self.common.owner,
+                "the storage thread did not finish closing within half a heartbeat; it goes on \
+                 in the background"
+            ),
+            _ => {
+                let _ = worker.handle.join();
             }
         }
     }

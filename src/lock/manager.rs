@@ -37,8 +37,9 @@ use super::{EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, S
 ///
 /// Dropping the last handle (clones, guards and pending acquisitions all hold one) deletes this
 /// owner's remaining rows and closes the database, and waits for that: a single transaction,
-/// usually well under a millisecond. [`shutdown`](LockManager::shutdown) does the same without
-/// blocking.
+/// usually well under a millisecond, and never more than half a heartbeat (a database that is
+/// stuck gets the rest done in the background, or the rows expire with their lease).
+/// [`shutdown`](LockManager::shutdown) does the same without blocking.
 ///
 /// # Examples
 ///

@@ -123,7 +123,10 @@ impl Store {
     fn read_number(&self, query: &str) -> i64 {
         match self {
             Store::Sqlite { path, .. } => {
-                let connection = sqlite::open(path).expect("open the database");
+                let mut connection = sqlite::open(path).expect("open the database");
+                connection
+                    .set_busy_timeout(10_000)
+                    .expect("set a busy timeout");
                 let mut statement = connection
                     .prepare(query)
                     .expect("a query of the locks table");
