@@ -1077,3 +1077,54 @@ fn a_decision_that_waited_for_a_renewal_sees_the_row_renewed() {
         assert_eq!(holders, ["renewed"]);
     });
 }
+
+/// A grant read late, a lease and more after it was made, whose row the owner's heartbeat kept
+/// renewing meanwhile (the owner holds another lock), is handed out with its ticket: the worker
+/// knows each request's lease as renewed, not only as granted.
+#[test]
+fn a_grant_read_late_whose_row_heartbeats_kept_live_is_handed_out() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("late_but_renewed");
+        let lease = Duration::from_millis(600);
+        let open = || async {
+            LockManager::builder()
+                .schema(&schema)
+                .lease(lease)
+                .heartbeat(lease / 3)
+                .connect(server.url())
+                .await
+                .unwrap()
+        };
+        let (a, b) = (open().await, open().await);
+        let other = b
+            .exclusive("other", "keeps B's heartbeat beating")
+            .await
+            .unwrap();
+        let holder = a.exclusive("k", "A").await.unwrap();
+        let mut acquisition = b.exclusive("k", "B");
+        within(5_000, "B queued", || {
+            assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
+            async { b.inspect(Some("k")).await.unwrap().len() == 2 }
+        })
+        .await;
+        holder.release().await.unwrap();
+        within(5_000, "B's row promoted", || async {
+            let rows = b.inspect(Some("k")).await.unwrap();
+            rows.len() == 1 && rows[0].state == EntryState::Held
+        })
+        .await;
+        let ticket = b.inspect(Some("k")).await.unwrap()[0].ticket;
+        // The caller stalls for two leases; B's lock heartbeat goes on renewing.
+        smol::Timer::after(lease * 2).await;
+        let guard = futures::FutureExt::now_or_never(&mut acquisition)
+            .expect("the grant is there to read")
+            .unwrap();
+        assert_eq!(guard.fencing_token(), ticket, "it lost its place");
+        assert!(!guard.lost().is_aborted());
+        guard.release().await.unwrap();
+        other.release().await.unwrap();
+    });
+}

@@ -340,3 +340,56 @@ impl Guards {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::TestClock;
+
+    fn keys(key: &str) -> Vec<String> {
+        vec![key.to_owned()]
+    }
+
+    /// A renewal moves on only the leases whose rows it renewed: one whose row had run out is
+    /// lost, however recent the renewal of the owner's other rows. And a lease forgotten by a
+    /// release is judged by its own deadline, which no later renewal moves: the release of a
+    /// guard whose row ran out, answered only "no rows" (a lost answer), says it was lost.
+    #[test]
+    fn a_renewal_moves_on_only_the_leases_whose_rows_it_renewed() {
+        let clock = TestClock::new();
+        let at = |secs: u64| clock.monotonic() + Duration::from_secs(secs);
+        let mut guards = Guards::default();
+        let lapsed = guards.granted(1, keys("a"), Arc::new(clock.clone()), at(10));
+        let renewed = guards.granted(2, keys("b"), Arc::new(clock.clone()), at(10));
+        let released = guards.granted(3, keys("c"), Arc::new(clock.clone()), at(10));
+        clock.advance(Duration::from_secs(5));
+        let entry = guards.forget(3).expect("kept until released");
+        let lost = guards.renewed(|ticket| usize::from(ticket != 1), at(10));
+        assert_eq!(lost, 1);
+        assert!(lapsed.is_aborted(), "a lease whose row was not renewed");
+        assert!(!renewed.is_aborted() && !released.is_aborted());
+        clock.advance(Duration::from_secs(6));
+        assert!(!renewed.is_aborted(), "renewed until 15 s");
+        assert!(
+            entry.lost.signal().is_aborted(),
+            "the released guard's own lease ran out"
+        );
+        assert!(released.is_aborted());
+        clock.advance(Duration::from_secs(4));
+        assert!(renewed.is_aborted(), "past its renewed deadline");
+    }
+
+    /// A renewal that comes back after a lease's deadline does not revive it: once a look could
+    /// have found it lost, it is lost.
+    #[test]
+    fn a_renewal_that_comes_back_too_late_leaves_the_lease_lost() {
+        let clock = TestClock::new();
+        let mut guards = Guards::default();
+        let deadline = clock.monotonic() + Duration::from_secs(10);
+        let lost = guards.granted(1, keys("a"), Arc::new(clock.clone()), deadline);
+        clock.advance(Duration::from_secs(10));
+        assert_eq!(guards.renewed(|_| 1, deadline + Duration::from_secs(10)), 1);
+        assert!(lost.is_aborted());
+        assert!(guards.is_empty());
+    }
+}
