@@ -38,10 +38,11 @@
 //! ([`Scoped::with_spawner`], [`Scope::with_spawner`], [`LockManagerBuilder::spawner`]), else on
 //! the enclosing scope's (a `Scoped` first polled inside another inherits it, a forked fiber uses
 //! its scope's), else, with the `tokio` feature, on the tokio runtime the `Scoped` is first polled
-//! on, else on smol's global executor.** ([`Scope::new`], [`fork_daemon`] and
-//! [`AbortSignal::timeout`] take the same default where they are called. A lock manager built
-//! without a spawner follows the same rule: an acquisition is a `Scoped`, and the owner's lock
-//! heartbeat starts where the guard that needed it was taken.)
+//! on, else on smol's global executor.** ([`Scope::new`] and [`fork_daemon`] take the same
+//! default where they are called. A lock manager built without a spawner follows the same rule:
+//! an acquisition is a `Scoped`, and the owner's lock heartbeat starts where the guard that
+//! needed it was taken.) A timeout, and a guard's [`lost`](Guard::lost) signal, need no task
+//! at all: they abort by their clock, seen by whoever looks at them or awaits them.
 //!
 //! The library starts these threads:
 //!
