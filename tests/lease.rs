@@ -3,7 +3,7 @@
 
 mod lock_support;
 
-use lock_support::within;
+use lock_support::{granted_while_stalled, read_when_stalled, within};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::executor::block_on;
 use leasehold::{
     fork_daemon, Clock, EntryState, Fiber, Guard, LeaseLost, LockError, LockManager, LockRequest,
-    Scoped, SystemClock, TestClock,
+    SystemClock, TestClock,
 };
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -563,35 +563,21 @@ fn locks_granted_from_the_queue_on_real_clocks_are_not_lost() {
     });
 }
 
-/// B's acquisition of "k", queued behind A's and granted when A releases, but polled only by the
-/// test: its task is "stalled" between polls, and has not read its grant yet.
-async fn granted_while_stalled(a: &LockManager, b: &LockManager) -> Scoped<Guard, LockError> {
-    let holder = a.exclusive("k", "A").await.unwrap();
-    let mut acquisition = b.exclusive("k", "B");
-    within(5_000, "B queued", || {
-        assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
-        async { b.inspect(Some("k")).await.unwrap().len() == 2 }
-    })
-    .await;
-    holder.release().await.unwrap();
-    within(5_000, "B's row promoted", || async {
-        let rows = b.inspect(Some("k")).await.unwrap();
-        rows.len() == 1 && rows[0].state == EntryState::Held
-    })
-    .await;
-    acquisition
-}
-
-/// Polls a stalled acquisition again until it returns a guard.
-async fn read_when_stalled(acquisition: &mut Scoped<Guard, LockError>) -> Guard {
-    let mut delivered = None;
-    within(5_000, "the acquisition returned", || {
-        delivered = futures::FutureExt::now_or_never(&mut *acquisition);
-        let returned = delivered.is_some();
-        async move { returned }
-    })
-    .await;
-    delivered.unwrap().unwrap()
+/// Moves `clock` on by `times` heartbeats of `tight_managers` (a second each), each once `b`'s
+/// lock heartbeat sleeps, and waits for it to renew after each.
+async fn beat(clock: &TestClock, b: &LockManager, times: usize) {
+    for _ in 0..times {
+        let beats = b.stats().heartbeats;
+        within(5_000, "B's lock heartbeat asleep", || async {
+            clock.sleepers() >= 1
+        })
+        .await;
+        clock.advance(Duration::from_secs(1));
+        within(5_000, "B's lock heartbeat ran", || async {
+            b.stats().heartbeats > beats
+        })
+        .await;
+    }
 }
 
 /// A grant whose lease ran out between the decision and its delivery (the caller's executor
@@ -632,18 +618,7 @@ fn a_grant_read_late_whose_row_heartbeats_kept_live_is_handed_out() {
         let mut acquisition = granted_while_stalled(&a, &b).await;
         let ticket = b.inspect(Some("k")).await.unwrap()[0].ticket;
         // Three heartbeats while the caller stalls: past the grant's first lease of 2 s.
-        for _ in 0..3 {
-            let beats = b.stats().heartbeats;
-            within(5_000, "B's lock heartbeat asleep", || async {
-                clock.sleepers() >= 1
-            })
-            .await;
-            clock.advance(Duration::from_secs(1));
-            within(5_000, "B's lock heartbeat ran", || async {
-                b.stats().heartbeats > beats
-            })
-            .await;
-        }
+        beat(&clock, &b, 3).await;
         let guard = read_when_stalled(&mut acquisition).await;
         assert_eq!(guard.fencing_token(), ticket, "it lost its place");
         assert!(!guard.lost().is_aborted());
@@ -685,18 +660,7 @@ fn a_guard_delivered_late_but_live_is_renewed_before_its_lease_runs_out() {
         )
         .await;
         // From then on, one heartbeat at a time, each renewal made before time moves on.
-        for _ in 0..3 {
-            let beats = b.stats().heartbeats;
-            within(5_000, "B's lock heartbeat asleep", || async {
-                clock.sleepers() >= 1
-            })
-            .await;
-            clock.advance(Duration::from_secs(1));
-            within(5_000, "B's lock heartbeat ran", || async {
-                b.stats().heartbeats > beats
-            })
-            .await;
-        }
+        beat(&clock, &b, 3).await;
         assert!(!guard.lost().is_aborted());
         let rows = b.inspect(Some("k")).await.unwrap();
         assert_eq!(rows.len(), 1, "{rows:?}");

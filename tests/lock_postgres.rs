@@ -13,7 +13,7 @@ use futures::executor::block_on;
 use leasehold::{
     fork_daemon, AbortController, EntryState, Exit, LockError, LockManager, LockRequest, Schedule,
 };
-use lock_support::{bounded, join_within, within};
+use lock_support::{bounded, granted_while_stalled, join_within, read_when_stalled, within};
 
 /// A manager on `server` in `schema`, with short leases so that tests about them are quick.
 async fn manager(url: &str, schema: &str) -> LockManager {
@@ -1103,25 +1103,11 @@ fn a_grant_read_late_whose_row_heartbeats_kept_live_is_handed_out() {
             .exclusive("other", "keeps B's heartbeat beating")
             .await
             .unwrap();
-        let holder = a.exclusive("k", "A").await.unwrap();
-        let mut acquisition = b.exclusive("k", "B");
-        within(5_000, "B queued", || {
-            assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
-            async { b.inspect(Some("k")).await.unwrap().len() == 2 }
-        })
-        .await;
-        holder.release().await.unwrap();
-        within(5_000, "B's row promoted", || async {
-            let rows = b.inspect(Some("k")).await.unwrap();
-            rows.len() == 1 && rows[0].state == EntryState::Held
-        })
-        .await;
+        let mut acquisition = granted_while_stalled(&a, &b).await;
         let ticket = b.inspect(Some("k")).await.unwrap()[0].ticket;
         // The caller stalls for two leases; B's lock heartbeat goes on renewing.
         smol::Timer::after(lease * 2).await;
-        let guard = futures::FutureExt::now_or_never(&mut acquisition)
-            .expect("the grant is there to read")
-            .unwrap();
+        let guard = read_when_stalled(&mut acquisition).await;
         assert_eq!(guard.fencing_token(), ticket, "it lost its place");
         assert!(!guard.lost().is_aborted());
         guard.release().await.unwrap();

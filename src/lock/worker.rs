@@ -1202,15 +1202,22 @@ impl<S: Storage> Worker<S> {
                 gone.push(ticket);
             }
         }
+        self.settle(promoted, &gone);
+        for ticket in gone {
+            self.requests.retain(|_, written| written.ticket != ticket);
+        }
+    }
+
+    /// Ends the waits found `promoted` (by another manager, with this owner's lease: until when
+    /// the storage says) with their grants, and those whose rows are `gone`.
+    fn settle(&mut self, promoted: impl IntoIterator<Item = (u64, i64)>, gone: &[u64]) {
         for (ticket, expires_at) in promoted {
-            // Promoted by another manager, with this owner's lease.
             self.grant_wait(ticket, expires_at);
         }
-        for ticket in gone {
+        for &ticket in gone {
             if let Some(slot) = self.waits.remove(ticket) {
                 slot.set(SlotState::Expired);
             }
-            self.requests.retain(|_, written| written.ticket != ticket);
         }
     }
 
@@ -1266,14 +1273,8 @@ impl<S: Storage> Worker<S> {
                 }
             }
         }
-        for (ticket, expires_at) in promoted {
-            self.grant_wait(ticket, expires_at);
-        }
-        for ticket in gone {
-            if let Some(slot) = self.waits.remove(ticket) {
-                slot.set(SlotState::Expired);
-            }
-        }
+        let gone: Vec<u64> = gone.into_iter().collect();
+        self.settle(promoted, &gone);
     }
 
     /// The poll: a cheap check of what others changed, then, only for the watched keys that

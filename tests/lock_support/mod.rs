@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use leasehold::{Exit, Fiber, LockEntry, LockManager};
+use leasehold::{EntryState, Exit, Fiber, Guard, LockEntry, LockError, LockManager, Scoped};
 
 /// Waits until `condition` holds, checking every millisecond, for at most `limit_ms`.
 pub async fn within<F, Fut>(limit_ms: u64, what: &str, mut condition: F)
@@ -61,15 +61,21 @@ pub async fn rows_of(locks: &LockManager, operation: &str) -> Vec<LockEntry> {
         .collect()
 }
 
+/// A connection of the test's own to a database file, which waits while the managers write.
+pub fn connection(path: &Path) -> sqlite::Connection {
+    let mut connection = sqlite::Connection::open(path).expect("open the database");
+    connection
+        .set_busy_timeout(10_000)
+        .expect("set a busy timeout");
+    connection
+}
+
 /// SQLite's write lock on a database file, held by a connection of the test's own until dropped.
 pub struct WriteLock(sqlite::Connection);
 
 impl WriteLock {
     pub fn take(path: &Path) -> WriteLock {
-        let mut connection = sqlite::Connection::open(path).expect("open the database");
-        connection
-            .set_busy_timeout(10_000)
-            .expect("set a busy timeout");
+        let connection = connection(path);
         connection
             .execute("BEGIN IMMEDIATE")
             .expect("take the write lock");
@@ -81,4 +87,35 @@ impl Drop for WriteLock {
     fn drop(&mut self) {
         let _ = self.0.execute("ROLLBACK");
     }
+}
+
+/// B's acquisition of "k", queued behind A's and granted when A releases, but polled only by the
+/// test: its task is "stalled" between polls, and has not read its grant yet.
+pub async fn granted_while_stalled(a: &LockManager, b: &LockManager) -> Scoped<Guard, LockError> {
+    let holder = a.exclusive("k", "A").await.unwrap();
+    let mut acquisition = b.exclusive("k", "B");
+    within(5_000, "B queued", || {
+        assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
+        async { b.inspect(Some("k")).await.unwrap().len() == 2 }
+    })
+    .await;
+    holder.release().await.unwrap();
+    within(5_000, "B's row promoted", || async {
+        let rows = b.inspect(Some("k")).await.unwrap();
+        rows.len() == 1 && rows[0].state == EntryState::Held
+    })
+    .await;
+    acquisition
+}
+
+/// Polls a stalled acquisition again until it returns a guard.
+pub async fn read_when_stalled(acquisition: &mut Scoped<Guard, LockError>) -> Guard {
+    let mut delivered = None;
+    within(5_000, "the acquisition returned", || {
+        delivered = futures::FutureExt::now_or_never(&mut *acquisition);
+        let returned = delivered.is_some();
+        async move { returned }
+    })
+    .await;
+    delivered.unwrap().unwrap()
 }

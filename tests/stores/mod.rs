@@ -123,10 +123,7 @@ impl Store {
     fn read_number(&self, query: &str) -> i64 {
         match self {
             Store::Sqlite { path, .. } => {
-                let mut connection = sqlite::open(path).expect("open the database");
-                connection
-                    .set_busy_timeout(10_000)
-                    .expect("set a busy timeout");
+                let connection = crate::lock_support::connection(path);
                 let mut statement = connection
                     .prepare(query)
                     .expect("a query of the locks table");
@@ -149,7 +146,7 @@ impl Store {
 /// transaction waits for it, trying again and again); on PostgreSQL another session holds the
 /// owner's rows locked (its renewal waits for them, and its lock timeout, and waits again).
 pub enum Stall {
-    Sqlite(sqlite::Connection),
+    Sqlite(crate::lock_support::WriteLock),
     /// The session's thread (the synchronous client runs a runtime of its own, which may not be
     /// started inside a tokio runtime), and how to tell it to let go.
     #[cfg(feature = "postgres")]
@@ -163,16 +160,7 @@ impl Store {
     /// Stalls the storage thread of `owner` (see [`Stall`]).
     pub fn stall(&self, owner: &str) -> Stall {
         match self {
-            Store::Sqlite { path, .. } => {
-                let mut connection = sqlite::open(path).expect("open the database");
-                connection
-                    .set_busy_timeout(10_000)
-                    .expect("set a busy timeout");
-                connection
-                    .execute("BEGIN IMMEDIATE")
-                    .expect("take the write lock");
-                Stall::Sqlite(connection)
-            }
+            Store::Sqlite { path, .. } => Stall::Sqlite(crate::lock_support::WriteLock::take(path)),
             #[cfg(feature = "postgres")]
             Store::Postgres { url, schema } => {
                 let (url, owner) = (url.clone(), owner.to_owned());
@@ -201,9 +189,8 @@ impl Store {
 impl Drop for Stall {
     fn drop(&mut self) {
         match self {
-            Stall::Sqlite(connection) => {
-                let _ = connection.execute("ROLLBACK");
-            }
+            // Lets go as it drops.
+            Stall::Sqlite(_) => {}
             #[cfg(feature = "postgres")]
             Stall::Postgres(release, session) => {
                 let _ = release.send(());
