@@ -106,6 +106,8 @@
 // Denied everywhere but in `semaphore`, whose permits share its state without a reference count
 // (see the memory invariants there), and which allows it for that alone.
 #![deny(unsafe_code)]
+// On docs.rs (`--cfg docsrs`, a nightly rustdoc): each feature-gated item says what it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -136,6 +138,7 @@ pub use schedule::{Schedule, ScheduleRun};
 pub use scope::{scoped, ExitStatus, Release, Scope, ScopeClosed, Scoped};
 pub use semaphore::{Acquire, Permit, Semaphore};
 #[cfg(feature = "tokio")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 pub use spawn::TokioSpawner;
 pub use spawn::{SmolSpawner, Spawner};
 

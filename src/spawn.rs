@@ -88,6 +88,7 @@ impl fmt::Debug for SmolSpawner {
 /// assert_eq!(runtime.block_on(work).unwrap(), Some(7));
 /// ```
 #[cfg(feature = "tokio")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 #[derive(Clone, Debug)]
 pub struct TokioSpawner {
     handle: tokio::runtime::Handle,

@@ -357,6 +357,7 @@ impl LockManagerBuilder {
     /// (the message names the host and database, never the password),
     /// [`LockError::SchemaTooNew`] if a newer version of this library created the schema.
     #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     pub async fn connect(self, url: &str) -> Result<LockManager, LockError> {
         let target = super::postgres::parse(url)?;
         if !super::postgres::valid_schema(&self.schema) {
@@ -389,6 +390,7 @@ impl LockManagerBuilder {
     /// Lower-case letters, digits and `_` only: anything else is refused by
     /// [`connect`](LockManagerBuilder::connect).
     #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     pub fn schema(mut self, name: &str) -> Self {
         self.schema = name.to_owned();
         self

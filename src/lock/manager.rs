@@ -96,6 +96,7 @@ impl LockManager {
     ///
     /// See [`LockManagerBuilder::connect`].
     #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     pub async fn connect(url: &str) -> Result<Self, LockError> {
         LockManager::builder().connect(url).await
     }
