@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use event_listener::Event;
@@ -13,16 +13,17 @@ use crate::clock::{Clock, SystemClock};
 use crate::schedule::Schedule;
 use crate::spawn::Spawner;
 
-use super::guard::Guards;
-use super::handle::Counters;
-use super::handle::{Common, Shared, WorkerThread};
-use super::protocol::Command;
-use super::reply::Replies;
-use super::sqlite::Db;
-use super::storage::micros;
+use super::backend::sqlite::Db;
+use super::backend::{sqlite, Poke};
+use super::handle::{Shared, WorkerThread};
+use super::state::held::Guards;
+use super::state::reply::Replies;
+use super::state::{Common, Counters};
+use super::worker::protocol::Command;
+use super::worker::siblings;
 use super::worker::Worker;
-use super::{siblings, sqlite};
 use super::{LockError, LockManager};
+use crate::lock::time::micros;
 
 /// Settings for a [`LockManager`]; from [`LockManager::builder`].
 ///
@@ -85,7 +86,7 @@ impl LockManagerBuilder {
             spawner: None,
             file_mode: DEFAULT_FILE_MODE,
             #[cfg(feature = "postgres")]
-            schema: super::postgres::DEFAULT_SCHEMA.to_owned(),
+            schema: super::backend::postgres::DEFAULT_SCHEMA.to_owned(),
         }
     }
 
@@ -359,8 +360,8 @@ impl LockManagerBuilder {
     #[cfg(feature = "postgres")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     pub async fn connect(self, url: &str) -> Result<LockManager, LockError> {
-        let target = super::postgres::parse(url)?;
-        if !super::postgres::valid_schema(&self.schema) {
+        let target = super::backend::postgres::parse(url)?;
+        if !super::backend::postgres::valid_schema(&self.schema) {
             return Err(LockError::InvalidConfig(format!(
                 "the schema name {:?} must be lower-case letters, digits and _, not start with a \
                  digit, and be at most 63 bytes",
@@ -373,7 +374,7 @@ impl LockManagerBuilder {
         let starting = self.launch(store, move |common, commands, poke| {
             let target = target.bound_by(common.heartbeat);
             let busy = common.busy.clone();
-            match super::postgres::Postgres::connect(target, schema, busy, poke) {
+            match super::backend::postgres::Postgres::connect(target, schema, busy, poke) {
                 Ok(storage) => {
                     let _ = opened.send(Ok(()));
                     Worker::new(storage, common, commands).run();
@@ -413,7 +414,12 @@ impl LockManagerBuilder {
                     #[cfg(unix)]
                     let db = db.with_doorbell(open_path.as_deref().and_then(|path| {
                         let path = canonical(path);
-                        super::doorbell::Doorbell::open(&path, &common.owner, file_mode, poke)
+                        super::backend::sqlite::doorbell::Doorbell::open(
+                            &path,
+                            &common.owner,
+                            file_mode,
+                            poke,
+                        )
                     }));
                     #[cfg(not(unix))]
                     let _ = poke;
@@ -435,7 +441,7 @@ impl LockManagerBuilder {
     /// it alive: the worker stops when every handle is gone.
     fn launch<F>(self, store: Option<String>, run: F) -> Result<Starting, LockError>
     where
-        F: FnOnce(Arc<Common>, Receiver<Command>, Weak<Sender<Command>>) + Send + 'static,
+        F: FnOnce(Arc<Common>, Receiver<Command>, Arc<dyn Poke>) + Send + 'static,
     {
         self.validate()?;
         let common = Arc::new(Common {
@@ -455,7 +461,7 @@ impl LockManagerBuilder {
         });
         let (tx, commands) = std::sync::mpsc::channel();
         let tx = Arc::new(tx);
-        let poke = Arc::downgrade(&tx);
+        let poke: Arc<dyn Poke> = Arc::new(Arc::downgrade(&tx));
         let worker_common = common.clone();
         let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
         let handle = std::thread::Builder::new()

@@ -1,53 +1,20 @@
-//! What a `LockManager` handle is made of: the command sender to its storage worker, and
-//! what the worker, the heartbeats and the guards share.
+//! What a `LockManager` handle is made of: the command sender to its storage worker, the calls
+//! made through it, and what the handle's parts share (`state`).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use event_listener::Event;
 use futures::channel::oneshot;
 
-use crate::clock::Clock;
-use crate::schedule::Schedule;
-use crate::spawn::Spawner;
 use crate::sync::lock;
 
-use super::guard::Guards;
-use super::protocol;
-use super::protocol::{Acquired, Command, Grant, Removed, Wait, Write};
-use super::reply::Replies;
-use super::storage::from_micros;
+use super::state::Common;
+use super::worker::protocol;
+use super::worker::protocol::{Acquired, Command, Grant, Removed, Wait, Write};
 use super::{LockError, LockRequest};
-
-/// What the storage worker and the heartbeats share with the handles (no command sender: the
-/// worker stops when every handle is gone).
-pub(crate) struct Common {
-    pub(super) owner: String,
-    pub(super) lease: Duration,
-    pub(super) heartbeat: Duration,
-    /// The change poll's cadence (`LockManagerBuilder::poll_schedule`).
-    pub(super) poll: Schedule,
-    /// Waits while the database is busy, and reconnects (`LockManagerBuilder::busy_schedule`).
-    pub(super) busy: Schedule,
-    pub(super) clock: Arc<dyn Clock>,
-    /// Given to the builder; `None`: background work follows the caller.
-    pub(super) spawner: Option<Arc<dyn Spawner>>,
-    pub(super) counters: Counters,
-    pub(super) guards: Mutex<Guards>,
-    /// Notified after every commit that freed or promoted something, and when other processes
-    /// changed the file: waiters without a queue position try again.
-    pub(super) changed: Event,
-    /// Waiters without a queue position (`many`), so the worker keeps looking for changes.
-    pub(super) unqueued: AtomicUsize,
-    /// What the rows are kept in, named so that the managers of this process that share it
-    /// agree (the file's absolute path; PostgreSQL's host, database and schema), for waking each
-    /// other; `None` for a private in-memory database. Never holds a password.
-    pub(super) store: Option<String>,
-    /// The worker's replies, as awaited by callers.
-    pub(super) replies: Replies,
-}
+use crate::lock::time::from_micros;
 
 /// A handle: the command sender plus what is common.
 pub(crate) struct Shared {
@@ -168,19 +135,5 @@ impl Shared {
             })
             .await?;
         Ok(from_micros(at))
-    }
-}
-
-/// Counters since open; see `StorageStats`.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) write_transactions: AtomicU64,
-    pub(crate) change_checks: AtomicU64,
-    pub(crate) heartbeats: AtomicU64,
-}
-
-impl Counters {
-    pub(crate) fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
     }
 }

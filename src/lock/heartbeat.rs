@@ -17,6 +17,7 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use super::time::monotonic_at;
 use super::{Common, Shared};
 
 use crate::fiber::fork_daemon_on;
@@ -45,7 +46,7 @@ impl<'a> Beats<'a> {
     /// `renewed_at` (the clock's wall time, as the worker reports it): one heartbeat after that,
     /// even when that renewal was made for another caller (the worker coalesces renewals).
     fn after_renewal(&mut self, renewed_at: Duration) -> Duration {
-        self.after(monotonic_at(self.common, renewed_at))
+        self.after(monotonic_at(&*self.common.clock, renewed_at))
     }
 
     /// How long to wait for the next beat after a renewal that failed now: a whole heartbeat.
@@ -58,20 +59,6 @@ impl<'a> Beats<'a> {
         // `spaced` goes on for ever: there is always a next beat.
         let next = self.run.next_at(ended_at).unwrap_or(ended_at);
         next.saturating_sub(self.common.clock.monotonic())
-    }
-}
-
-/// When `wall` (the clock's wall time) is or was on its monotonic time line, on which schedules
-/// and deadlines run: its distance from now, read on the wall time line, from the monotonic now.
-/// Never later than it is: the monotonic time is read first, so a pause between the two
-/// readings moves the answer earlier.
-pub(super) fn monotonic_at(common: &Common, wall: Duration) -> Duration {
-    let monotonic = common.clock.monotonic();
-    let now = common.clock.now();
-    if wall >= now {
-        monotonic.saturating_add(wall - now)
-    } else {
-        monotonic.saturating_sub(now - wall)
     }
 }
 

@@ -11,12 +11,13 @@ use std::sync::Arc;
 use crate::scope::{ExitStatus, Scope, Scoped};
 
 use super::guard::Guard;
-use super::handle::{Common, Shared};
-use super::protocol::{Acquired, Command, Wait, Write};
-use super::storage::from_micros;
+use super::handle::Shared;
+use super::state::Common;
 use super::types::validate;
+use super::worker::protocol::{Acquired, Command, Wait, Write};
 use super::{grant, heartbeat};
 use super::{EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, StorageStats};
+use crate::lock::time::from_micros;
 
 /// Shared/exclusive lease locks keyed by strings, kept in one SQLite file so that several
 /// processes on one machine coordinate through it, or (feature `postgres`,

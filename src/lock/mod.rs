@@ -17,26 +17,17 @@
 //!   between processes on one SQLite file), `postgres.rs` (the same for PostgreSQL, behind the
 //!   `postgres` feature).
 
+mod backend;
 mod builder;
-#[cfg(unix)]
-mod doorbell;
 mod error;
 mod grant;
 mod guard;
 mod handle;
 mod heartbeat;
 mod manager;
-#[cfg(feature = "postgres")]
-mod postgres;
-#[cfg(feature = "postgres")]
-mod postgres_tls;
-mod protocol;
-mod reply;
-mod siblings;
-mod sqlite;
-mod storage;
+mod state;
+mod time;
 mod types;
-mod watch;
 mod worker;
 
 pub use self::builder::LockManagerBuilder;
@@ -45,4 +36,5 @@ pub use self::guard::Guard;
 pub use self::manager::LockManager;
 pub use self::types::{EntryState, LockEntry, LockRequest, Mode, StorageStats, MAX_NAME_BYTES};
 
-pub(crate) use self::handle::{Common, Shared};
+pub(crate) use self::handle::Shared;
+pub(crate) use self::state::Common;

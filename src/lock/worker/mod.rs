@@ -27,6 +27,10 @@
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
+pub(crate) mod protocol;
+pub(crate) mod siblings;
+pub(crate) mod watch;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
@@ -34,15 +38,16 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::grant::{grantable_now, other_keys, promotable_within, RowView};
-use super::handle::Counters;
-use super::protocol::{Acquired, Command, Grant, Removed, SlotState, Wait, WaitSlot, Write};
-use super::storage::{
-    from_micros, micros, AtOnce, Changes, Deleted, Outcome, OwnedRequest, Storage,
-};
-use super::watch::{first_expiries, others_rows, Look, Waits};
-use super::{heartbeat, Common, LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
+use crate::lock::backend::{AtOnce, Changes, Deleted, Outcome, OwnedRequest, Storage};
+use crate::lock::grant::{grantable_now, other_keys, promotable_within, RowView};
+use crate::lock::state::Counters;
+use crate::lock::time::{from_micros, micros, monotonic_at};
+use crate::lock::worker::protocol::{
+    Acquired, Command, Grant, Removed, SlotState, Wait, WaitSlot, Write,
+};
+use crate::lock::worker::watch::{first_expiries, others_rows, Look, Waits};
+use crate::lock::{Common, LockError, LockRequest};
 use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
@@ -1169,7 +1174,7 @@ impl<S: Storage> Worker<S> {
         }
         if freed.any {
             self.common.changed.notify(usize::MAX);
-            super::siblings::poke(&self.common, &freed.owners);
+            crate::lock::worker::siblings::poke(&self.common, &freed.owners);
         }
         self.storage.wake_others();
     }
@@ -1224,7 +1229,7 @@ impl<S: Storage> Worker<S> {
     /// `expires_at`, the storage's time at which a lease of this owner runs out, on the clock's
     /// monotonic time line, where its deadline is kept (see `Guards::granted`).
     fn deadline(&self, expires_at: i64) -> Duration {
-        heartbeat::monotonic_at(&self.common, from_micros(self.local(expires_at)))
+        monotonic_at(&*self.common.clock, from_micros(self.local(expires_at)))
     }
 
     /// The grant of `ticket` on `keys`, whose rows' lease runs out at `expires_at` (the
@@ -1406,7 +1411,10 @@ fn fail(write: Write, error: LockError, failed_removals: &mut Vec<u64>) {
 }
 
 /// Sends `result` to every one of `replies`; an error is repeated by its message.
-fn send_all(replies: Vec<super::protocol::Reply<i64>>, result: Result<i64, LockError>) {
+fn send_all(
+    replies: Vec<crate::lock::worker::protocol::Reply<i64>>,
+    result: Result<i64, LockError>,
+) {
     let again = |result: &Result<i64, LockError>| match result {
         Ok(at) => Ok(*at),
         Err(error) => Err(LockError::Storage(error.to_string())),

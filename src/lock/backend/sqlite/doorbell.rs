@@ -40,12 +40,11 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::Sender;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use super::protocol::Command;
-use super::storage::fnv1a;
+use crate::lock::backend::codec::fnv1a;
+use crate::lock::backend::Poke;
 
 /// How often the listening thread checks that its manager is still there, and that its socket
 /// is (invariant 2).
@@ -85,7 +84,7 @@ impl Doorbell {
         db: &Path,
         owner: &str,
         file_mode: u32,
-        poke: Weak<Sender<Command>>,
+        poke: Arc<dyn Poke>,
     ) -> Option<Doorbell> {
         let mut dir = db.as_os_str().to_owned();
         dir.push("-doorbell");
@@ -284,7 +283,7 @@ struct Listening {
     dir: PathBuf,
     path: PathBuf,
     mode: u32,
-    poke: Weak<Sender<Command>>,
+    poke: Arc<dyn Poke>,
     rebound: Arc<AtomicBool>,
 }
 
@@ -296,9 +295,9 @@ impl Listening {
         let mut bound = inode(&self.path);
         loop {
             let heard = self.socket.recv(&mut buffer).is_ok();
-            let Some(tx) = self.poke.upgrade() else {
+            if !self.poke.alive() {
                 return;
-            };
+            }
             if !heard && (bound.is_none() || inode(&self.path) != bound) {
                 if let Ok(socket) = bind(&self.dir, &self.path, self.mode) {
                     self.socket = socket;
@@ -306,13 +305,13 @@ impl Listening {
                     self.rebound.store(true, Ordering::Release);
                     tracing::debug!(path = %self.path.display(), "the doorbell's socket was gone; bound again");
                     // Rings may have been missed meanwhile: look.
-                    if tx.send(Command::Poke).is_err() {
+                    if !self.poke.poke() {
                         return;
                     }
                 }
                 continue;
             }
-            if heard && tx.send(Command::Poke).is_err() {
+            if heard && !self.poke.poke() {
                 return;
             }
         }
@@ -327,6 +326,19 @@ fn inode(path: &Path) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A manager without a worker: its doorbell's listening thread ends at once.
+    struct NoWorker;
+
+    impl Poke for NoWorker {
+        fn poke(&self) -> bool {
+            false
+        }
+
+        fn alive(&self) -> bool {
+            false
+        }
+    }
 
     /// A peer bound at `id`'s socket in `dir`, with its marker up.
     fn waiting_peer(dir: &Path, id: &str) -> UnixDatagram {
@@ -346,9 +358,7 @@ mod tests {
     fn a_marker_put_up_in_the_tick_of_the_last_listing_is_rung() {
         let folder = tempfile::tempdir().unwrap();
         let db = folder.path().join("locks.db");
-        let (tx, _commands) = std::sync::mpsc::channel();
-        let tx = Arc::new(tx);
-        let mut doorbell = Doorbell::open(&db, "ringer", 0o600, Arc::downgrade(&tx)).unwrap();
+        let mut doorbell = Doorbell::open(&db, "ringer", 0o600, Arc::new(NoWorker)).unwrap();
         let dir = doorbell.dir.clone();
         let first = waiting_peer(&dir, "first");
         let mut byte = [0u8; 1];

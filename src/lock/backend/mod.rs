@@ -5,15 +5,29 @@
 //! Every method runs on the worker's own thread. Times are whole microseconds since the Unix
 //! epoch, by the clock the backend judges leases with.
 
-use std::collections::BTreeSet;
-use std::time::Duration;
+pub(crate) mod codec;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
+pub(crate) mod sqlite;
 
-use super::grant::RowView;
-use super::protocol::Wait;
-use super::{LockError, LockRequest, Mode};
+use std::collections::BTreeSet;
+
 use crate::clock::Clock;
+use crate::lock::grant::RowView;
+use crate::lock::time::micros;
+use crate::lock::{LockError, LockRequest, Mode};
 
 pub(crate) type Result<T> = std::result::Result<T, LockError>;
+
+/// How a backend wakes its manager's worker when another manager announced a change (a
+/// notification heard, a doorbell rung). The worker's side gives it, so that storage knows
+/// nothing of the worker.
+pub(crate) trait Poke: Send + Sync + 'static {
+    /// Asks the worker to look for changes now; false once the worker is gone.
+    fn poke(&self) -> bool;
+    /// Whether the worker is still there.
+    fn alive(&self) -> bool;
+}
 
 /// What a backend stores and answers. A write transaction is `begin`, the changes, then
 /// `commit` (or `rollback`); reads outside one see committed state.
@@ -174,6 +188,18 @@ pub(crate) trait Storage {
     fn is_held(&mut self, key: &str, now: i64) -> Result<bool>;
 }
 
+/// What a request does when it cannot be granted at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Takes a place in the queue (waiting rows) until it is granted.
+    Queued,
+    /// Waits without a row (`many`): it is refused (`NotNow`), and asks again whenever its
+    /// keys may have changed.
+    Unqueued,
+    /// Does not wait (`try_acquire`): it is refused.
+    No,
+}
+
 /// An operation of a batch decided in one call (`Storage::decide_at_once`). Only a backend that
 /// decides so (PostgreSQL) reads these, and only it builds an `Outcome`.
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
@@ -237,64 +263,6 @@ pub(crate) enum Changes {
     Unknown,
 }
 
-/// (ticket, key) pairs in ticket order, grouped by ticket: what `Storage::requests_of` returns.
-pub(crate) fn by_ticket(rows: Vec<(u64, String)>) -> Vec<(u64, Vec<String>)> {
-    let mut requests: Vec<(u64, Vec<String>)> = Vec::new();
-    for (ticket, key) in rows {
-        match requests.last_mut() {
-            Some((last, keys)) if *last == ticket => keys.push(key),
-            _ => requests.push((ticket, vec![key])),
-        }
-    }
-    requests
-}
-
-/// A stable digest of `bytes` (FNV-1a), the same in every process and version, unlike the
-/// standard library's hasher: how a key is named in the change log and in notifications.
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-/// A key as the change log and notifications name it.
-pub(crate) fn key_hash(key: &str) -> i64 {
-    i64::from_ne_bytes(fnv1a(key.as_bytes()).to_ne_bytes())
-}
-
-/// The `keys` column of a request's rows: for a waiting request on several keys, every key,
-/// which a decision on one of them needs in order to read the others; nothing for a held one,
-/// whose other keys no decision reads (a `many` of 500 keys would otherwise store 500 × 500
-/// names, and make every lookup near its rows read them). A promotion clears it.
-pub(crate) fn stored_keys(requests: &[LockRequest], held: bool) -> Option<String> {
-    encode_keys(requests).filter(|_| !held)
-}
-
-/// The keys of a request on several keys, as stored in its rows while it waits: each key
-/// preceded by its length in bytes and `:` (keys may hold any character). `None` for one key.
-pub(crate) fn encode_keys(requests: &[LockRequest]) -> Option<String> {
-    (requests.len() > 1).then(|| {
-        requests
-            .iter()
-            .map(|r| format!("{}:{}", r.key.len(), r.key))
-            .collect()
-    })
-}
-
-/// The keys `encode_keys` wrote; a text it did not write gives no keys.
-pub(crate) fn decode_keys(mut text: &str) -> Vec<String> {
-    let mut keys = Vec::new();
-    while let Some((len, rest)) = text.split_once(':') {
-        let Ok(len) = len.parse::<usize>() else { break };
-        let (Some(key), Some(tail)) = (rest.get(..len), rest.get(len..)) else {
-            break;
-        };
-        keys.push(key.to_owned());
-        text = tail;
-    }
-    keys
-}
-
 /// One live row, as `inspect` shows it.
 #[derive(Clone, Debug)]
 pub(crate) struct Row {
@@ -346,65 +314,4 @@ impl OwnedRequest {
 pub(crate) struct Deleted {
     pub(crate) rows: usize,
     pub(crate) live: usize,
-}
-
-pub(crate) fn micros(time: Duration) -> i64 {
-    i64::try_from(time.as_micros()).unwrap_or(i64::MAX)
-}
-
-pub(crate) fn from_micros(micros: i64) -> Duration {
-    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
-}
-
-/// How a mode is stored: 0 shared, 1 exclusive.
-pub(crate) fn mode_code(mode: Mode) -> i16 {
-    match mode {
-        Mode::Shared => 0,
-        Mode::Exclusive => 1,
-    }
-}
-
-/// The mode stored as `code`.
-pub(crate) fn mode_of(code: i64) -> Mode {
-    if code == 0 {
-        Mode::Shared
-    } else {
-        Mode::Exclusive
-    }
-}
-
-/// A ticket as stored (a signed 64-bit integer, which both databases have) and back.
-pub(crate) fn ticket_of(value: i64) -> u64 {
-    u64::try_from(value).unwrap_or(0)
-}
-
-pub(crate) fn sql_ticket(ticket: u64) -> i64 {
-    i64::try_from(ticket).unwrap_or(i64::MAX)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_keys_of_a_request_survive_being_stored_whatever_they_hold() {
-        let keys = ["a", "", "b:c", "12:x", "ключ", "x,y\n"];
-        let requests: Vec<LockRequest> = keys
-            .iter()
-            .map(|key| LockRequest::shared(*key, "op"))
-            .collect();
-        let stored = encode_keys(&requests).unwrap();
-        assert_eq!(decode_keys(&stored), keys);
-        assert_eq!(encode_keys(&requests[..1]), None);
-        assert!(decode_keys("garbage").is_empty());
-        assert!(decode_keys("5:ab").is_empty());
-    }
-
-    #[test]
-    fn key_hashes_are_stable() {
-        // FNV-1a of the empty input is its offset basis, whatever the version or process.
-        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(key_hash("k"), key_hash("k"));
-        assert_ne!(key_hash("k"), key_hash("j"));
-    }
 }

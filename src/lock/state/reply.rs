@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use futures::channel::oneshot;
 
-use super::LockError;
+use crate::lock::LockError;
 
 /// The least a call to an awake worker yields before it waits to be woken.
 pub(crate) const YIELD_FOR: Duration = Duration::from_micros(100);

@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 
-use super::protocol::Command;
-use super::{Common, Shared};
+use crate::lock::worker::protocol::Command;
+use crate::lock::{Common, Shared};
 use crate::sync::lock;
 
 /// What a worker needs to poke another manager, and no more: never its whole handle, whose last
@@ -24,7 +24,7 @@ struct Sibling {
 
 static SIBLINGS: Mutex<Vec<Sibling>> = Mutex::new(Vec::new());
 
-pub(super) fn register(shared: &Arc<Shared>) {
+pub(crate) fn register(shared: &Arc<Shared>) {
     let Some(store) = shared.common.store.clone() else {
         return;
     };
@@ -40,7 +40,7 @@ pub(super) fn register(shared: &Arc<Shared>) {
 
 /// Tells the other managers on this database that something was committed: those of `owners`,
 /// and those with callers waiting without a row.
-pub(super) fn poke(common: &Common, owners: &BTreeSet<String>) {
+pub(crate) fn poke(common: &Common, owners: &BTreeSet<String>) {
     let Some(store) = &common.store else {
         return;
     };

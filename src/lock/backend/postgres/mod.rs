@@ -37,9 +37,10 @@
 //! done (`Postgres::succeeded`). Rows live on the server, so guards survive a disconnect shorter
 //! than their lease. The listener's connection backs off on its own run of the same schedule.
 
+mod tls;
+
 use std::collections::{BTreeSet, HashMap};
-use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use postgres::fallible_iterator::FallibleIterator;
@@ -47,15 +48,17 @@ use postgres::types::ToSql;
 use postgres::{Client, Config, NoTls, SimpleQueryMessage, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::grant::RowView;
-use super::protocol::{Command, Wait};
-use super::storage::{
-    by_ticket, decode_keys, encode_keys, fnv1a, key_hash, mode_code, mode_of, sql_ticket,
-    stored_keys, ticket_of, AtOnce, Changes, Decision, Deleted, Outcome, OwnedRequest, Removal,
-    Result, Row, Storage,
-};
-use super::{LockError, LockRequest, Mode};
 use crate::clock::{Clock, SystemClock};
+use crate::lock::backend::codec::{
+    by_ticket, decode_keys, encode_keys, fnv1a, key_hash, mode_code, mode_of, sql_ticket,
+    stored_keys, ticket_of,
+};
+use crate::lock::backend::{
+    AtOnce, Changes, Decision, Deleted, Outcome, OwnedRequest, Removal, Result, Row, Storage,
+};
+use crate::lock::backend::{Poke, Wait};
+use crate::lock::grant::RowView;
+use crate::lock::{LockError, LockRequest, Mode};
 use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
@@ -172,14 +175,14 @@ pub(crate) fn parse(url: &str) -> std::result::Result<Target, LockError> {
                 .into(),
         ));
     }
-    let (rest, settings) = super::postgres_tls::split(url)?;
+    let (rest, settings) = crate::lock::backend::postgres::tls::split(url)?;
     let mut config = rest.parse::<Config>().map_err(|error| {
         // The parser's message never quotes the string it was given, so no password leaks.
         LockError::InvalidConfig(format!(
             "the PostgreSQL connection string is invalid: {error}"
         ))
     })?;
-    let (mode, tls) = super::postgres_tls::connector(&settings)?;
+    let (mode, tls) = crate::lock::backend::postgres::tls::connector(&settings)?;
     config.ssl_mode(mode);
     Ok(Target { config, tls })
 }
@@ -442,7 +445,7 @@ impl Postgres {
         target: Target,
         schema: String,
         busy: Schedule,
-        poke: Weak<Sender<Command>>,
+        poke: Arc<dyn Poke>,
     ) -> Result<Postgres> {
         let mut storage = Postgres {
             config: target.config,
@@ -739,7 +742,7 @@ struct Listener {
     config: Config,
     tls: Option<MakeRustlsConnect>,
     channel: String,
-    poke: Weak<Sender<Command>>,
+    poke: Arc<dyn Poke>,
     heard: Arc<Mutex<Heard>>,
     reconnect: Reconnect,
 }
@@ -750,14 +753,11 @@ impl Listener {
 
     /// Whether the worker is still there; pokes it if so.
     fn poke(&self) -> bool {
-        match self.poke.upgrade() {
-            Some(tx) => tx.send(Command::Poke).is_ok(),
-            None => false,
-        }
+        self.poke.poke()
     }
 
     fn run(mut self) {
-        while self.poke.strong_count() > 0 {
+        while self.poke.alive() {
             self.reconnect.pause();
             let listened = self.listen();
             lock(&self.heard).listening = false;
@@ -804,7 +804,7 @@ impl Listener {
                     return Ok(());
                 }
             }
-            if self.poke.strong_count() == 0 {
+            if !self.poke.alive() {
                 return Ok(());
             }
         }
@@ -1545,7 +1545,7 @@ impl Storage for Postgres {
 
 /// The tests' PostgreSQL harness, for the tests below that need a server.
 #[cfg(test)]
-#[path = "../../tests/pg_support/mod.rs"]
+#[path = "../../../../tests/pg_support/mod.rs"]
 #[allow(unreachable_pub, clippy::all)]
 mod pg_support;
 

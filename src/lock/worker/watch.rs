@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::protocol::WaitSlot;
-use super::storage::key_hash;
+use crate::lock::backend::codec::key_hash;
+use crate::lock::worker::protocol::WaitSlot;
 
 /// Whether a read of keys was a look on behalf of this owner's waits (see [`Waits::note`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -280,7 +280,7 @@ pub(crate) fn first_expiries<'a, 'r>(
 /// The rows of `rows` of other owners than `owner`, by key and expiry.
 pub(crate) fn others_rows<'r>(
     owner: &'r str,
-    rows: &'r [super::grant::RowView],
+    rows: &'r [crate::lock::grant::RowView],
 ) -> impl Iterator<Item = (&'r str, i64)> + Clone + 'r {
     (rows.iter())
         .filter(move |row| &*row.owner != owner)

@@ -2,15 +2,18 @@
 //! back. This is the interface between the public face (`manager.rs`, `guard.rs`,
 //! `heartbeat.rs`) and the worker; neither side needs to know more of the other.
 
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use event_listener::Event;
 use futures::channel::oneshot;
 
-use super::storage::Row;
-use super::{LockError, LockRequest};
 use crate::abort::AbortSignal;
+use crate::lock::backend::Poke;
+use crate::lock::backend::Row;
+pub(crate) use crate::lock::backend::Wait;
+use crate::lock::{LockError, LockRequest};
 use crate::sync::{lock, wait_for};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, LockError>>;
@@ -28,18 +31,6 @@ pub(crate) enum Command {
     },
     /// Another manager in this process committed to the same file: look now.
     Poke,
-}
-
-/// What a request does when it cannot be granted at once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Wait {
-    /// Takes a place in the queue (waiting rows) until it is granted.
-    Queued,
-    /// Waits without a row (`many`): it is refused (`NotNow`), and asks again whenever its
-    /// keys may have changed.
-    Unqueued,
-    /// Does not wait (`try_acquire`): it is refused.
-    No,
 }
 
 pub(crate) enum Write {
@@ -77,9 +68,21 @@ pub(crate) enum Removed {
     GoneAfterLostAnswer,
 }
 
+/// The worker's side of a backend's `Poke`: a command sender that does not keep the worker.
+impl Poke for Weak<Sender<Command>> {
+    fn poke(&self) -> bool {
+        self.upgrade()
+            .is_some_and(|tx| tx.send(Command::Poke).is_ok())
+    }
+
+    fn alive(&self) -> bool {
+        self.strong_count() > 0
+    }
+}
+
 impl Write {
     /// Whether this write may delete rows, and so change what a request after it is granted.
-    pub(super) fn may_free(&self) -> bool {
+    pub(crate) fn may_free(&self) -> bool {
         matches!(self, Write::Remove { .. } | Write::Shutdown { .. })
     }
 }
@@ -113,7 +116,7 @@ pub(crate) struct WaitSlot {
 }
 
 #[derive(Debug, Default, Clone)]
-pub(super) enum SlotState {
+pub(crate) enum SlotState {
     #[default]
     Waiting,
     Granted(Grant),
@@ -149,7 +152,7 @@ impl std::fmt::Debug for Beat {
 }
 
 impl WaitSlot {
-    pub(super) fn set(&self, state: SlotState) {
+    pub(crate) fn set(&self, state: SlotState) {
         let over = !matches!(state, SlotState::Waiting);
         *lock(&self.state) = state;
         if over {
@@ -178,7 +181,7 @@ impl WaitSlot {
     }
 
     /// The wait has lasted long enough for its heartbeat: starts it, or has `arm` start it.
-    pub(super) fn beat_due(&self) {
+    pub(crate) fn beat_due(&self) {
         let mut beat = lock(&self.beat);
         match std::mem::replace(&mut *beat, Beat::Over) {
             Beat::Armed(start) => {

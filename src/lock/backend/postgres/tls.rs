@@ -26,7 +26,7 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::LockError;
+use crate::lock::LockError;
 
 /// What a connection string asks of TLS.
 #[derive(Clone, Debug, PartialEq, Eq)]

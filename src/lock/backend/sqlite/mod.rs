@@ -5,6 +5,9 @@
 //!
 //! Times are stored as whole microseconds since the Unix epoch, from the manager's `Clock`.
 
+#[cfg(unix)]
+pub(crate) mod doorbell;
+
 use std::cell::{RefCell, RefMut};
 use std::collections::{BTreeSet, HashMap};
 use std::ops::{Deref, DerefMut};
@@ -14,13 +17,14 @@ use std::time::Duration;
 
 use sqlite::{Connection, OpenFlags, State, Statement};
 
-use super::grant::RowView;
-use super::storage::{
-    by_ticket, decode_keys, key_hash, micros, mode_code, mode_of, sql_ticket, stored_keys,
-    ticket_of, Changes, Deleted, OwnedRequest, Result, Row, Storage,
-};
-use super::{LockError, LockRequest};
 use crate::clock::{Clock, SystemClock};
+use crate::lock::backend::codec::{
+    by_ticket, decode_keys, key_hash, mode_code, mode_of, sql_ticket, stored_keys, ticket_of,
+};
+use crate::lock::backend::{Changes, Deleted, OwnedRequest, Result, Row, Storage};
+use crate::lock::grant::RowView;
+use crate::lock::time::micros;
+use crate::lock::{LockError, LockRequest};
 use crate::schedule::Schedule;
 
 /// The schema version this build writes and understands.
@@ -199,7 +203,7 @@ pub(crate) struct Db<'c> {
     seen_seq: Option<i64>,
     /// Wakes other processes' managers after a commit that announced something.
     #[cfg(unix)]
-    doorbell: Option<super::doorbell::Doorbell>,
+    doorbell: Option<crate::lock::backend::sqlite::doorbell::Doorbell>,
     ring: bool,
     /// The other owners whose requests the transaction promoted: rung by name.
     ring_owners: BTreeSet<String>,
@@ -306,7 +310,10 @@ impl<'c> Db<'c> {
 
     /// Rings other processes' managers through `doorbell` after commits that free or promote.
     #[cfg(unix)]
-    pub(crate) fn with_doorbell(mut self, doorbell: Option<super::doorbell::Doorbell>) -> Self {
+    pub(crate) fn with_doorbell(
+        mut self,
+        doorbell: Option<crate::lock::backend::sqlite::doorbell::Doorbell>,
+    ) -> Self {
         self.doorbell = doorbell;
         self
     }
