@@ -3,7 +3,7 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,15 +13,14 @@ use crate::clock::{Clock, SystemClock};
 use crate::schedule::Schedule;
 use crate::spawn::Spawner;
 
-use super::backend::sqlite::Db;
-use super::backend::{sqlite, Poke};
+use super::backend::{sqlite, Opening};
 use super::handle::{Shared, WorkerThread};
 use super::state::held::Guards;
 use super::state::reply::Replies;
 use super::state::{Common, Counters};
 use super::worker::protocol::Command;
 use super::worker::siblings;
-use super::worker::Worker;
+use super::worker::RunWorker;
 use super::{LockError, LockManager};
 use crate::lock::time::micros;
 
@@ -371,18 +370,9 @@ impl LockManagerBuilder {
         let schema = self.schema.clone();
         let store = Some(format!("{} schema {schema:?}", target.describe()));
         let (opened, connected) = futures::channel::oneshot::channel();
-        let starting = self.launch(store, move |common, commands, poke| {
-            let target = target.bound_by(common.heartbeat);
-            let busy = common.busy.clone();
-            match super::backend::postgres::Postgres::connect(target, schema, busy, poke) {
-                Ok(storage) => {
-                    let _ = opened.send(Ok(()));
-                    Worker::new(storage, common, commands).run();
-                }
-                Err(error) => {
-                    let _ = opened.send(Err(error));
-                }
-            }
+        let starting = self.launch(store, move |opening, worker| {
+            let opened = move |result| drop(opened.send(result));
+            super::backend::postgres::serve(target, schema, opening, opened, worker);
         })?;
         starting.finish(connected.await)
     }
@@ -399,49 +389,30 @@ impl LockManagerBuilder {
 
     fn start(self, path: Option<&Path>) -> Result<LockManager, LockError> {
         let file_mode = self.file_mode;
-        let open_path = path.map(Path::to_path_buf);
+        // The absolute path: managers of this process that share the file know each other by
+        // it, and so do the doorbells of every process.
+        let path = path.map(canonical);
+        let store = path.as_ref().map(|path| path.display().to_string());
         // A plain channel, not a future: `open` may be called inside any executor, and must
         // not run one of its own there.
         let (opened, result) = std::sync::mpsc::channel();
-        let store = path.map(|path| canonical(path).display().to_string());
-        let starting = self.launch(store, move |common, commands, poke| {
-            // SQLite is opened on the worker thread: no SQLite call on the caller's thread.
-            match sqlite::connect(open_path.as_deref(), file_mode, &common.busy) {
-                Ok(conn) => {
-                    let file = open_path.as_deref().and_then(sqlite::FileIdentity::of);
-                    let _ = opened.send(Ok(()));
-                    let db = Db::new(&conn, common.clock.clone(), file, common.busy.clone());
-                    #[cfg(unix)]
-                    let db = db.with_doorbell(open_path.as_deref().and_then(|path| {
-                        let path = canonical(path);
-                        super::backend::sqlite::doorbell::Doorbell::open(
-                            &path,
-                            &common.owner,
-                            file_mode,
-                            poke,
-                        )
-                    }));
-                    #[cfg(not(unix))]
-                    let _ = poke;
-                    Worker::new(db, common, commands).run();
-                }
-                Err(error) => {
-                    let _ = opened.send(Err(error));
-                }
-            }
+        let starting = self.launch(store, move |opening, worker| {
+            let opened = move |result| drop(opened.send(result));
+            sqlite::serve(path.as_deref(), file_mode, opening, opened, worker);
         })?;
         // Opening a file takes a moment on the storage thread; this waits for it.
         starting.finish(result.recv())
     }
 
-    /// Validates the settings and starts the storage thread, which runs `run`: it opens the
-    /// storage, says whether it could, and then runs the worker over `commands`.
+    /// Validates the settings and starts the storage thread, which runs `open`: it opens a
+    /// backend's storage with what `Opening` says, says whether it could, and hands it to the
+    /// worker (`Serve`).
     ///
-    /// `run` is also given a way to send the worker commands (`Poke` it) that does not keep
-    /// it alive: the worker stops when every handle is gone.
-    fn launch<F>(self, store: Option<String>, run: F) -> Result<Starting, LockError>
+    /// The backend is given a way to poke the worker (`Opening::poke`) that does not keep it
+    /// alive: the worker stops when every handle is gone.
+    fn launch<F>(self, store: Option<String>, open: F) -> Result<Starting, LockError>
     where
-        F: FnOnce(Arc<Common>, Receiver<Command>, Arc<dyn Poke>) + Send + 'static,
+        F: FnOnce(Opening, RunWorker) + Send + 'static,
     {
         self.validate()?;
         let common = Arc::new(Common {
@@ -461,14 +432,20 @@ impl LockManagerBuilder {
         });
         let (tx, commands) = std::sync::mpsc::channel();
         let tx = Arc::new(tx);
-        let poke: Arc<dyn Poke> = Arc::new(Arc::downgrade(&tx));
-        let worker_common = common.clone();
+        let opening = Opening {
+            owner: common.owner.clone(),
+            heartbeat: common.heartbeat,
+            busy: common.busy.clone(),
+            clock: common.clock.clone(),
+            poke: Arc::new(Arc::downgrade(&tx)),
+        };
+        let worker = RunWorker::new(common.clone(), commands);
         let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
         let handle = std::thread::Builder::new()
             .name("leasehold-storage".into())
             .spawn(move || {
                 let _ended = ended_tx;
-                run(worker_common, commands, poke);
+                open(opening, worker);
             })
             .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
         let worker = WorkerThread { handle, ended };

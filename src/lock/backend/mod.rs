@@ -11,13 +11,37 @@ pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
 
 use crate::clock::Clock;
 use crate::lock::grant::RowView;
 use crate::lock::time::micros;
 use crate::lock::{LockError, LockRequest, Mode};
+use crate::schedule::Schedule;
 
 pub(crate) type Result<T> = std::result::Result<T, LockError>;
+
+/// What every backend opens itself with, on the storage thread (its own `serve`).
+pub(crate) struct Opening {
+    /// The owner the storage serves (its doorbell, say, is named after it).
+    pub(crate) owner: String,
+    /// PostgreSQL bounds its waits on the server by it.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) heartbeat: Duration,
+    /// Waits while the database is busy, and between reconnections.
+    pub(crate) busy: Schedule,
+    /// The manager's clock: SQLite and the memory store judge leases by it.
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) poke: Arc<dyn Poke>,
+}
+
+/// What runs over a backend's storage once it is open, on the storage thread: the worker. A
+/// backend's `serve` opens its storage, says whether it could, and hands it here, so that the
+/// backend imports nothing of the worker.
+pub(crate) trait Serve {
+    fn serve<S: Storage>(self, storage: S);
+}
 
 /// How a backend wakes its manager's worker when another manager announced a change (a
 /// notification heard, a doorbell rung). The worker's side gives it, so that storage knows
@@ -49,12 +73,8 @@ pub(crate) trait Storage {
         self.now() - theirs
     }
 
-    /// Whether transactions on different keys may run at once (PostgreSQL), so that a
-    /// transaction may change rows only on the keys it named in `begin`. When not (SQLite: one
-    /// writer at a time), a transaction may read and change any key.
-    fn keys_locked(&self) -> bool {
-        false
-    }
+    /// What this backend can do; fixed for it, asked once.
+    fn capabilities(&self) -> Capabilities;
 
     /// What other connections changed since the last call: a cheap check, writing nothing.
     /// Also where a backend finds out that it no longer talks to the database it opened (an
@@ -82,33 +102,23 @@ pub(crate) trait Storage {
     /// ended, a statement or a lock wait timed out, a deadlock was broken), in which case this
     /// waits the next delay of the busy schedule, and the work is to be done again, whole.
     /// False for any other failure, and once the schedule gives up.
-    fn again(&mut self) -> bool {
-        false
-    }
+    fn again(&mut self) -> bool;
     /// After a commit that announced something, once this process's own waiters are woken: a
     /// backend that wakes other processes' managers directly does it here, off the path of the
     /// local handoff.
-    fn wake_others(&mut self) {}
+    fn wake_others(&mut self);
     /// Whether this owner has callers waiting without a row (`Wait::Unqueued`), whom any
     /// commit that frees rows may let through, so that other managers' announcements should
     /// reach it at once. Said before the read or inside the transaction that refuses such a
     /// caller, and again once none waits. (A queued request is woken by name: its promoter
-    /// announces its owner.) A backend that wakes managers some other way ignores it.
-    fn waiting(&mut self, _waiting: bool) {}
+    /// announces its owner.) A backend that wakes managers some other way does nothing.
+    fn waiting(&mut self, waiting: bool);
 
     /// Called in a write transaction that refused a request on `keys` (sorted) without a queue
     /// position: its caller waits without a row, so later commits that free these keys must
     /// announce them, at least until `lease` after `now`. A backend that announces every
-    /// commit ignores it.
-    fn watching(&mut self, _owner: &str, _keys: &[String], _now: i64, _lease: i64) -> Result<()> {
-        Ok(())
-    }
-    /// Whether a request without a queue position may be refused by a read alone, outside a
-    /// write transaction (saving one while a caller retries). Not where a waiter must be noted
-    /// under the locks of its keys for commits to announce themselves to it (`watching`).
-    fn refuses_by_reads(&self) -> bool {
-        true
-    }
+    /// commit does nothing.
+    fn watching(&mut self, owner: &str, keys: &[String], now: i64, lease: i64) -> Result<()>;
 
     /// Appends the live rows on `keys`, in key and ticket order. A write transaction deletes the
     /// lapsed rows of a key (`delete_expired`) before it reads the key to decide: a row it
@@ -152,32 +162,9 @@ pub(crate) trait Storage {
     /// judged "live" as it renewed.
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>>;
 
-    /// Whether this backend decides acquisitions and removals in one call (`decide_at_once`);
-    /// where it does not, the worker runs `begin`, the reads and writes, and `commit`.
-    fn decides_at_once(&self) -> bool {
-        false
-    }
-    /// Decides a batch of acquisitions and removals of `owner`'s (`ops`, in order) in one round
-    /// trip and one transaction of its own; only called where `decides_at_once`. One outcome
-    /// per operation, in order, each decided as that sequence would:
-    ///
-    /// - an acquisition: the lapsed rows of its keys deleted, the grant rule asked
-    ///   (`grantable_now`), and rows written under a new ticket, held if granted, else waiting
-    ///   if its wait is `Queued`; an `Unqueued` caller refused is noted as by `watching`;
-    /// - a removal: `owner`'s rows of its ticket deleted, and the waiters on its keys that the
-    ///   grant rule now lets through promoted, whoever owns them; the keys announced if another
-    ///   owner may be waiting there. A waiting request on several keys is left to its owner:
-    ///   another owner hears the announcement, and `owner` looks at its own.
-    fn decide_at_once(
-        &mut self,
-        _owner: &str,
-        _ops: &[AtOnce<'_>],
-        _lease: i64,
-    ) -> Result<Vec<Outcome>> {
-        Err(LockError::Storage(
-            "deciding in one call is not supported by this backend".into(),
-        ))
-    }
+    /// The one-call decisions (`DecidesAtOnce`), where this backend has them; where it has
+    /// not, the worker runs `begin`, the reads and writes, and `commit`.
+    fn at_once(&mut self) -> Option<&mut dyn DecidesAtOnce>;
     /// Every request of `owner` with a row, live or not: its ticket and keys, by ticket. How
     /// the worker finds a request written by a call whose reply was lost.
     fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>>;
@@ -198,6 +185,43 @@ pub(crate) enum Wait {
     Unqueued,
     /// Does not wait (`try_acquire`): it is refused.
     No,
+}
+
+/// What a backend can do, fixed for it (`Storage::capabilities`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Capabilities {
+    /// Whether transactions on different keys may run at once (PostgreSQL), so that a
+    /// transaction may change rows only on the keys it named in `begin`, must delete a key's
+    /// lapsed rows before it reads them (renewals run beside it), and leaves a waiter with a key
+    /// outside them to its owner. When not (SQLite, memory: one writer at a time), a transaction
+    /// may read and change any key.
+    pub(crate) keys_locked: bool,
+    /// Whether a request without a queue position may be refused by a read alone, outside a
+    /// write transaction (saving one while a caller retries). Not where a waiter must be noted
+    /// under the locks of its keys for commits to announce themselves to it (`watching`).
+    pub(crate) refuses_by_reads: bool,
+}
+
+/// Decisions in one round trip (PostgreSQL's function `decide`), for a backend that has them
+/// (`Storage::at_once`).
+pub(crate) trait DecidesAtOnce {
+    /// Decides a batch of acquisitions and removals of `owner`'s (`ops`, in order) in one round
+    /// trip and one transaction of its own. One outcome per operation, in order, each decided
+    /// as that sequence would:
+    ///
+    /// - an acquisition: the lapsed rows of its keys deleted, the grant rule asked
+    ///   (`grantable_now`), and rows written under a new ticket, held if granted, else waiting
+    ///   if its wait is `Queued`; an `Unqueued` caller refused is noted as by `watching`;
+    /// - a removal: `owner`'s rows of its ticket deleted, and the waiters on its keys that the
+    ///   grant rule now lets through promoted, whoever owns them; the keys announced if another
+    ///   owner may be waiting there. A waiting request on several keys is left to its owner:
+    ///   another owner hears the announcement, and `owner` looks at its own.
+    fn decide_at_once(
+        &mut self,
+        owner: &str,
+        ops: &[AtOnce<'_>],
+        lease: i64,
+    ) -> Result<Vec<Outcome>>;
 }
 
 /// An operation of a batch decided in one call (`Storage::decide_at_once`). Only a backend that

@@ -39,7 +39,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::clock::{Clock, SystemClock};
-use crate::lock::backend::{AtOnce, Changes, Deleted, Outcome, OwnedRequest, Storage};
+use crate::lock::backend::{
+    AtOnce, Capabilities, Changes, Deleted, Outcome, OwnedRequest, Serve, Storage,
+};
 use crate::lock::grant::{grantable_now, other_keys, promotable_within, RowView};
 use crate::lock::state::Counters;
 use crate::lock::time::{from_micros, micros, monotonic_at};
@@ -136,8 +138,29 @@ enum Decided {
     Done,
 }
 
+/// The worker that a backend hands its storage to once open (`Serve`): it runs there, on the
+/// storage thread, until the manager is shut down or every handle is gone.
+pub(crate) struct RunWorker {
+    common: Arc<Common>,
+    commands: Receiver<Command>,
+}
+
+impl RunWorker {
+    pub(crate) fn new(common: Arc<Common>, commands: Receiver<Command>) -> Self {
+        RunWorker { common, commands }
+    }
+}
+
+impl Serve for RunWorker {
+    fn serve<S: Storage>(self, storage: S) {
+        Worker::new(storage, self.common, self.commands).run();
+    }
+}
+
 pub(crate) struct Worker<S> {
     storage: S,
+    /// What the storage can do (`Storage::capabilities`), asked once.
+    caps: Capabilities,
     common: Arc<Common>,
     rx: Receiver<Command>,
     /// Request id -> its ticket and keys, for every request of this owner that has rows.
@@ -189,6 +212,7 @@ impl<S: Storage> Worker<S> {
         let last_look = common.clock.monotonic();
         let poll = common.poll.start(last_look);
         Worker {
+            caps: storage.capabilities(),
             storage,
             common,
             rx,
@@ -401,7 +425,7 @@ impl<S: Storage> Worker<S> {
                     // A refusal read outside a transaction cannot note an unqueued waiter
                     // where the storage needs it noted (`Storage::watching`).
                     if wait != Wait::Queued
-                        && (wait == Wait::No || self.storage.refuses_by_reads())
+                        && (wait == Wait::No || self.caps.refuses_by_reads)
                         && !writes.iter().any(Write::may_free)
                         && self.refused_by_a_read(&requests, wait)
                     {
@@ -578,7 +602,7 @@ impl<S: Storage> Worker<S> {
     fn write(&mut self, mut writes: Vec<Write>) {
         // Acquisitions and removals in one call, while the storage can decide them so
         // (`Storage::decide_at_once`) and no other work is due in a transaction.
-        while self.storage.decides_at_once() {
+        while self.storage.at_once().is_some() {
             self.find_lost_requests();
             if !self.doubtful.is_empty() || !self.pass.is_empty() {
                 break;
@@ -695,7 +719,11 @@ impl<S: Storage> Worker<S> {
             if ops.len() != writes.len() {
                 return Err(writes);
             }
-            let error = match self.storage.decide_at_once(&owner, &ops, lease) {
+            let decided = match self.storage.at_once() {
+                Some(decider) => decider.decide_at_once(&owner, &ops, lease),
+                None => return Err(writes),
+            };
+            let error = match decided {
                 Ok(outcomes) => {
                     Counters::bump(&self.counters().write_transactions);
                     for (write, outcome) in writes.into_iter().zip(outcomes) {
@@ -941,7 +969,7 @@ impl<S: Storage> Worker<S> {
         let list: Vec<String> = keys.iter().cloned().collect();
         // Where renewals run beside this transaction, lapsed rows must be gone before it reads
         // (see `Storage::rows_on_keys`); a lone writer ignores them, and its heartbeat sweeps.
-        let delete_lapsed = self.storage.keys_locked();
+        let delete_lapsed = self.caps.keys_locked;
         let mut expired = 0;
         if delete_lapsed {
             expired += self.storage.delete_expired(&list, now)?;
@@ -951,7 +979,7 @@ impl<S: Storage> Worker<S> {
         let mut read = keys.clone();
         let mut more: Vec<String> = other_keys(&rows, &read).into_iter().collect();
         let mut announced = Announced::default();
-        if self.storage.keys_locked() {
+        if self.caps.keys_locked {
             let (reachable, out_of_reach): (Vec<String>, Vec<String>) = more
                 .into_iter()
                 .partition(|key| locked.binary_search(key).is_ok());
@@ -1006,7 +1034,7 @@ impl<S: Storage> Worker<S> {
                 ..
             } => {
                 let keys = keys_of(requests);
-                if self.storage.keys_locked() {
+                if self.caps.keys_locked {
                     // Lapsed rows are ignored by the rule either way; where renewals run beside
                     // this transaction, they must also be gone before it decides (see
                     // `Storage::rows_on_keys`).

@@ -56,7 +56,7 @@ use crate::lock::backend::codec::{
 use crate::lock::backend::{
     AtOnce, Changes, Decision, Deleted, Outcome, OwnedRequest, Removal, Result, Row, Storage,
 };
-use crate::lock::backend::{Poke, Wait};
+use crate::lock::backend::{Capabilities, DecidesAtOnce, Opening, Poke, Serve, Wait};
 use crate::lock::grant::RowView;
 use crate::lock::{LockError, LockRequest, Mode};
 use crate::schedule::{Schedule, ScheduleRun};
@@ -131,7 +131,7 @@ impl Target {
     /// or `SIGSTOP`, holds its locks on other owners' rows for no longer), added to any options
     /// the URL gave; a connection attempt bounded by a heartbeat (at least a second); and TCP
     /// keepalives, so that a server that vanished is noticed within about a heartbeat.
-    pub(crate) fn bound_by(mut self, heartbeat: Duration) -> Target {
+    fn bound_by(mut self, heartbeat: Duration) -> Target {
         let limit = (heartbeat / 2).as_millis().max(1);
         // And planner settings for statements that all find their rows by an index:
         // - Generic plans, made once per connection: a custom plan, which the server otherwise
@@ -439,9 +439,29 @@ fn decision(row: &postgres::Row, wait: Wait) -> Decision {
     }
 }
 
+/// Connects to `target` (its waits bounded by the heartbeat: `Target::bound_by`), brings the
+/// schema up to date, starts the listener; says through `opened` whether it could, and hands
+/// the storage to `worker`. Runs on the storage thread, which owns the client and its runtime.
+pub(crate) fn serve(
+    target: Target,
+    schema: String,
+    opening: Opening,
+    opened: impl FnOnce(Result<()>),
+    worker: impl Serve,
+) {
+    let target = target.bound_by(opening.heartbeat);
+    match Postgres::connect(target, schema, opening.busy, opening.poke) {
+        Ok(storage) => {
+            opened(Ok(()));
+            worker.serve(storage);
+        }
+        Err(error) => opened(Err(error)),
+    }
+}
+
 impl Postgres {
     /// Connects, creates or migrates the schema, and reads the server's time.
-    pub(crate) fn connect(
+    fn connect(
         target: Target,
         schema: String,
         busy: Schedule,
@@ -1167,8 +1187,12 @@ impl Storage for Postgres {
         self.monotonic() + self.offset
     }
 
-    fn keys_locked(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            keys_locked: true,
+            // A waiter without a row is noted (`watching`) under the locks of its keys.
+            refuses_by_reads: false,
+        }
     }
 
     fn again(&mut self) -> bool {
@@ -1434,10 +1458,6 @@ impl Storage for Postgres {
         Ok(())
     }
 
-    fn refuses_by_reads(&self) -> bool {
-        false
-    }
-
     /// Renews the owner's live rows, in two statements. The first locks them in key order, as
     /// promotions change rows, so that the two never deadlock, and waits for any that another
     /// transaction holds; the second, which
@@ -1465,19 +1485,14 @@ impl Storage for Postgres {
         Ok(OwnedRequest::group(rows, expires_at))
     }
 
-    fn decides_at_once(&self) -> bool {
-        true
+    fn at_once(&mut self) -> Option<&mut dyn DecidesAtOnce> {
+        Some(self)
     }
 
-    /// One round trip: the function `decide` (see `FUNCTIONS`).
-    fn decide_at_once(
-        &mut self,
-        owner: &str,
-        ops: &[AtOnce<'_>],
-        lease: i64,
-    ) -> Result<Vec<Outcome>> {
-        self.decide_in_one(owner, ops, lease)
-    }
+    fn wake_others(&mut self) {}
+
+    /// Every release announces itself to owners that may be waiting (see `WATCHERS`).
+    fn waiting(&mut self, _waiting: bool) {}
 
     fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>> {
         let rows = self.query(
@@ -1540,6 +1555,18 @@ impl Storage for Postgres {
             &[&key, &now],
         )?;
         Ok(rows[0].get(0))
+    }
+}
+
+impl DecidesAtOnce for Postgres {
+    /// One round trip: the function `decide` (see `FUNCTIONS`).
+    fn decide_at_once(
+        &mut self,
+        owner: &str,
+        ops: &[AtOnce<'_>],
+        lease: i64,
+    ) -> Result<Vec<Outcome>> {
+        self.decide_in_one(owner, ops, lease)
     }
 }
 

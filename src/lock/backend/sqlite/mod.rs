@@ -21,7 +21,10 @@ use crate::clock::{Clock, SystemClock};
 use crate::lock::backend::codec::{
     by_ticket, decode_keys, key_hash, mode_code, mode_of, sql_ticket, stored_keys, ticket_of,
 };
-use crate::lock::backend::{Changes, Deleted, OwnedRequest, Result, Row, Storage};
+use crate::lock::backend::{
+    Capabilities, Changes, DecidesAtOnce, Deleted, Opening, OwnedRequest, Result, Row, Serve,
+    Storage,
+};
 use crate::lock::grant::RowView;
 use crate::lock::time::micros;
 use crate::lock::{LockError, LockRequest};
@@ -71,10 +74,36 @@ fn is_busy(error: &sqlite::Error) -> bool {
     matches!(error.code, Some(code) if code & 0xff == SQLITE_BUSY || code & 0xff == SQLITE_LOCKED)
 }
 
+/// Opens the database at `path` (creating it with the permission bits `file_mode` on unix), or
+/// a private in-memory one for `None`, with its doorbell; says through `opened` whether it
+/// could, and hands the storage to `worker`. Runs on the storage thread: no SQLite call is
+/// made on a caller's.
+pub(crate) fn serve(
+    path: Option<&Path>,
+    file_mode: u32,
+    opening: Opening,
+    opened: impl FnOnce(Result<()>),
+    worker: impl Serve,
+) {
+    let conn = match connect(path, file_mode, &opening.busy) {
+        Ok(conn) => conn,
+        Err(error) => return opened(Err(error)),
+    };
+    let file = path.and_then(FileIdentity::of);
+    opened(Ok(()));
+    let db = Db::new(&conn, opening.clock, file, opening.busy);
+    #[cfg(unix)]
+    let db =
+        db.with_doorbell(path.and_then(|path| {
+            doorbell::Doorbell::open(path, &opening.owner, file_mode, opening.poke)
+        }));
+    worker.serve(db);
+}
+
 /// Opens (creating if needed, with the permission bits `file_mode` on unix) the database at
 /// `path`, or an in-memory one for `None`, sets it up and brings its schema up to date, waiting
 /// on `busy` while another connection holds it.
-pub(crate) fn connect(path: Option<&Path>, file_mode: u32, busy: &Schedule) -> Result<Connection> {
+fn connect(path: Option<&Path>, file_mode: u32, busy: &Schedule) -> Result<Connection> {
     if let Some(path) = path {
         create_with_mode(path, file_mode);
     }
@@ -523,6 +552,28 @@ impl Storage for Db<'_> {
     /// Leases are judged by the manager's own clock.
     fn ahead_of(&self, _clock: &dyn Clock) -> i64 {
         0
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            keys_locked: false,
+            refuses_by_reads: true,
+        }
+    }
+
+    /// Busy databases are waited for inside each statement (`run_retrying_busy`): a failure
+    /// that reaches the worker is no passing one.
+    fn again(&mut self) -> bool {
+        false
+    }
+
+    /// The doorbell rings whom a commit concerns (`wake_others`); nothing is noted in the file.
+    fn watching(&mut self, _owner: &str, _keys: &[String], _now: i64, _lease: i64) -> Result<()> {
+        Ok(())
+    }
+
+    fn at_once(&mut self) -> Option<&mut dyn DecidesAtOnce> {
+        None
     }
 
     /// One writer at a time: `keys` need not be named to the database.
