@@ -761,7 +761,7 @@ fn a_long_wait_keeps_its_row_and_its_place_at_the_smallest_lease() {
 /// library blocks its thread. On every executor and both backends.
 #[test]
 fn a_guard_hears_its_lease_lost_by_its_end_while_the_storage_thread_is_stuck() {
-    stores::on_every_store(|store| async move {
+    stores::on_every_database(|store| async move {
         let lease = Duration::from_millis(600);
         let builder = LockManager::builder().lease(lease).heartbeat(lease / 3);
         let locks = store.open_with(builder).await;
@@ -817,7 +817,7 @@ fn a_guard_hears_its_lease_lost_by_its_end_while_the_storage_thread_is_stuck() {
 /// held for no more than that, and the rows go once the storage lets the worker through.
 #[test]
 fn dropping_the_last_handle_while_the_storage_is_stuck_returns_within_half_a_heartbeat() {
-    stores::on_every_store(|store| async move {
+    stores::on_every_database(|store| async move {
         let heartbeat = Duration::from_millis(200);
         let builder = LockManager::builder()
             .lease(heartbeat * 3)
@@ -1184,7 +1184,7 @@ fn a_try_acquire_right_after_a_dropped_acquisition_is_never_refused() {
 /// rows stay cheap. A promotion clears them.
 #[test]
 fn a_held_request_on_several_keys_stores_each_key_once() {
-    stores::on_every_store(|store| async move {
+    stores::on_every_database(|store| async move {
         let locks = store.open().await;
         let naming = || store.count_rows("keys IS NOT NULL");
         let held = locks

@@ -23,8 +23,9 @@
 //! lock, whether it was granted at once or from the queue. The pure rule is unit-tested in
 //! `src/lock/grant.rs`; this is the manager built around it.
 //!
-//! With the `postgres` feature the same runs on a PostgreSQL server too (`pg_support`), without
-//! the steps that move time: there the server's clock judges leases, and owners beat in real time.
+//! The same runs on a store in memory (`MemoryStore`), and with the `postgres` feature on a
+//! PostgreSQL server too (`pg_support`), without the steps that move time: there the server's
+//! clock judges leases, and owners beat in real time.
 
 mod lock_support;
 #[cfg(feature = "postgres")]
@@ -183,6 +184,8 @@ impl Owner {
 enum Store {
     /// A SQLite file; each owner has a `TestClock`, which the test moves.
     Sqlite(std::path::PathBuf),
+    /// A store in memory; each owner has a `TestClock`, which the test moves.
+    Memory(leasehold::MemoryStore),
     /// A schema on a PostgreSQL server, whose clock judges leases: no step moves time there,
     /// and the owners heartbeat in real time.
     #[cfg(feature = "postgres")]
@@ -208,6 +211,14 @@ impl Store {
                     .expect("open a manager");
                 (locks, Arc::new(clock.clone()), Some(clock))
             }
+            Store::Memory(store) => {
+                let clock = clock.unwrap_or_default();
+                let locks = builder
+                    .clock(Arc::new(clock.clone()))
+                    .open_in(store)
+                    .expect("open a manager");
+                (locks, Arc::new(clock.clone()), Some(clock))
+            }
             #[cfg(feature = "postgres")]
             Store::Postgres { url, schema } => {
                 let locks = builder
@@ -225,7 +236,7 @@ impl Store {
     /// two in real time, where a beat may also be late by however busy the machine is.
     fn margin(&self) -> Duration {
         match self {
-            Store::Sqlite(_) => LEASE - HEARTBEAT,
+            Store::Sqlite(_) | Store::Memory(_) => LEASE - HEARTBEAT,
             #[cfg(feature = "postgres")]
             Store::Postgres { .. } => LEASE - 2 * HEARTBEAT,
         }
@@ -1261,6 +1272,22 @@ proptest! {
             }
             world.finish().await;
             drop(dir);
+        });
+    }
+
+    #[test]
+    fn the_manager_in_memory_grants_what_the_rule_says(
+        owners in 2..=3usize,
+        keys in 2..=3usize,
+        ops in proptest::collection::vec(op(), 1..=30),
+    ) {
+        block_on(async {
+            let store = Store::Memory(leasehold::MemoryStore::new());
+            let mut world = World::open(store, owners, keys).await;
+            for op in &ops {
+                world.step(op).await;
+            }
+            world.finish().await;
         });
     }
 }

@@ -13,7 +13,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::schedule::Schedule;
 use crate::spawn::Spawner;
 
-use super::backend::{sqlite, Opening};
+use super::backend::{memory, sqlite, Opening};
 use super::handle::{Shared, WorkerThread};
 use super::state::held::Guards;
 use super::state::reply::Replies;
@@ -21,6 +21,7 @@ use super::state::{Common, Counters};
 use super::worker::protocol::Command;
 use super::worker::siblings;
 use super::worker::RunWorker;
+use super::MemoryStore;
 use super::{LockError, LockManager};
 use crate::lock::time::micros;
 
@@ -285,16 +286,60 @@ impl LockManagerBuilder {
                 "{path:?} names no database file: SQLite would open a private database that no                  other process sees; give a file's path, or use open_in_memory for a private one"
             )));
         }
-        self.start(Some(path))
+        self.start(path)
     }
 
-    /// Opens a private in-memory database: one owner, for tests and single-process use.
+    /// Opens a private store in this process's memory (the memory backend): one owner, for
+    /// tests and single-process use. Its only thread is the storage worker's.
     ///
     /// # Errors
     ///
     /// [`LockError::InvalidConfig`] for impossible settings.
     pub fn open_in_memory(self) -> Result<LockManager, LockError> {
-        self.start(None)
+        self.open_memory(&MemoryStore::new(), None)
+    }
+
+    /// Opens a new owner on `store`, a lock store in this process's memory that several
+    /// managers may share, each an owner of its own, as processes share a database file. See
+    /// [`MemoryStore`].
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::InvalidConfig`] for impossible settings.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{LockManager, MemoryStore};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let store = MemoryStore::new();
+    /// let first = LockManager::builder().open_in(&store)?;
+    /// let second = LockManager::builder().open_in(&store)?;
+    /// let guard = first.exclusive("k", "one owner").await?;
+    /// assert!(second.is_locked("k").await?);
+    /// # drop(guard);
+    /// # Ok::<(), leasehold::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn open_in(self, store: &MemoryStore) -> Result<LockManager, LockError> {
+        self.open_memory(store, Some(store.name()))
+    }
+
+    /// A manager on the memory `store`, known to this process's other managers as `name`
+    /// (`None`: to none, a private store).
+    fn open_memory(
+        self,
+        store: &MemoryStore,
+        name: Option<String>,
+    ) -> Result<LockManager, LockError> {
+        let store = store.clone();
+        let (opened, result) = std::sync::mpsc::channel();
+        let starting = self.launch(name, move |opening, worker| {
+            let opened = move |result| drop(opened.send(result));
+            memory::serve(&store, opening, opened, worker);
+        })?;
+        starting.finish(result.recv())
     }
 
     fn validate(&self) -> Result<(), LockError> {
@@ -387,18 +432,18 @@ impl LockManagerBuilder {
         self
     }
 
-    fn start(self, path: Option<&Path>) -> Result<LockManager, LockError> {
+    fn start(self, path: &Path) -> Result<LockManager, LockError> {
         let file_mode = self.file_mode;
         // The absolute path: managers of this process that share the file know each other by
         // it, and so do the doorbells of every process.
-        let path = path.map(canonical);
-        let store = path.as_ref().map(|path| path.display().to_string());
+        let path = canonical(path);
+        let store = Some(path.display().to_string());
         // A plain channel, not a future: `open` may be called inside any executor, and must
         // not run one of its own there.
         let (opened, result) = std::sync::mpsc::channel();
         let starting = self.launch(store, move |opening, worker| {
             let opened = move |result| drop(opened.send(result));
-            sqlite::serve(path.as_deref(), file_mode, opening, opened, worker);
+            sqlite::serve(Some(&path), file_mode, opening, opened, worker);
         })?;
         // Opening a file takes a moment on the storage thread; this waits for it.
         starting.finish(result.recv())

@@ -30,6 +30,7 @@ mod time;
 mod types;
 mod worker;
 
+pub use self::backend::memory::MemoryStore;
 pub use self::builder::LockManagerBuilder;
 pub use self::error::{LeaseLost, LockError};
 pub use self::guard::Guard;

@@ -1,12 +1,13 @@
 //! Where a test's managers keep their rows. The lock manager's behaviour tests run on each
-//! store: an SQLite file, and (with the `postgres` feature) a fresh schema on the PostgreSQL
-//! server of `pg_support`, when there is one.
+//! store: an SQLite file, a store in memory, and (with the `postgres` feature) a fresh schema on
+//! the PostgreSQL server of `pg_support`, when there is one. Tests that look at the rows past
+//! the managers (with SQL) run on the two databases.
 #![allow(dead_code)]
 
 use std::future::Future;
 use std::path::PathBuf;
 
-use leasehold::{LockManager, LockManagerBuilder};
+use leasehold::{LockManager, LockManagerBuilder, MemoryStore};
 
 #[cfg(feature = "postgres")]
 #[path = "../pg_support/mod.rs"]
@@ -18,8 +19,12 @@ pub enum Store {
         _dir: tempfile::TempDir,
         path: PathBuf,
     },
+    Memory(MemoryStore),
     #[cfg(feature = "postgres")]
-    Postgres { url: String, schema: String },
+    Postgres {
+        url: String,
+        schema: String,
+    },
 }
 
 impl Store {
@@ -52,25 +57,23 @@ impl Store {
     pub fn sqlite_path(&self) -> Option<&std::path::Path> {
         match self {
             Store::Sqlite { path, .. } => Some(path),
-            #[cfg(feature = "postgres")]
-            Store::Postgres { .. } => None,
+            _ => None,
         }
     }
 
-    /// Every store there is: SQLite, and PostgreSQL when there is a test server.
+    /// Every store there is: SQLite, memory, and PostgreSQL when there is a test server.
     pub fn all() -> Vec<Store> {
-        let sqlite = Store::sqlite();
+        let mut stores = vec![Store::sqlite(), Store::Memory(MemoryStore::new())];
         #[cfg(feature = "postgres")]
-        if let Some(postgres) = Store::postgres() {
-            return vec![sqlite, postgres];
-        }
-        vec![sqlite]
+        stores.extend(Store::postgres());
+        stores
     }
 
     /// A new store of the same kind as `store`.
     pub fn like(store: &Store) -> Store {
         match store {
             Store::Sqlite { .. } => Store::sqlite(),
+            Store::Memory(_) => Store::Memory(MemoryStore::new()),
             #[cfg(feature = "postgres")]
             Store::Postgres { .. } => Store::postgres().expect("the server was there before"),
         }
@@ -80,6 +83,7 @@ impl Store {
     pub fn name(&self) -> &'static str {
         match self {
             Store::Sqlite { .. } => "SQLite",
+            Store::Memory(_) => "memory",
             #[cfg(feature = "postgres")]
             Store::Postgres { .. } => "PostgreSQL",
         }
@@ -94,6 +98,7 @@ impl Store {
     pub async fn open_with(&self, builder: LockManagerBuilder) -> LockManager {
         match self {
             Store::Sqlite { path, .. } => builder.open(path).expect("open the database"),
+            Store::Memory(store) => builder.open_in(store).expect("open the memory store"),
             #[cfg(feature = "postgres")]
             Store::Postgres { url, schema } => builder
                 .schema(schema)
@@ -130,6 +135,7 @@ impl Store {
                 statement.next().expect("a number");
                 statement.read::<i64, _>(0).expect("a number")
             }
+            Store::Memory(_) => panic!("no SQL on a memory store: use on_every_database"),
             #[cfg(feature = "postgres")]
             Store::Postgres { schema, .. } => pg_support::server()
                 .expect("the server was there before")
@@ -161,6 +167,7 @@ impl Store {
     pub fn stall(&self, owner: &str) -> Stall {
         match self {
             Store::Sqlite { path, .. } => Stall::Sqlite(crate::lock_support::WriteLock::take(path)),
+            Store::Memory(_) => panic!("a memory store cannot be stalled: use on_every_database"),
             #[cfg(feature = "postgres")]
             Store::Postgres { url, schema } => {
                 let (url, owner) = (url.clone(), owner.to_owned());
@@ -205,6 +212,18 @@ impl Drop for Stall {
 /// Runs `scenario` under every executor (`common::on_every_executor`), once on each store: a
 /// fresh one for every run.
 pub fn on_every_store<F, Fut>(scenario: F)
+where
+    F: Fn(Store) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    eprintln!("=== in memory");
+    crate::common::on_every_executor(|| scenario(Store::Memory(MemoryStore::new())));
+    on_every_database(scenario);
+}
+
+/// `on_every_store` on the stores that are databases, whose rows a test can read and hold past
+/// the managers (`count_rows`, `stall`): SQLite, and PostgreSQL when there is a test server.
+pub fn on_every_database<F, Fut>(scenario: F)
 where
     F: Fn(Store) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,

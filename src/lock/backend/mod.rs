@@ -6,6 +6,7 @@
 //! epoch, by the clock the backend judges leases with.
 
 pub(crate) mod codec;
+pub(crate) mod memory;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
