@@ -631,3 +631,128 @@ impl Storage for Memory {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::TestClock;
+
+    fn connection(store: &MemoryStore) -> Memory {
+        Memory::new(store, Arc::new(TestClock::new()))
+    }
+
+    fn exclusive(key: &str) -> LockRequest {
+        LockRequest::exclusive(key, "op")
+    }
+
+    /// Every live row, as (key, ticket, held, expires_at).
+    fn rows(connection: &mut Memory) -> Vec<(String, u64, bool, i64)> {
+        let now = connection.now();
+        let rows = connection.live_rows(None, now).unwrap();
+        rows.into_iter()
+            .map(|row| (row.key, row.ticket, row.held, row.expires_at))
+            .collect()
+    }
+
+    #[test]
+    fn a_rollback_undoes_every_change_of_its_transaction() {
+        let store = MemoryStore::new();
+        let mut a = connection(&store);
+        let now = a.begin(&[]).unwrap();
+        let ticket = a.next_ticket().unwrap();
+        a.insert_request("a", ticket, &[exclusive("k")], true, now, now + 100)
+            .unwrap();
+        let waiting = a.next_ticket().unwrap();
+        let many = [exclusive("k"), exclusive("j")];
+        a.insert_request("a", waiting, &many, false, now, now + 100)
+            .unwrap();
+        a.commit().unwrap();
+        let before = rows(&mut a);
+        let now = a.begin(&[]).unwrap();
+        let third = a.next_ticket().unwrap();
+        a.insert_request("a", third, &[exclusive("x")], true, now, now + 100)
+            .unwrap();
+        a.delete_request("a", &["k".into()], ticket, now).unwrap();
+        a.promote(&["j".into(), "k".into()], waiting, now).unwrap();
+        a.renew("a", now, now + 500).unwrap();
+        a.announce(&[], &["k".into()], &BTreeSet::new()).unwrap();
+        a.rollback();
+        assert_eq!(rows(&mut a), before);
+        a.begin(&[]).unwrap();
+        assert_eq!(
+            a.next_ticket().unwrap(),
+            third,
+            "the ticket taken came back"
+        );
+        a.rollback();
+        assert!(
+            lock(&store.shared.tables).log.is_empty(),
+            "the log entry stayed"
+        );
+    }
+
+    #[test]
+    fn changes_are_another_connections_commits_and_the_keys_they_promoted_on() {
+        let store = MemoryStore::new();
+        let (mut a, mut b) = (connection(&store), connection(&store));
+        assert_eq!(b.changes().unwrap(), Changes::Nothing);
+        let now = a.begin(&[]).unwrap();
+        let ticket = a.next_ticket().unwrap();
+        a.insert_request("a", ticket, &[exclusive("k")], false, now, now + 100)
+            .unwrap();
+        a.promote(&["k".into()], ticket, now).unwrap();
+        a.announce(&[], &["k".into()], &BTreeSet::new()).unwrap();
+        a.commit().unwrap();
+        assert_eq!(a.changes().unwrap(), Changes::Nothing, "its own commit");
+        assert_eq!(b.changes().unwrap(), Changes::Keys(vec![key_hash("k")]));
+        assert_eq!(b.changes().unwrap(), Changes::Nothing);
+        // A transaction that changed nothing is no news.
+        a.begin(&[]).unwrap();
+        a.commit().unwrap();
+        assert_eq!(b.changes().unwrap(), Changes::Nothing);
+        // More promotions than the log keeps, while `b` did not look: it must look at all.
+        for _ in 0..=LOG_KEPT {
+            a.begin(&[]).unwrap();
+            a.announce(&[], &["k".into()], &BTreeSet::new()).unwrap();
+            a.commit().unwrap();
+        }
+        assert_eq!(b.changes().unwrap(), Changes::Unknown);
+    }
+
+    #[test]
+    fn a_read_waits_for_another_connections_transaction() {
+        let store = MemoryStore::new();
+        let mut a = connection(&store);
+        let now = a.begin(&[]).unwrap();
+        let ticket = a.next_ticket().unwrap();
+        a.insert_request("a", ticket, &[exclusive("k")], true, now, now + 100)
+            .unwrap();
+        let reader = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let mut b = connection(&store);
+                let now = b.now();
+                b.is_held("k", now).unwrap()
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(!reader.is_finished(), "read what was not committed");
+        a.rollback();
+        assert!(!reader.join().unwrap(), "saw a row that was rolled back");
+    }
+
+    #[test]
+    fn a_connection_dropped_inside_a_transaction_lets_the_others_go_on() {
+        let store = MemoryStore::new();
+        let mut a = connection(&store);
+        let now = a.begin(&[]).unwrap();
+        let ticket = a.next_ticket().unwrap();
+        a.insert_request("a", ticket, &[exclusive("k")], true, now, now + 100)
+            .unwrap();
+        drop(a);
+        let mut b = connection(&store);
+        let now = b.begin(&[]).unwrap();
+        assert!(!b.is_held("k", now).unwrap());
+        b.commit().unwrap();
+    }
+}
