@@ -1,0 +1,209 @@
+//! Decisions in one round trip: a batch of acquisitions and releases of one owner in one call of
+//! the server's function `decide` (`functions.sql`), which takes the locks of all their keys
+//! once and decides each in turn (`DecidesAtOnce`).
+
+use postgres::types::ToSql;
+
+use super::listener::{channel, payload};
+use super::schema::key_locks;
+use super::Postgres;
+use crate::lock::backend::codec::{encode_keys, key_hash, mode_code, sql_ticket, ticket_of};
+use crate::lock::backend::{
+    AtOnce, DecidesAtOnce, Decision, Deleted, Outcome, Removal, Result, Wait,
+};
+use crate::lock::LockError;
+
+/// The call of the function `decide` (see `FUNCTIONS`), for `DecideArgs::params`.
+pub(super) const DECIDE: &str =
+    "SELECT * FROM {s}.decide($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+
+/// The arguments of the function `decide`: a batch of operations of one owner, with one entry
+/// per operation and one per key of each.
+pub(super) struct DecideArgs<'a> {
+    owner: &'a str,
+    lease: i64,
+    locks: Vec<i32>,
+    schema_lock: i32,
+    channel: String,
+    ends: Vec<i32>,
+    tickets: Vec<Option<i64>>,
+    waits: Vec<Option<i16>>,
+    all_keys: Vec<Option<String>>,
+    payloads: Vec<Option<String>>,
+    keys: Vec<String>,
+    modes: Vec<i16>,
+    operations: Vec<&'a str>,
+}
+
+impl<'a> DecideArgs<'a> {
+    pub(super) fn new(schema: &str, owner: &'a str, lease: i64, ops: &[AtOnce<'a>]) -> Self {
+        let mut args = DecideArgs {
+            owner,
+            lease,
+            locks: Vec::new(),
+            schema_lock: 0,
+            channel: channel(schema),
+            ends: Vec::with_capacity(ops.len()),
+            tickets: Vec::with_capacity(ops.len()),
+            waits: Vec::with_capacity(ops.len()),
+            all_keys: Vec::with_capacity(ops.len()),
+            payloads: Vec::with_capacity(ops.len()),
+            keys: Vec::new(),
+            modes: Vec::new(),
+            operations: Vec::new(),
+        };
+        for op in ops {
+            args.push(op);
+        }
+        (args.locks, args.schema_lock) = key_locks(schema, &args.keys);
+        args
+    }
+
+    fn push(&mut self, op: &AtOnce<'a>) {
+        match *op {
+            AtOnce::Acquire { requests, wait } => {
+                for request in requests {
+                    self.keys.push(request.key.clone());
+                    self.modes.push(mode_code(request.mode));
+                    self.operations.push(&request.operation);
+                }
+                self.tickets.push(None);
+                self.waits.push(Some(match wait {
+                    Wait::Queued => 0,
+                    Wait::Unqueued => 1,
+                    Wait::No => 2,
+                }));
+                self.all_keys.push(encode_keys(requests));
+                self.payloads.push(None);
+            }
+            AtOnce::Remove { keys, ticket } => {
+                let mut hashes: Vec<i64> = keys.iter().map(|key| key_hash(key)).collect();
+                hashes.sort_unstable();
+                hashes.dedup();
+                for key in keys {
+                    self.keys.push(key.clone());
+                    self.modes.push(0);
+                    self.operations.push("");
+                }
+                self.tickets.push(Some(sql_ticket(ticket)));
+                self.waits.push(None);
+                self.all_keys.push(None);
+                self.payloads.push(Some(payload(&hashes)));
+            }
+        }
+        self.ends
+            .push(i32::try_from(self.keys.len()).unwrap_or(i32::MAX));
+    }
+
+    /// The parameters of `DECIDE`, in order.
+    pub(super) fn params(&self) -> [&(dyn ToSql + Sync); 13] {
+        [
+            &self.owner,
+            &self.lease,
+            &self.locks,
+            &self.schema_lock,
+            &self.channel,
+            &self.ends,
+            &self.tickets,
+            &self.waits,
+            &self.all_keys,
+            &self.payloads,
+            &self.keys,
+            &self.modes,
+            &self.operations,
+        ]
+    }
+}
+
+/// An acquisition's answer from `decide`, for a caller who waits as `wait` says.
+fn decision(row: &postgres::Row, wait: Wait) -> Decision {
+    let granted: bool = row.get(2);
+    let others = if granted || wait == Wait::No {
+        Vec::new()
+    } else {
+        let keys: Vec<Option<String>> = row.get::<_, Option<_>>(3).unwrap_or_default();
+        let expiries: Vec<i64> = row.get::<_, Option<_>>(4).unwrap_or_default();
+        (keys.into_iter().map(Option::unwrap_or_default))
+            .zip(expiries)
+            .collect()
+    };
+    Decision {
+        now: row.get(0),
+        ticket: row.get::<_, Option<i64>>(1).map(ticket_of),
+        granted,
+        others,
+    }
+}
+
+impl Postgres {
+    /// A batch of acquisitions and removals in one call of the function `decide` (see
+    /// `FUNCTIONS`), which takes the locks of all their keys once.
+    fn decide_in_one(
+        &mut self,
+        owner: &str,
+        ops: &[AtOnce<'_>],
+        lease: i64,
+    ) -> Result<Vec<Outcome>> {
+        self.transient = false;
+        let args = DecideArgs::new(&self.schema, owner, lease, ops);
+        let statement = self.statement("deciding", DECIDE)?;
+        let sent = self.monotonic();
+        let rows = self.with("deciding", |client| {
+            client.query(&statement, &args.params())
+        })?;
+        self.succeeded();
+        if rows.len() != ops.len() {
+            return Err(LockError::Storage(format!(
+                "while deciding: {} answers to {} operations",
+                rows.len(),
+                ops.len()
+            )));
+        }
+        if let Some(first) = rows.first() {
+            // The first operation's time: the earliest read after the call was sent.
+            self.offset = first.get::<_, i64>(0) - sent;
+        }
+        let mut outcomes = Vec::with_capacity(ops.len());
+        for (op, row) in ops.iter().zip(&rows) {
+            let now: i64 = row.get(0);
+            outcomes.push(match op {
+                AtOnce::Acquire { wait, .. } => Outcome::Acquired(decision(row, *wait)),
+                AtOnce::Remove { .. } => {
+                    let count = |at: usize| usize::try_from(row.get::<_, i64>(at)).unwrap_or(0);
+                    Outcome::Removed(Removal {
+                        now,
+                        deleted: Deleted {
+                            rows: count(5),
+                            live: count(6),
+                        },
+                        freed: row.get(7),
+                        promoted: row
+                            .get::<_, Option<Vec<i64>>>(8)
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(ticket_of)
+                            .collect(),
+                        owners: row
+                            .get::<_, Option<Vec<String>>>(9)
+                            .unwrap_or_default()
+                            .into_iter()
+                            .collect(),
+                    })
+                }
+            });
+        }
+        Ok(outcomes)
+    }
+}
+
+impl DecidesAtOnce for Postgres {
+    /// One round trip: the function `decide` (see `FUNCTIONS`).
+    fn decide_at_once(
+        &mut self,
+        owner: &str,
+        ops: &[AtOnce<'_>],
+        lease: i64,
+    ) -> Result<Vec<Outcome>> {
+        self.decide_in_one(owner, ops, lease)
+    }
+}

@@ -1,0 +1,176 @@
+-- The server-side functions of the PostgreSQL backend: see `schema.rs` (`FUNCTIONS`).
+-- `{s}` is the schema, quoted; `{max_locks}`, `{schema_class}`, `{lock_class}` and
+-- `{exclusive}` are numbers filled in by `functions`.
+CREATE OR REPLACE FUNCTION {s}.lock_keys(p_locks int4[], p_schema_lock int4)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    l int4;
+BEGIN
+    IF cardinality(p_locks) > {max_locks} THEN
+        PERFORM pg_advisory_xact_lock({schema_class}, p_schema_lock);
+    ELSE
+        PERFORM pg_advisory_xact_lock_shared({schema_class}, p_schema_lock);
+        FOREACH l IN ARRAY p_locks LOOP
+            PERFORM pg_advisory_xact_lock({lock_class}, l);
+        END LOOP;
+    END IF;
+    RETURN (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+END $$;
+
+-- A batch of acquisitions and releases of one owner, decided in order in one transaction: the
+-- locks of all their keys taken once, the time read afresh for each. The n-th operation's keys
+-- (and modes, operations) are p_keys[p_ends[n-1] + 1 : p_ends[n]]; a release has a ticket, an
+-- acquisition none, and a wait (0: queued, 1: unqueued, 2: not at all). One answer per
+-- operation, in order: `now`, then
+-- - for an acquisition: `ticket` (if rows were written), `granted`, and when it refused a
+--   caller who waits, the other owners' live rows on its keys (`others_keys` and
+--   `others_expiries`: when each key may be freed without anyone writing);
+-- - for a release: the rows it `deleted`, how many of them were `live`, whether it `freed`
+--   anything, the tickets it `promoted`, whoever owns them, and the other `owners` of those.
+-- The other columns are left as they were: what they hold means nothing.
+--
+-- Written for speed: PL/pgSQL compiles each expression once per transaction, so an operation
+-- alone in its call pays for every expression it meets (hence no resetting of the answer's
+-- columns); each operation's part of the arrays is copied into variables once; and the
+-- uncontended cases are one statement each: an acquisition on keys without rows, and a release
+-- that leaves no other live row on its keys.
+CREATE OR REPLACE FUNCTION {s}.decide(
+    p_owner text, p_lease bigint, p_locks int4[], p_schema_lock int4, p_channel text,
+    p_ends int4[], p_tickets int8[], p_waits int2[], p_all_keys text[], p_payloads text[],
+    p_keys text[], p_modes int2[], p_operations text[])
+RETURNS TABLE (
+    now bigint, ticket bigint, granted boolean, others_keys text[], others_expiries int8[],
+    deleted bigint, live bigint, freed boolean, promoted int8[], owners text[])
+LANGUAGE plpgsql AS $$
+DECLARE
+    n int;
+    lo int := 1;
+    op_keys text[];
+    op_modes int2[];
+    op_ticket int8;
+    op_wait int2;
+    lapsed bigint;
+    blocked boolean;
+    others_left boolean;
+    waited_for boolean;
+BEGIN
+    PERFORM {s}.lock_keys(p_locks, p_schema_lock);
+    FOR n IN 1 .. coalesce(cardinality(p_ends), 0) LOOP
+        op_keys := p_keys[lo:p_ends[n]];
+        op_modes := p_modes[lo:p_ends[n]];
+        op_ticket := p_tickets[n];
+        op_wait := p_waits[n];
+        now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+        IF op_ticket IS NULL THEN
+            -- An acquisition on keys without rows (the uncontended case): granted.
+            INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
+                                   acquired_at, expires_at, heartbeat_at)
+            SELECT r.key, r.mode, r.operation, p_owner, t.ticket, true, now, now,
+                   now + p_lease, now
+            FROM (SELECT nextval('{s}.tickets') AS ticket
+                  WHERE NOT EXISTS (SELECT 1 FROM {s}.locks AS o WHERE o.key = ANY(op_keys)))
+                 AS t,
+                 unnest(op_keys, op_modes, p_operations[lo:p_ends[n]]) AS r(key, mode, operation);
+            IF FOUND THEN
+                ticket := currval('{s}.tickets');
+                granted := true;
+                RETURN NEXT;
+                lo := p_ends[n] + 1;
+                CONTINUE;
+            END IF;
+            -- Any other acquisition: the keys' lapsed rows deleted; granted unless a live row there
+            -- conflicts; rows written under a new ticket if granted or queued. Refused, it
+            -- answers when the other owners' live rows there run out, and a caller without a
+            -- queue position is noted in `watchers`.
+            SELECT count(*) FILTER (WHERE o.expires_at <= now),
+                   bool_or(o.expires_at > now AND (r.mode = {exclusive} OR o.mode = {exclusive}))
+            INTO lapsed, blocked
+            FROM {s}.locks AS o
+            JOIN unnest(op_keys, op_modes) AS r(key, mode) ON o.key = r.key;
+            IF lapsed > 0 THEN
+                DELETE FROM {s}.locks AS d WHERE d.key = ANY(op_keys) AND d.expires_at <= now;
+                -- The read above may predate a renewal of a row it found lapsed that had not
+                -- committed yet: the deletion waited for that renewal and left the row it
+                -- renewed, so judge the keys again as they are now. (Judged on the first read,
+                -- the key went to a second holder while the first went on renewing it.)
+                SELECT bool_or(o.expires_at > now AND (r.mode = {exclusive} OR o.mode = {exclusive}))
+                INTO blocked
+                FROM {s}.locks AS o
+                JOIN unnest(op_keys, op_modes) AS r(key, mode) ON o.key = r.key;
+            END IF;
+            granted := NOT coalesce(blocked, false);
+            IF NOT granted AND op_wait <> 2 THEN
+                SELECT array_agg(o.key), array_agg(o.expires_at)
+                INTO others_keys, others_expiries
+                FROM {s}.locks AS o
+                WHERE o.key = ANY(op_keys) AND o.expires_at > now AND o.owner <> p_owner;
+                IF op_wait = 1 THEN
+                    INSERT INTO {s}.watchers AS w (key, owner, expires_at)
+                    SELECT k, p_owner, now + 2 * p_lease FROM unnest(op_keys) AS k
+                    ON CONFLICT (key, owner) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+                END IF;
+            END IF;
+            ticket := CASE WHEN granted OR op_wait = 0 THEN nextval('{s}.tickets') END;
+            IF ticket IS NOT NULL THEN
+                INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
+                                       acquired_at, expires_at, heartbeat_at, keys)
+                SELECT r.key, r.mode, r.operation, p_owner, ticket, granted, now,
+                       CASE WHEN granted THEN now END, now + p_lease, now,
+                       CASE WHEN NOT granted THEN p_all_keys[n] END
+                FROM unnest(op_keys, op_modes, p_operations[lo:p_ends[n]])
+                     AS r(key, mode, operation);
+            END IF;
+        ELSE
+            -- A release: the owner's rows of the ticket deleted, with the keys' lapsed rows;
+            -- then, if other live rows are left there, the single-key waiters that the rule now
+            -- lets through promoted. (A release of the only rows on its keys, the uncontended
+            -- case, is this one statement.)
+            WITH d AS (
+                DELETE FROM {s}.locks AS d
+                WHERE d.key = ANY(op_keys)
+                  AND ((d.ticket = op_ticket AND d.owner = p_owner) OR d.expires_at <= now)
+                RETURNING d.ticket = op_ticket AND d.owner = p_owner AS own,
+                          d.expires_at > now AS live)
+            SELECT count(*) FILTER (WHERE d.own), count(*) FILTER (WHERE d.own AND d.live),
+                   count(*) FILTER (WHERE NOT d.own),
+                   EXISTS (SELECT 1 FROM {s}.locks AS o
+                           WHERE o.key = ANY(op_keys) AND o.expires_at > now
+                             AND (o.ticket <> op_ticket OR o.owner <> p_owner)),
+                   EXISTS (SELECT 1 FROM {s}.locks AS w
+                           WHERE w.key = ANY(op_keys) AND NOT w.held AND w.expires_at > now
+                             AND w.owner <> p_owner)
+                   OR EXISTS (SELECT 1 FROM {s}.watchers AS w
+                              WHERE w.key = ANY(op_keys) AND w.expires_at > now
+                                AND w.owner <> p_owner)
+            INTO deleted, live, lapsed, others_left, waited_for FROM d;
+            promoted := NULL;
+            owners := NULL;
+            IF others_left THEN
+                WITH p AS (
+                    UPDATE {s}.locks AS w SET held = true, acquired_at = now,
+                        expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
+                        heartbeat_at = GREATEST(w.heartbeat_at, now)
+                    WHERE w.key = ANY(op_keys) AND NOT w.held AND w.keys IS NULL
+                      AND w.expires_at > now
+                      AND NOT EXISTS (
+                          SELECT 1 FROM {s}.locks AS o
+                          WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
+                            AND (w.mode = {exclusive} OR o.mode = {exclusive}))
+                    RETURNING w.ticket, w.owner)
+                SELECT array_agg(p.ticket),
+                       array_agg(DISTINCT p.owner) FILTER (WHERE p.owner <> p_owner)
+                INTO promoted, owners FROM p;
+            END IF;
+            freed := deleted > 0 OR lapsed > 0 OR promoted IS NOT NULL;
+            -- Announced only if another owner may be waiting: its request promoted, or it
+            -- waited before (a waiting row, promoted since or not, or a caller without a row,
+            -- in `watchers`). This owner learns of its own promotions from the answer, and
+            -- looks for itself at the keys where a request of its own on several keys waits.
+            IF freed AND (owners IS NOT NULL OR waited_for) THEN
+                PERFORM pg_notify(p_channel, p_payloads[n]);
+            END IF;
+        END IF;
+        RETURN NEXT;
+        lo := p_ends[n] + 1;
+    END LOOP;
+END $$;

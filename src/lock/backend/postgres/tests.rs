@@ -1,0 +1,350 @@
+//! The PostgreSQL backend's own tests: what its parsing refuses, and the server-side rule
+//! (`functions.sql`) against the pure one, on a real server.
+
+/// The tests' PostgreSQL harness, for the tests below that need a server.
+#[path = "../../../../tests/pg_support/mod.rs"]
+#[allow(unreachable_pub, clippy::all)]
+mod pg_support;
+
+use std::time::Duration;
+
+use super::decide::{DecideArgs, DECIDE};
+use super::listener::parse_payload;
+use super::schema::key_lock;
+use super::target::has_unescaped_at;
+use super::*;
+use crate::lock::backend::{AtOnce, Wait};
+use crate::lock::Mode;
+
+#[test]
+fn an_at_sign_left_in_a_urls_user_information_is_found() {
+    assert!(has_unescaped_at("postgres://u:p@ss@host/db"));
+    assert!(has_unescaped_at("postgresql://u@x:p@host"));
+    assert!(!has_unescaped_at("postgres://u:p%40ss@host/db"));
+    assert!(!has_unescaped_at(
+        "postgres://u@host/db?application_name=a@b"
+    ));
+    assert!(!has_unescaped_at("postgres://host/db#x@y@z"));
+    // The key-value form names the password on its own.
+    assert!(!has_unescaped_at("host=h user=u password=p@ss@word"));
+}
+
+mod the_rule_in_sql {
+    //! The server-side functions (`FUNCTIONS`) against the grant rule of `grant.rs`, on
+    //! generated rows: whether a new request is granted, and which waiters a release lets
+    //! through.
+    use super::pg_support;
+    use super::*;
+    use crate::lock::grant::{grantable_now, promotable};
+    use proptest::prelude::*;
+
+    /// A row to plant: key (0 or 1), exclusive, held, lapsed, owner (0 or 1), and whether
+    /// its request names both keys. Tickets follow the order of the rows.
+    type Planted = (u8, bool, bool, bool, u8, bool);
+
+    fn planted() -> impl Strategy<Value = Vec<Planted>> {
+        prop::collection::vec(
+            (
+                0..2u8,
+                any::<bool>(),
+                any::<bool>(),
+                prop::bool::weighted(0.2),
+                0..2u8,
+                prop::bool::weighted(0.2),
+            ),
+            0..7,
+        )
+    }
+
+    const KEYS: [&str; 2] = ["a", "b"];
+
+    struct Case {
+        client: Client,
+        schema: String,
+    }
+
+    impl Case {
+        fn new() -> Option<Case> {
+            let server = pg_support::server()?;
+            let schema = pg_support::schema("rule_in_sql");
+            let mut client = Client::connect(server.url(), NoTls).expect("connect");
+            client
+                .batch_execute(
+                    "SET plan_cache_mode = force_generic_plan; \
+                     SET enable_seqscan = off; SET enable_bitmapscan = off",
+                )
+                .unwrap();
+            migrate(&mut client, &schema).expect("the schema");
+            // Planted tickets are small; new ones come after them.
+            client
+                .query_one(
+                    &format!("SELECT setval('{}.tickets', 1000)", quote(&schema)),
+                    &[],
+                )
+                .unwrap();
+            Some(Case { client, schema })
+        }
+
+        /// Runs `test` on the case of this test binary (one schema for all), if there is a
+        /// server.
+        fn with(
+            test: impl FnOnce(&mut Case) -> std::result::Result<(), TestCaseError>,
+        ) -> std::result::Result<(), TestCaseError> {
+            static CASE: std::sync::OnceLock<Mutex<Option<Case>>> = std::sync::OnceLock::new();
+            let mut case = lock(CASE.get_or_init(|| Mutex::new(Case::new())));
+            match case.as_mut() {
+                Some(case) => test(case),
+                None => Ok(()),
+            }
+        }
+
+        /// Empties the table and plants `rows`; returns the server's time and the rows as
+        /// the rule sees them (live ones only).
+        fn plant(&mut self, rows: &[Planted]) -> (i64, Vec<RowView>) {
+            let s = quote(&self.schema);
+            self.client
+                .batch_execute(&format!("DELETE FROM {s}.locks"))
+                .unwrap();
+            let now: i64 = self
+                .client
+                .query_one(
+                    "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+                    &[],
+                )
+                .unwrap()
+                .get(0);
+            let hour = 3_600_000_000_i64;
+            let mut live = Vec::new();
+            for (i, &(key, exclusive, held, lapsed, owner, both)) in rows.iter().enumerate() {
+                let key = KEYS[usize::from(key)];
+                let mode = if exclusive {
+                    Mode::Exclusive
+                } else {
+                    Mode::Shared
+                };
+                let ticket = i as i64 + 1;
+                let owner = format!("o{owner}");
+                let expires_at = if lapsed { now - hour } else { now + hour };
+                let keys = both.then(|| "1:a1:b".to_owned());
+                self.client
+                    .execute(
+                        &format!(
+                            "INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held,
+                                 requested_at, expires_at, heartbeat_at, keys)
+                             VALUES ($1, $2, 'op', $3, $4, $5, $6, $7, $6, $8)"
+                        ),
+                        &[
+                            &key,
+                            &mode_code(mode),
+                            &owner,
+                            &ticket,
+                            &held,
+                            &(now - hour * 2),
+                            &expires_at,
+                            &keys,
+                        ],
+                    )
+                    .unwrap();
+                if !lapsed {
+                    live.push(RowView {
+                        key: key.into(),
+                        mode,
+                        ticket: ticket as u64,
+                        held,
+                        owner: owner.into(),
+                        expires_at,
+                        keys: if both {
+                            vec!["a".into(), "b".into()]
+                        } else {
+                            Vec::new()
+                        },
+                    });
+                }
+            }
+            (now, live)
+        }
+
+        /// How many lapsed rows are left on `keys`.
+        fn lapsed_on(&mut self, keys: &[String], now: i64) -> i64 {
+            let s = quote(&self.schema);
+            self.client
+                .query_one(
+                    &format!(
+                        "SELECT count(*) FROM {s}.locks WHERE key = ANY($1) AND expires_at <= $2"
+                    ),
+                    &[&keys, &now],
+                )
+                .unwrap()
+                .get(0)
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn a_new_request_is_granted_in_sql_as_by_the_rule(
+            rows in planted(),
+            wanted in prop::sample::subsequence(vec![0u8, 1], 1..=2),
+            exclusive in any::<[bool; 2]>(),
+        ) {
+            Case::with(|case| {
+            let (now, live) = case.plant(&rows);
+            let requests: Vec<LockRequest> = wanted
+                .iter()
+                .map(|&k| {
+                    let key = KEYS[usize::from(k)];
+                    if exclusive[usize::from(k)] {
+                        LockRequest::exclusive(key, "new")
+                    } else {
+                        LockRequest::shared(key, "new")
+                    }
+                })
+                .collect();
+            let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
+            let op = AtOnce::Acquire { requests: &requests, wait: Wait::No };
+            let args = DecideArgs::new(&case.schema, "o9", 1_000_000, &[op]);
+            let sql = DECIDE.replace("{s}", &quote(&case.schema));
+            let row = case.client.query_one(&sql, &args.params()).unwrap();
+            let granted: bool = row.get(2);
+            let expected = grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &live);
+            prop_assert_eq!(granted, expected, "rows {:?}", rows);
+            prop_assert_eq!(row.get::<_, Option<i64>>(1).is_some(), expected);
+            prop_assert_eq!(case.lapsed_on(&keys, now), 0, "lapsed rows are deleted first");
+            Ok(())
+            })?;
+        }
+
+        #[test]
+        fn a_release_promotes_in_sql_whom_the_rule_lets_through(
+            rows in planted(),
+            released in any::<prop::sample::Index>(),
+        ) {
+            Case::with(|case| {
+            let (_, live) = case.plant(&rows);
+            if rows.is_empty() {
+                return Ok(());
+            }
+            // Release one planted request (all its rows), live or lapsed, held or not.
+            let at = released.index(rows.len());
+            let (key, _, _, lapsed, owner, both) = rows[at];
+            let keys: Vec<String> = if both {
+                vec!["a".into(), "b".into()]
+            } else {
+                vec![KEYS[usize::from(key)].to_owned()]
+            };
+            let ticket = at as i64 + 1;
+            let owner = format!("o{owner}");
+            let op = AtOnce::Remove { keys: &keys, ticket: ticket as u64 };
+            let args = DecideArgs::new(&case.schema, &owner, 1_000_000, &[op]);
+            let sql = DECIDE.replace("{s}", &quote(&case.schema));
+            let row = case.client.query_one(&sql, &args.params()).unwrap();
+            let deleted: i64 = row.get(5);
+            let mut promoted: Vec<u64> = row
+                .get::<_, Option<Vec<i64>>>(8)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|t| t as u64)
+                .collect();
+            promoted.sort_unstable();
+            // The rows planted under that ticket on those keys are gone (a planted row on
+            // one key only names its own key: it is deleted only through it).
+            prop_assert_eq!(deleted, 1);
+            prop_assert_eq!(row.get::<_, i64>(6), i64::from(!lapsed), "live rows deleted");
+            prop_assert!(row.get::<_, bool>(7), "a deletion frees");
+            let left: Vec<RowView> = live
+                .into_iter()
+                .filter(|r| r.ticket != ticket as u64 && keys.iter().any(|k| **k == *r.key))
+                .collect();
+            let mut expected: Vec<u64> = promotable(&left)
+                .into_iter()
+                .filter(|t| left.iter().any(|r| r.ticket == *t && r.keys.is_empty()))
+                .collect();
+            expected.sort_unstable();
+            prop_assert_eq!(promoted, expected, "rows {:?}, released {}", rows, at);
+            Ok(())
+            })?;
+        }
+    }
+}
+
+#[test]
+fn reconnects_back_off_on_the_busy_schedule_and_start_over_after_a_success_or_its_end() {
+    let minute = Duration::from_secs(60);
+    let backoff = Schedule::spaced(minute).intersect(Schedule::recurs(1));
+    let mut reconnect = Reconnect::new(backoff);
+    assert_eq!(reconnect.wait_left(), None, "the first attempt at once");
+    reconnect.failed();
+    let left = reconnect.wait_left().expect("a failure waits");
+    assert!(left > minute - Duration::from_secs(1) && left <= minute);
+    reconnect.failed();
+    assert!(
+        reconnect.wait_left().is_some(),
+        "the schedule's end starts it over: the manager never gives up"
+    );
+    reconnect.succeeded();
+    assert_eq!(reconnect.wait_left(), None);
+}
+
+#[test]
+fn channels_fit_in_an_identifier_whatever_the_schema() {
+    assert_eq!(channel("leasehold"), "leasehold_leasehold");
+    let long = "s".repeat(63);
+    assert!(channel(&long).len() <= 63);
+    assert_ne!(channel(&long), channel(&"t".repeat(63)));
+    assert_eq!(channel(&long), channel(&long));
+}
+
+#[test]
+fn announcements_name_their_keys_or_say_that_something_changed() {
+    let keys = [
+        key_hash("a"),
+        key_hash("b,c"),
+        key_hash(&"x".repeat(10_000)),
+    ];
+    assert_eq!(parse_payload(&payload(&keys)), Some(keys.to_vec()));
+    assert_eq!(parse_payload(""), Some(Vec::new()));
+    let many: Vec<i64> = (0..2_000).collect();
+    assert_eq!(payload(&many), "*");
+    assert_eq!(parse_payload("*"), None);
+}
+
+#[test]
+fn key_locks_depend_on_the_schema_and_the_key() {
+    assert_eq!(key_lock("s", "k"), key_lock("s", "k"));
+    assert_ne!(key_lock("s", "k"), key_lock("t", "k"));
+    assert_ne!(key_lock("s", "k"), key_lock("s", "j"));
+}
+
+#[test]
+fn schema_names_that_could_inject_sql_are_refused() {
+    assert!(valid_schema("leasehold"));
+    assert!(valid_schema("app_locks_2"));
+    for bad in [
+        "",
+        "Leasehold",
+        "a b",
+        "x\"; DROP TABLE t; --",
+        "1abc",
+        &"a".repeat(64),
+    ] {
+        assert!(!valid_schema(bad), "{bad:?}");
+    }
+    assert_eq!(quote("a\"b"), "\"a\"\"b\"");
+}
+
+#[test]
+fn a_password_never_appears_in_the_description() {
+    let target = parse("postgres://alice:s3cret@db.example/app?sslmode=disable").unwrap();
+    let config = &target.config;
+    let text = format!("{} {config:?}", describe(config));
+    assert!(!text.contains("s3cret"), "{text}");
+    let target = parse("host=/run/postgresql user=alice password=s3cret dbname=app").unwrap();
+    let config = &target.config;
+    let text = format!("{} {config:?}", describe(config));
+    assert!(!text.contains("s3cret"), "{text}");
+    let Err(error) = parse("postgres://alice:s3cret@db.example:notaport/app") else {
+        panic!("a port that is not a number was accepted");
+    };
+    assert!(!error.to_string().contains("s3cret"), "{error}");
+}
