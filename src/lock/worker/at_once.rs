@@ -1,0 +1,138 @@
+//! Writes decided in one call (`DecidesAtOnce`): the runs of acquisitions and removals that
+//! one call of the storage can decide, and what each decided.
+
+use super::*;
+
+impl<S: Storage> Worker<S> {
+    /// How many of the first `writes` one call can decide: acquisitions, and removals of
+    /// requests written before it (a removal of one acquired in the same run waits for the
+    /// next call, which knows its ticket).
+    pub(super) fn at_once_run(&self, writes: &[Write]) -> usize {
+        let mut removed = BTreeSet::new();
+        writes
+            .iter()
+            .take_while(|write| match write {
+                Write::Acquire { .. } => true,
+                Write::Remove { request, .. } => {
+                    self.requests.contains_key(request) && removed.insert(*request)
+                }
+                _ => false,
+            })
+            .count()
+    }
+
+    /// Does `writes` (acquisitions and removals: see `at_once_run`) in one call to storage, or
+    /// gives them back if the call failed perhaps after writing rows that must be found first. A failure for a passing reason is tried again after the busy
+    /// schedule's delay; any other failure of several writes tries each alone, so that one bad
+    /// write does not fail the others.
+    pub(super) fn at_once(&mut self, writes: Vec<Write>) -> Result<(), Vec<Write>> {
+        let owner = self.common.owner.clone();
+        let lease = micros(self.common.lease);
+        loop {
+            let ops: Vec<AtOnce<'_>> = writes
+                .iter()
+                .filter_map(|write| match write {
+                    Write::Acquire { requests, wait, .. } => Some(AtOnce::Acquire {
+                        requests,
+                        wait: *wait,
+                    }),
+                    Write::Remove { request, .. } => {
+                        let written = self.requests.get(request)?;
+                        Some(AtOnce::Remove {
+                            keys: &written.keys,
+                            ticket: written.ticket,
+                        })
+                    }
+                    _ => None,
+                })
+                .collect();
+            if ops.len() != writes.len() {
+                return Err(writes);
+            }
+            let decided = match self.storage.at_once() {
+                Some(decider) => decider.decide_at_once(&owner, &ops, lease),
+                None => return Err(writes),
+            };
+            let error = match decided {
+                Ok(outcomes) => {
+                    Counters::bump(&self.counters().write_transactions);
+                    for (write, outcome) in writes.into_iter().zip(outcomes) {
+                        self.decided_at_once(write, outcome, lease);
+                    }
+                    return Ok(());
+                }
+                Err(error) => error,
+            };
+            if writes.iter().any(|w| matches!(w, Write::Acquire { .. })) {
+                self.lost_replies = true;
+            }
+            self.doubt_removals(&writes);
+            if !self.storage.again() {
+                self.retry_alone(writes, error);
+                return Ok(());
+            }
+            tracing::debug!(%error, "a write failed for a passing reason; once more");
+            self.find_lost_requests();
+            if !self.doubtful.is_empty() {
+                return Err(writes);
+            }
+        }
+    }
+
+    /// Delivers what one call decided for `write`.
+    pub(super) fn decided_at_once(&mut self, write: Write, outcome: Outcome, lease: i64) {
+        match (&write, outcome) {
+            (
+                Write::Acquire {
+                    request,
+                    requests,
+                    wait,
+                    ..
+                },
+                Outcome::Acquired(decision),
+            ) => {
+                let (request, wait) = (*request, *wait);
+                let keys = keys_of(requests);
+                let decided = match decision.ticket {
+                    Some(ticket) => self.written(
+                        request,
+                        requests,
+                        ticket,
+                        decision.granted.then_some(decision.now + lease),
+                    ),
+                    None => Decided::NotNow,
+                };
+                if !decision.granted {
+                    let others = decision.others.iter().map(|(key, at)| (key.as_str(), *at));
+                    self.not_granted(&keys, others, wait);
+                }
+                self.deliver(write, decided, decision.now);
+            }
+            (Write::Remove { request, .. }, Outcome::Removed(removal)) => {
+                let found = self.found(*request, &removal.deleted);
+                let written = self.requests.get(request);
+                // The storage promoted the single-key waiters it could, and announced the keys
+                // only to other owners: this owner's own waits on several keys there are for
+                // its next look.
+                if let Some(written) = written.filter(|_| removal.freed) {
+                    let spanning = self.waits.spanning(&written.keys);
+                    if !spanning.is_empty() {
+                        self.own_changes.extend(spanning);
+                        self.poked = true;
+                    }
+                }
+                self.deliver(write, Decided::Removed(found), removal.now);
+                self.after_commit(&Freed {
+                    any: removal.freed,
+                    promoted: removal.promoted,
+                    at: removal.now,
+                    owners: removal.owners,
+                });
+            }
+            (_, outcome) => {
+                let error = LockError::Storage(format!("an answer of the wrong kind: {outcome:?}"));
+                fail(write, error, &mut self.failed_removals);
+            }
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! Grants and leases: what a commit freed and promoted, the leases a renewal moves on, and the
+//! deadline of every lease granted (`state::held`).
+
+use super::*;
+
+impl<S: Storage> Worker<S> {
+    /// After a commit: wake the local waiters that were promoted, and if anything was freed,
+    /// the waiters without a queue position and the other managers of this process.
+    pub(super) fn after_commit(&mut self, freed: &Freed) {
+        // This owner's rows were promoted with this owner's lease (see `Db::promote`).
+        let expires_at = freed.at + micros(self.common.lease);
+        for &ticket in &freed.promoted {
+            self.grant_wait(ticket, expires_at);
+        }
+        if freed.any {
+            self.common.changed.notify(usize::MAX);
+            crate::lock::worker::siblings::poke(&self.common, &freed.owners);
+        }
+        self.storage.wake_others();
+    }
+
+    /// After a renewal at `now` (the storage's time) that renewed `renewed`, every live request
+    /// of this owner: the guards whose rows it renewed last a lease from then, as this process
+    /// reckons it; a guard whose rows are gone or ran out has lost its lease; a wait whose rows
+    /// are held now was promoted by another manager; one whose rows are gone can never be
+    /// granted. The storage says what it renewed, so nothing more is read.
+    pub(super) fn settle_renewed(&mut self, now: i64, renewed: &[OwnedRequest]) {
+        let find = |ticket: u64, held: bool| {
+            renewed
+                .iter()
+                .find(|r| r.ticket == ticket && r.held == held)
+        };
+        let rows = |ticket: u64, held: bool| find(ticket, held).map_or(0, |r| r.rows);
+        let deadline = self.deadline(now + micros(self.common.lease));
+        let lost = lock(&self.common.guards).renewed(|ticket| rows(ticket, true), deadline);
+        if lost > 0 {
+            // Their rows ran out unseen by this owner's deadlines, which watch other owners'
+            // rows: a waiter of this owner behind them may be free.
+            self.look_all = true;
+        }
+        let mut promoted = Vec::new();
+        let mut gone = Vec::new();
+        for (ticket, _) in self.waits.all() {
+            if let Some(held) = find(ticket, true) {
+                promoted.push((ticket, held.expires_at));
+            } else if rows(ticket, false) == 0 {
+                gone.push(ticket);
+            }
+        }
+        self.settle(promoted, &gone);
+        for ticket in gone {
+            self.requests.retain(|_, written| written.ticket != ticket);
+        }
+    }
+
+    /// Ends the waits found `promoted` (by another manager, with this owner's lease: until when
+    /// the storage says) with their grants, and those whose rows are `gone`.
+    pub(super) fn settle(&mut self, promoted: impl IntoIterator<Item = (u64, i64)>, gone: &[u64]) {
+        for (ticket, expires_at) in promoted {
+            self.grant_wait(ticket, expires_at);
+        }
+        for &ticket in gone {
+            if let Some(slot) = self.waits.remove(ticket) {
+                slot.set(SlotState::Expired);
+            }
+        }
+    }
+
+    /// `expires_at`, the storage's time at which a lease of this owner runs out, on the clock's
+    /// monotonic time line, where its deadline is kept (see `Guards::granted`).
+    pub(super) fn deadline(&self, expires_at: i64) -> Duration {
+        monotonic_at(&*self.common.clock, from_micros(self.local(expires_at)))
+    }
+
+    /// The grant of `ticket` on `keys`, whose rows' lease runs out at `expires_at` (the
+    /// storage's time): its lease is kept from now on (`Guards::granted`).
+    pub(super) fn grant(&self, ticket: u64, keys: Vec<String>, expires_at: i64) -> Grant {
+        let deadline = self.deadline(expires_at);
+        let lost =
+            lock(&self.common.guards).granted(ticket, keys, self.common.clock.clone(), deadline);
+        Grant {
+            ticket,
+            lost,
+            began: deadline.saturating_sub(self.common.lease),
+        }
+    }
+
+    /// The queued request `ticket` was granted, its rows' lease running out at `expires_at`
+    /// (the storage's time): its wait ends, with the grant.
+    pub(super) fn grant_wait(&mut self, ticket: u64, expires_at: i64) {
+        if let Some(waiting) = self.waits.end(ticket) {
+            let grant = self.grant(ticket, waiting.keys, expires_at);
+            waiting.slot.set(SlotState::Granted(grant));
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! Work whose answer was lost: removals tried in a call or a transaction that failed for a
+//! passing reason (perhaps after it committed), and acquisitions decided in one call that
+//! failed so, whose rows, if they are there, the next transaction deletes.
+
+use super::*;
+
+impl<S: Storage> Worker<S> {
+    /// The removals among `writes`, tried in a call or transaction that failed: perhaps after
+    /// it committed.
+    pub(super) fn doubt_removals(&mut self, writes: &[Write]) {
+        for write in writes {
+            if let Write::Remove { request, .. } = write {
+                self.removals_in_doubt.insert(*request);
+            }
+        }
+    }
+
+    /// What the removal of `request` found, having deleted `deleted` of its rows.
+    pub(super) fn found(&self, request: u64, deleted: &Deleted) -> Removed {
+        let Some(written) = self.requests.get(&request) else {
+            return Removed::AllLive;
+        };
+        if deleted.live == written.keys.len() {
+            Removed::AllLive
+        } else if deleted.rows == 0 && self.removals_in_doubt.contains(&request) {
+            Removed::GoneAfterLostAnswer
+        } else {
+            Removed::NotAllLive
+        }
+    }
+
+    /// After an acquisition in one call failed (`lost_replies`): this owner's requests that the
+    /// worker does not know of are such acquisitions, committed though their callers were told
+    /// they failed; they become `doubtful`, and the next transaction deletes them. If storage
+    /// cannot be read, the next write tries again.
+    pub(super) fn find_lost_requests(&mut self) {
+        if !self.lost_replies {
+            return;
+        }
+        let owner = self.common.owner.clone();
+        match self.storage.requests_of(&owner) {
+            Ok(requests) => {
+                self.lost_replies = false;
+                let known: BTreeSet<u64> = (self.requests.values())
+                    .chain(&self.doubtful)
+                    .map(|written| written.ticket)
+                    .collect();
+                for (ticket, keys) in requests {
+                    if !known.contains(&ticket) {
+                        self.doubtful.push(Written { ticket, keys });
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::debug!(%error, "could not read this owner's requests; later");
+            }
+        }
+    }
+}
