@@ -5,19 +5,21 @@
 //!
 //! Times are stored as whole microseconds since the Unix epoch, from the manager's `Clock`.
 
+mod connection;
 #[cfg(unix)]
 pub(crate) mod doorbell;
+
+use self::connection::{connect, FileIdentity};
 
 use std::cell::{RefCell, RefMut};
 use std::collections::{BTreeSet, HashMap};
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
-use sqlite::{Connection, OpenFlags, State, Statement};
+use sqlite::{Connection, State, Statement};
 
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
 use crate::lock::backend::codec::{
     by_ticket, decode_keys, key_hash, mode_code, mode_of, sql_ticket, stored_keys, ticket_of,
 };
@@ -36,10 +38,6 @@ pub(crate) const SCHEMA_VERSION: i64 = 3;
 const SQLITE_BUSY: isize = 5;
 const SQLITE_LOCKED: isize = 6;
 
-/// How long SQLite's own busy handler waits for the write lock inside each try; between tries
-/// refused at once, the manager's busy schedule decides.
-const BUSY_TIMEOUT_MS: usize = 5_000;
-
 /// How many keys' rows a connection remembers from its own write transactions (`Known`) before
 /// it forgets them all and starts over.
 const KNOWN_KEYS: usize = 4096;
@@ -47,19 +45,6 @@ const KNOWN_KEYS: usize = 4096;
 /// How many of its newest entries the change log keeps. A connection that has not looked for
 /// longer than that many promotions takes a full look instead.
 const LOG_KEPT: i64 = 4096;
-
-/// Every connection's settings: write-ahead logging, synced at checkpoints, and for a new file
-/// pages of 1 KiB (SQLite's default is 4 KiB; a file created with another page size keeps it).
-///
-/// Every commit appends each page it changed to the log, and each checkpoint (every 1,000
-/// pages) syncs the log to disk, so the bytes a commit writes are most of its cost. A lock row
-/// is about a hundred bytes, and an acquisition or a release changes one page whatever its
-/// size: with 1 KiB pages the benchmark report's uncontended acquire and release took 17.7 µs
-/// instead of 20.9–25.3 µs, and with 10,000 other keys held 19.4–20.3 µs instead of
-/// 26.5–27.1 µs. A row whose names are near their longest allowed length spills into overflow
-/// pages, a page or two more for that row.
-const CONFIGURE: &str =
-    "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;";
 
 /// A storage error with the SQLite code and what was being done.
 pub(crate) fn storage_error(doing: &str, error: &sqlite::Error) -> LockError {
@@ -98,121 +83,6 @@ pub(crate) fn serve(
             doorbell::Doorbell::open(path, &opening.owner, file_mode, opening.poke)
         }));
     worker.serve(db);
-}
-
-/// Opens (creating if needed, with the permission bits `file_mode` on unix) the database at
-/// `path`, or an in-memory one for `None`, sets it up and brings its schema up to date, waiting
-/// on `busy` while another connection holds it.
-fn connect(path: Option<&Path>, file_mode: u32, busy: &Schedule) -> Result<Connection> {
-    if let Some(path) = path {
-        create_with_mode(path, file_mode);
-    }
-    let flags = OpenFlags::new()
-        .with_create()
-        .with_read_write()
-        .with_no_mutex();
-    let target = path.unwrap_or_else(|| Path::new(":memory:"));
-    let mut conn = Connection::open_with_flags(target, flags)
-        .map_err(|e| storage_error(&format!("opening the database {}", target.display()), &e))?;
-    conn.set_busy_timeout(BUSY_TIMEOUT_MS)
-        .map_err(|e| storage_error("setting the busy timeout", &e))?;
-    let mut db = Db::new(&conn, Arc::new(SystemClock), None, busy.clone());
-    // Switching a new file to WAL takes an exclusive lock, and SQLite reports a clash with
-    // another process opening it at the same moment as busy without waiting: retry.
-    retry_busy("configuring the database", busy, || conn.execute(CONFIGURE))?;
-    db.migrate()?;
-    drop(db);
-    Ok(conn)
-}
-
-/// Creates the database file with the permission bits `mode` (less the umask) if there is none
-/// yet. SQLite then creates the `-wal` and `-shm` files with the main file's permissions, which
-/// it would otherwise create world-readable. An existing file is not touched.
-///
-/// Only a file this call creates is opened (`create_new`), and it is closed at once: closing a
-/// descriptor of a file drops every POSIX lock the process holds on it, so opening and closing a
-/// database that another connection of this process uses would break that connection's locking.
-/// Any failure (a missing directory, no permission) is left to the open that follows, which
-/// reports it with SQLite's code.
-#[cfg(unix)]
-fn create_with_mode(path: &Path, mode: u32) {
-    use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(path);
-}
-
-#[cfg(not(unix))]
-fn create_with_mode(_path: &Path, _mode: u32) {}
-
-/// Which file a path names (device and inode), to notice the file being deleted or replaced
-/// under an open connection, which would go on working on the old file unseen by everyone else.
-///
-/// Looking the path up costs about two microseconds, a tenth of a write transaction, so a file
-/// found in place is not looked at again for [`FileIdentity::RECHECK_AFTER`]: a manager stops
-/// writing to a deleted or replaced file within that much of the change, and when writing in a
-/// tight loop pays for one look per millisecond instead of one per transaction.
-#[derive(Debug)]
-pub(crate) struct FileIdentity {
-    path: std::path::PathBuf,
-    #[cfg(unix)]
-    id: (u64, u64),
-    /// When the path last named the file.
-    seen_at: std::cell::Cell<Option<std::time::Instant>>,
-}
-
-impl FileIdentity {
-    /// The identity of the file at `path` now; `None` where it cannot be told.
-    pub(crate) fn of(path: &Path) -> Option<FileIdentity> {
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::MetadataExt;
-            let metadata = std::fs::metadata(path).ok()?;
-            Some(FileIdentity {
-                path: path.to_path_buf(),
-                id: (metadata.dev(), metadata.ino()),
-                seen_at: std::cell::Cell::new(None),
-            })
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = path;
-            None
-        }
-    }
-
-    /// How long a file found in place is trusted to stay there.
-    pub(crate) const RECHECK_AFTER: Duration = Duration::from_millis(1);
-
-    /// An error if the path no longer names the file that was opened (as of at most
-    /// [`RECHECK_AFTER`](Self::RECHECK_AFTER) ago).
-    pub(crate) fn check(&self) -> Result<()> {
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::MetadataExt;
-            if self
-                .seen_at
-                .get()
-                .is_some_and(|at| at.elapsed() < Self::RECHECK_AFTER)
-            {
-                return Ok(());
-            }
-            let same = std::fs::metadata(&self.path)
-                .is_ok_and(|metadata| (metadata.dev(), metadata.ino()) == self.id);
-            if !same {
-                return Err(LockError::Storage(format!(
-                    "while checking the database file {}: it was deleted or replaced since this \
-                     manager opened it, so its locks are no longer seen by anyone else; open a \
-                     new manager",
-                    self.path.display()
-                )));
-            }
-            self.seen_at.set(Some(std::time::Instant::now()));
-        }
-        Ok(())
-    }
 }
 
 /// A connection with the schema in place, and its prepared statements: parsing SQL costs more
@@ -1100,188 +970,4 @@ fn read<T: sqlite::ReadableWithIndex>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::lock::Mode;
-    use proptest::prelude::*;
-
-    const KEYS: [&str; 3] = ["a", "b", "c"];
-
-    /// One step of one connection, inside a write transaction.
-    #[derive(Clone, Debug)]
-    enum Op {
-        /// A request on the keys whose bits are set (1 to 7), held or waiting, with a lease.
-        Insert {
-            keys: u8,
-            held: bool,
-            lease: i64,
-        },
-        /// Promotes the `pick`-th waiting request on the file, whoever owns it.
-        Promote {
-            pick: usize,
-        },
-        /// Deletes the `pick`-th request of this connection's owner.
-        Delete {
-            pick: usize,
-        },
-        DeleteOwner,
-        DeleteExpired {
-            key: usize,
-        },
-        Renew {
-            lease: i64,
-        },
-        Sweep,
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            4 => (1u8..8, any::<bool>(), prop_oneof![Just(50i64), Just(100)])
-                .prop_map(|(keys, held, lease)| Op::Insert { keys, held, lease }),
-            2 => (0usize..8).prop_map(|pick| Op::Promote { pick }),
-            3 => (0usize..8).prop_map(|pick| Op::Delete { pick }),
-            1 => Just(Op::DeleteOwner),
-            1 => (0usize..3).prop_map(|key| Op::DeleteExpired { key }),
-            1 => prop_oneof![Just(50i64), Just(100)].prop_map(|lease| Op::Renew { lease }),
-            1 => Just(Op::Sweep),
-        ]
-    }
-
-    /// (which connection, how far time moves first, the op, whether it commits)
-    fn steps() -> impl Strategy<Value = Vec<(bool, i64, Op, bool)>> {
-        prop::collection::vec(
-            (any::<bool>(), 0i64..80, op(), prop::bool::weighted(0.85)),
-            1..40,
-        )
-    }
-
-    /// The live rows of every key, as the statement reads them: the truth `Known` must match.
-    fn read_all(db: &Db<'_>, now: i64) -> Vec<RowView> {
-        let mut rows = Vec::new();
-        for key in KEYS {
-            db.read_rows(key, now, &mut rows).unwrap();
-        }
-        rows.into_iter().map(|row| row.view).collect()
-    }
-
-    fn known_all(db: &mut Db<'_>, now: i64) -> Vec<RowView> {
-        let keys: Vec<String> = KEYS.iter().map(|k| (*k).to_owned()).collect();
-        let mut rows = Vec::new();
-        db.rows_on_keys(&keys, now, &mut rows).unwrap();
-        rows
-    }
-
-    /// Applies `op` for `owner`; returns the ticket it took, if any.
-    fn apply(db: &mut Db<'_>, owner: &str, op: &Op, now: i64) -> Option<u64> {
-        let rows = db.live_rows(None, i64::MIN).unwrap();
-        match *op {
-            Op::Insert { keys, held, lease } => {
-                let requests: Vec<LockRequest> = (0..3)
-                    .filter(|bit| keys & (1 << bit) != 0)
-                    .map(|bit| LockRequest {
-                        key: KEYS[bit].to_owned(),
-                        mode: if bit == 0 {
-                            Mode::Exclusive
-                        } else {
-                            Mode::Shared
-                        },
-                        operation: "op".to_owned(),
-                    })
-                    .collect();
-                let ticket = db.next_ticket().unwrap();
-                db.insert_request(owner, ticket, &requests, held, now, now + lease)
-                    .unwrap();
-                Some(ticket)
-            }
-            Op::Promote { pick } => {
-                let mut waiting: Vec<u64> =
-                    rows.iter().filter(|r| !r.held).map(|r| r.ticket).collect();
-                waiting.dedup();
-                if let Some(&ticket) = waiting.get(pick % waiting.len().max(1)) {
-                    let keys: Vec<String> = rows
-                        .iter()
-                        .filter(|r| r.ticket == ticket && !r.held)
-                        .map(|r| r.key.clone())
-                        .collect();
-                    db.promote(&keys, ticket, now).unwrap();
-                }
-                None
-            }
-            Op::Delete { pick } => {
-                let mut own: Vec<u64> = rows
-                    .iter()
-                    .filter(|r| r.owner == owner)
-                    .map(|r| r.ticket)
-                    .collect();
-                own.sort_unstable();
-                own.dedup();
-                if let Some(&ticket) = own.get(pick % own.len().max(1)) {
-                    let keys: Vec<String> = rows
-                        .iter()
-                        .filter(|r| r.ticket == ticket)
-                        .map(|r| r.key.clone())
-                        .collect();
-                    db.delete_request(owner, &keys, ticket, now).unwrap();
-                }
-                None
-            }
-            Op::DeleteOwner => {
-                db.delete_owner(owner).unwrap();
-                None
-            }
-            Op::DeleteExpired { key } => {
-                db.delete_expired(&[KEYS[key].to_owned()], now).unwrap();
-                None
-            }
-            Op::Renew { lease } => {
-                db.renew(owner, now, now + lease).unwrap();
-                None
-            }
-            Op::Sweep => {
-                db.sweep(now).unwrap();
-                None
-            }
-        }
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(64))]
-
-        /// Two connections on one file take turns writing (each commits or rolls back): what
-        /// each remembers of the rows always equals what its statements read, before and after
-        /// each of its writes, and tickets only grow, whichever connection takes them.
-        #[test]
-        fn what_a_connection_remembers_is_what_the_database_holds(steps in steps()) {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("known.db");
-            let busy = Schedule::recurs(0);
-            let (first, second) = (
-                connect(Some(&path), 0o600, &busy).unwrap(),
-                connect(Some(&path), 0o600, &busy).unwrap(),
-            );
-            let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-            let mut dbs = [
-                (Db::new(&first, clock.clone(), None, busy.clone()), "owner a"),
-                (Db::new(&second, clock, None, busy), "owner b"),
-            ];
-            let (mut now, mut last_ticket) = (1_000_000i64, 0u64);
-            for (which, elapsed, op, commits) in steps {
-                now += elapsed;
-                let (db, owner) = &mut dbs[usize::from(which)];
-                db.begin(&[]).unwrap();
-                prop_assert_eq!(known_all(db, now), read_all(db, now), "before {:?}", op);
-                let ticket = apply(db, owner, &op, now);
-                prop_assert_eq!(known_all(db, now), read_all(db, now), "after {:?}", op);
-                if commits {
-                    db.commit().unwrap();
-                    if let Some(ticket) = ticket {
-                        prop_assert!(ticket > last_ticket, "ticket {} after {}", ticket, last_ticket);
-                        last_ticket = ticket;
-                    }
-                } else {
-                    db.rollback();
-                }
-            }
-        }
-    }
-}
+mod tests;
