@@ -526,7 +526,7 @@ impl Starting {
             next_request: AtomicU64::new(1),
             worker: Mutex::new(Some(self.worker)),
         });
-        siblings::register(&shared);
+        siblings::register(&shared.tx, &shared.common);
         Ok(LockManager { shared })
     }
 }

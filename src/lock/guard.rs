@@ -14,7 +14,7 @@ use crate::sync::lock;
 use super::handle::Shared;
 use super::heartbeat;
 use super::state::held::GuardEntry;
-use super::worker::protocol::{Command, Grant, Removed, Write};
+use super::worker::protocol::{Command, Grant, Removed};
 use super::{LeaseLost, LockError, LockRequest};
 
 /// A granted lock. Released by [`release`](Guard::release), by dropping it, or by a [`Scope`](crate::Scope)
@@ -147,10 +147,7 @@ impl Guard {
         self.released = true;
         let entry = self.forget();
         let (reply, response) = oneshot::channel();
-        let sent = self.shared.send(Command::Write(Write::Remove {
-            request: self.request,
-            reply: Some(reply),
-        }));
+        let sent = self.shared.send(Command::remove(self.request, Some(reply)));
         self.trace_release();
         sent?;
         // The database decides: rows that were all live when deleted mean nobody else can have
@@ -211,10 +208,7 @@ impl Drop for Guard {
             self.forget();
             self.trace_release();
             // Through the worker without waiting; it runs before any later command.
-            let _ = self.shared.send(Command::Write(Write::Remove {
-                request: self.request,
-                reply: None,
-            }));
+            let _ = self.shared.send(Command::remove(self.request, None));
         }
     }
 }

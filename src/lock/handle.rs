@@ -93,13 +93,8 @@ impl Shared {
 
     /// Deletes a request's rows; returns what it found of them.
     pub(super) async fn remove(&self, request: u64) -> Result<Removed, LockError> {
-        self.call(|reply| {
-            Command::Write(Write::Remove {
-                request,
-                reply: Some(reply),
-            })
-        })
-        .await
+        self.call(|reply| Command::remove(request, Some(reply)))
+            .await
     }
 
     /// `grant` if its lease has not been lost by now: it ran out (as renewed since the grant,

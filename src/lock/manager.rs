@@ -581,10 +581,7 @@ impl<'a> RemoveOnDrop<'a> {
 impl Drop for RemoveOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.shared.send(Command::Write(Write::Remove {
-                request: self.request,
-                reply: None,
-            }));
+            let _ = self.shared.send(Command::remove(self.request, None));
         }
     }
 }

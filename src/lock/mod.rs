@@ -1,21 +1,33 @@
 //! The lease lock manager: shared/exclusive locks keyed by strings, kept as rows in SQLite (one
-//! machine) or PostgreSQL (several).
+//! machine), PostgreSQL (several), or this process's memory.
 //!
-//! Layout, from the user's side down:
+//! The layers, from the user's side down; each imports only from the layers below it (and the
+//! vocabulary every layer speaks: `types.rs`, `error.rs`), so the storage imports nothing from
+//! the worker, and neither imports the public face:
 //!
-//! - the public face: `manager.rs` (`LockManager` and acquisition as a `Scoped` future),
-//!   `guard.rs` (`Guard`, and the bookkeeping of an owner's guards), `builder.rs`, `types.rs`
-//!   (requests, modes, what `inspect` shows), `error.rs`;
-//! - `handle.rs`: what a handle is made of (the command sender, and what the worker, the
-//!   heartbeats and the guards share); `reply.rs`: awaiting the worker's replies;
-//! - the worker and its policy: `protocol.rs` (the commands handles send it, and its replies),
-//!   `worker.rs` (the storage thread that orders and batches commands), `watch.rs` (what an
-//!   owner waits for, and when to look again), `grant.rs` (the grant rule, pure), `heartbeat.rs` (lease renewal),
-//!   `siblings.rs` (wake-ups between managers of one process);
-//! - storage: `storage.rs` (the trait the worker needs of a backend, and the rows it gets
-//!   back), `sqlite.rs` (schema, migrations, one method per statement), `doorbell.rs` (wake-ups
-//!   between processes on one SQLite file), `postgres.rs` (the same for PostgreSQL, behind the
-//!   `postgres` feature).
+//! - **the public face**: `manager.rs` (`LockManager`, and acquisition as a `Scoped` future),
+//!   `guard.rs` (`Guard`), `builder.rs` (settings, and one line per backend), `types.rs`
+//!   (requests, modes, what `inspect` shows), `error.rs`; `handle.rs` (the command sender, and
+//!   the calls made through it), `heartbeat.rs` (lease renewal);
+//! - **what a handle's parts share**, `state/`: the owner's settings and counters (`mod.rs`), its
+//!   held leases with their deadlines (`held.rs`: one owner for them, the one place a lost lease
+//!   is told), and the worker's replies as callers await them (`reply.rs`);
+//! - **pure policy**: `grant.rs` (the grant rule, over rows), `time.rs` (microseconds and
+//!   deadlines);
+//! - **the worker**, `worker/`: its run loop and invariants (`mod.rs`), the commands handles send
+//!   it (`protocol.rs`), a batch (`batch.rs`), a write transaction (`transaction.rs`), decisions
+//!   in one call (`at_once.rs`), work whose answer was lost (`recovery.rs`), looking for other
+//!   managers' changes (`look.rs`, with what an owner waits for in `watch.rs`), grants and
+//!   leases (`grants.rs`), and wake-ups between the managers of one process (`siblings.rs`);
+//! - **storage**, `backend/`: the seam (`mod.rs`: `Storage`, `Capabilities`, `Poke`, `Serve`, the
+//!   rows it hands back; `codec.rs`: how fields are written), and one folder per backend, each
+//!   opened by its own `serve`: `sqlite/` (with the doorbell between processes), `postgres/`
+//!   (behind the `postgres` feature: connection string and TLS, schema and its SQL, decisions in
+//!   one round trip, the listener), and `memory/` (no thread, no time of its own: what the
+//!   simulation steps).
+//!
+//! The cycles left are those of one idea in two files: a backend's folder and its parts, the
+//! worker's run loop and its parts (one `Worker`, its methods split by concern).
 
 mod backend;
 mod builder;

@@ -68,6 +68,14 @@ pub(crate) enum Removed {
     GoneAfterLostAnswer,
 }
 
+impl Command {
+    /// The removal of `request`'s rows, whatever their state (a release, or the clean-up of an
+    /// acquisition given up), answered on `reply` if there is one.
+    pub(crate) fn remove(request: u64, reply: Option<Reply<Removed>>) -> Command {
+        Command::Write(Write::Remove { request, reply })
+    }
+}
+
 /// The worker's side of a backend's `Poke`: a command sender that does not keep the worker.
 impl Poke for Weak<Sender<Command>> {
     fn poke(&self) -> bool {

@@ -9,7 +9,7 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::lock::worker::protocol::Command;
-use crate::lock::{Common, Shared};
+use crate::lock::Common;
 use crate::sync::lock;
 
 /// What a worker needs to poke another manager, and no more: never its whole handle, whose last
@@ -24,17 +24,19 @@ struct Sibling {
 
 static SIBLINGS: Mutex<Vec<Sibling>> = Mutex::new(Vec::new());
 
-pub(crate) fn register(shared: &Arc<Shared>) {
-    let Some(store) = shared.common.store.clone() else {
+/// Makes a new manager (its command sender `tx`, its `common`) known to the other managers of
+/// this process on its store; kept without keeping it alive.
+pub(crate) fn register(tx: &Arc<Sender<Command>>, common: &Arc<Common>) {
+    let Some(store) = common.store.clone() else {
         return;
     };
     let mut siblings = lock(&SIBLINGS);
     siblings.retain(|s| s.tx.strong_count() > 0);
     siblings.push(Sibling {
         store,
-        owner: shared.common.owner.clone(),
-        tx: Arc::downgrade(&shared.tx),
-        common: Arc::downgrade(&shared.common),
+        owner: common.owner.clone(),
+        tx: Arc::downgrade(tx),
+        common: Arc::downgrade(common),
     });
 }
 
