@@ -102,7 +102,7 @@ pub(crate) enum Acquired {
 }
 
 /// A granted request: its ticket, and its lease as this process knows it, kept by the worker
-/// from the moment it decided the grant (see `guard::Guards`), so that a caller who reads the
+/// from the moment it decided the grant (see `state::held::Guards`), so that a caller who reads the
 /// grant late can tell whether it is still good.
 #[derive(Clone, Debug)]
 pub(crate) struct Grant {
