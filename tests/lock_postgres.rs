@@ -1114,3 +1114,46 @@ fn a_grant_read_late_whose_row_heartbeats_kept_live_is_handed_out() {
         other.release().await.unwrap();
     });
 }
+
+/// A server that cannot be reached says why ("Connection refused", underneath the client's "error
+/// connecting to server"), keeps the client's error as its source, and counts as a failure that
+/// may pass; a refused login says so with the server's own message and SQLSTATE.
+#[test]
+fn a_failed_connection_says_why_and_keeps_the_clients_error_as_its_source() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    block_on(async {
+        let url = format!("postgres://nobody@127.0.0.1:{port}/nothing");
+        let Err(LockError::Storage(error)) = LockManager::connect(&url).await else {
+            panic!("connected to a closed port");
+        };
+        let shown = error.to_string().to_lowercase();
+        assert!(shown.contains("connection refused"), "{error}");
+        assert!(error.is_transient(), "{error:?}");
+        let source = std::error::Error::source(&error).expect("the client's error");
+        assert!(
+            source.downcast_ref::<postgres::Error>().is_some(),
+            "{source:?}"
+        );
+    });
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(secret) = server.secret() else {
+        return;
+    };
+    block_on(async {
+        let wrong = secret.url.replace(&secret.password, "not-the-password");
+        let Err(LockError::Storage(error)) = LockManager::connect(&wrong).await else {
+            panic!("logged in with the wrong password");
+        };
+        assert_eq!(error.code(), Some("28P01"), "{error}");
+        assert!(
+            error.to_string().contains("password authentication failed"),
+            "{error}"
+        );
+    });
+}

@@ -359,7 +359,7 @@ fn a_clock_past_the_last_keepable_time_is_an_error_and_the_manager_lives_on() {
             .open_in_memory()
             .unwrap();
         match locks.exclusive("k", "far future").await {
-            Err(LockError::Storage(why)) => assert!(why.contains("clock"), "{why}"),
+            Err(LockError::Storage(why)) => assert!(why.to_string().contains("clock"), "{why}"),
             other => panic!(
                 "expected a storage error, got {:?}",
                 other.map(|g| g.fencing_token())

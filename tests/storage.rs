@@ -93,9 +93,10 @@ fn a_path_in_a_missing_directory_is_a_storage_error() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("no/such/dir/locks.db");
     match LockManager::open(&path) {
-        Err(LockError::Storage(message)) => {
-            assert!(message.contains("opening"), "{message}");
-            assert!(message.contains("SQLite code"), "{message}");
+        Err(LockError::Storage(error)) => {
+            assert!(error.doing().starts_with("opening the database"), "{error}");
+            assert_eq!(error.code(), Some("14"), "{error}");
+            assert!(error.to_string().contains("does not exist"), "{error}");
         }
         other => panic!("expected a storage error, got {other:?}"),
     }
@@ -110,8 +111,16 @@ fn a_file_that_is_not_a_database_is_a_storage_error() {
         .collect();
     std::fs::write(&path, noise).unwrap();
     match LockManager::open(&path) {
-        Err(LockError::Storage(message)) => {
-            assert!(message.contains("not a database"), "{message}");
+        Err(LockError::Storage(error)) => {
+            assert!(error.to_string().contains("not a database"), "{error}");
+            // The backend's own error, as the source, with its code (SQLITE_NOTADB).
+            let source = std::error::Error::source(&error).expect("a source");
+            let sqlite = source
+                .downcast_ref::<sqlite::Error>()
+                .expect("SQLite's error");
+            assert_eq!(sqlite.code, Some(26));
+            assert_eq!(error.code(), Some("26"));
+            assert!(!error.is_transient());
         }
         other => panic!("expected a storage error, got {other:?}"),
     }
@@ -340,9 +349,9 @@ fn a_read_only_database_is_a_storage_error() {
         .unwrap();
     make_read_only(&path);
     match LockManager::open(&path) {
-        Err(LockError::Storage(message)) => {
-            assert!(message.contains("SQLite code"), "{message}");
-            assert!(message.contains("readonly"), "{message}");
+        Err(LockError::Storage(error)) => {
+            assert!(error.code().is_some(), "{error}");
+            assert!(error.to_string().contains("readonly"), "{error}");
         }
         other => panic!("expected a storage error, got {other:?}"),
     }
@@ -357,9 +366,9 @@ fn a_database_file_without_write_permission_is_refused_or_still_works() {
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).unwrap();
     let writable = std::fs::OpenOptions::new().write(true).open(&path).is_ok();
     match LockManager::open(&path) {
-        Err(LockError::Storage(message)) => {
-            assert!(!writable, "refused a writable file: {message}");
-            assert!(message.contains("SQLite code"), "{message}");
+        Err(LockError::Storage(error)) => {
+            assert!(!writable, "refused a writable file: {error}");
+            assert!(error.code().is_some(), "{error}");
         }
         // Running as root, permissions do not stop writes, and neither should they stop us.
         Ok(locks) if writable => futures::executor::block_on(async {
@@ -406,8 +415,8 @@ fn assert_file_loss_is_reported(replace: bool) {
         let started = Instant::now();
         loop {
             match locks.exclusive("j", "after").await {
-                Err(LockError::Storage(message)) => {
-                    assert!(message.contains("deleted or replaced"), "{message}");
+                Err(LockError::Storage(error)) => {
+                    assert!(error.to_string().contains("deleted or replaced"), "{error}");
                     break;
                 }
                 // Granted on the old file, in the moment before the manager looked again.

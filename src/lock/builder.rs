@@ -22,7 +22,7 @@ use super::worker::protocol::Command;
 use super::worker::siblings;
 use super::worker::RunWorker;
 use super::MemoryStore;
-use super::{LockError, LockManager};
+use super::{LockError, LockManager, StorageError};
 use crate::lock::time::micros;
 
 /// Settings for a [`LockManager`]; from [`LockManager::builder`].
@@ -492,7 +492,9 @@ impl LockManagerBuilder {
                 let _ended = ended_tx;
                 open(opening, worker);
             })
-            .map_err(|e| LockError::Storage(format!("while starting the storage thread: {e}")))?;
+            .map_err(|e| {
+                StorageError::new("starting the storage thread", e.to_string()).caused_by(e)
+            })?;
         let worker = WorkerThread { handle, ended };
         Ok(Starting { common, tx, worker })
     }
@@ -518,7 +520,7 @@ impl Starting {
     /// receive means it stopped without saying).
     fn finish<E>(self, opened: Result<Result<(), LockError>, E>) -> Result<LockManager, LockError> {
         opened.map_err(|_| {
-            LockError::Storage("while opening the database: the storage thread stopped".into())
+            StorageError::new("opening the database", "the storage thread stopped")
         })??;
         let shared = Arc::new(Shared {
             tx: self.tx,

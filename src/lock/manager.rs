@@ -2,6 +2,7 @@
 //! worker, and wrapped in `Scoped` futures so that an interruption always removes what was
 //! written.
 
+use super::error::StorageError;
 use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
@@ -513,9 +514,11 @@ async fn acquire_in_scope(
                         }
                     }
                     Acquired::NotNow => {
-                        return Err(LockError::Storage(
-                            "while acquiring: a queued request was refused".into(),
-                        ))
+                        return Err(StorageError::new(
+                            "acquiring",
+                            "the storage refused a request that was to queue",
+                        )
+                        .into())
                     }
                 }
             }

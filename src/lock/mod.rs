@@ -44,7 +44,7 @@ mod worker;
 
 pub use self::backend::memory::MemoryStore;
 pub use self::builder::LockManagerBuilder;
-pub use self::error::{LeaseLost, LockError};
+pub use self::error::{LeaseLost, LockError, StorageError};
 pub use self::guard::Guard;
 pub use self::manager::LockManager;
 pub use self::types::{EntryState, LockEntry, LockRequest, Mode, StorageStats, MAX_NAME_BYTES};

@@ -130,7 +130,8 @@ impl<S: Storage> Worker<S> {
                 });
             }
             (_, outcome) => {
-                let error = LockError::Storage(format!("an answer of the wrong kind: {outcome:?}"));
+                let wrong = format!("an answer of the wrong kind: {outcome:?}");
+                let error = StorageError::new("deciding", wrong).into();
                 fail(write, error, &mut self.failed_removals);
             }
         }

@@ -55,7 +55,7 @@ use crate::lock::worker::protocol::{
     Acquired, Command, Grant, Removed, SlotState, Wait, WaitSlot, Write,
 };
 use crate::lock::worker::watch::{first_expiries, others_rows, Look, Waits};
-use crate::lock::{Common, LockError, LockRequest};
+use crate::lock::{Common, LockError, LockRequest, StorageError};
 use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
@@ -120,10 +120,11 @@ const LAST_TIME: i64 = i64::MAX / 2;
 /// `now`, or an error if it is past [`LAST_TIME`].
 fn within_time_line(now: i64) -> Result<i64, LockError> {
     if now > LAST_TIME {
-        return Err(LockError::Storage(format!(
-            "the clock reads {now} µs since 1970, past the last time at which leases can be \
-             kept ({LAST_TIME} µs)"
-        )));
+        let why = format!(
+            "the clock reads {now} µs since 1970, past the last time at which leases can be kept \
+             ({LAST_TIME} µs)"
+        );
+        return Err(StorageError::new("reading the clock", why).into());
     }
     Ok(now)
 }
@@ -436,10 +437,7 @@ fn send_all(
     replies: Vec<crate::lock::worker::protocol::Reply<i64>>,
     result: Result<i64, LockError>,
 ) {
-    let again = |result: &Result<i64, LockError>| match result {
-        Ok(at) => Ok(*at),
-        Err(error) => Err(LockError::Storage(error.to_string())),
-    };
+    let again = |result: &Result<i64, LockError>| result.clone();
     let mut replies = replies.into_iter();
     let first = replies.next();
     for reply in replies {

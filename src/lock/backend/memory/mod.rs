@@ -36,7 +36,7 @@ use crate::lock::backend::{
 };
 use crate::lock::grant::RowView;
 use crate::lock::time::micros;
-use crate::lock::{LockError, LockRequest, Mode};
+use crate::lock::{LockRequest, Mode, StorageError};
 use crate::sync::lock;
 
 /// How many of its newest entries the change log keeps; a connection that has not looked for
@@ -259,9 +259,11 @@ impl Memory {
     /// Runs `change` on the tables inside this connection's write transaction.
     fn change<T>(&mut self, change: impl FnOnce(&mut Tables, &mut Vec<Undo>) -> T) -> Result<T> {
         if !self.in_write {
-            return Err(LockError::Storage(
-                "the memory store was changed outside a write transaction".into(),
-            ));
+            return Err(StorageError::new(
+                "changing the memory store",
+                "no write transaction is open",
+            )
+            .into());
         }
         Ok(change(&mut lock(&self.store.tables), &mut self.undo))
     }

@@ -11,7 +11,7 @@ use crate::lock::backend::codec::{encode_keys, key_hash, mode_code, sql_ticket, 
 use crate::lock::backend::{
     AtOnce, DecidesAtOnce, Decision, Deleted, Outcome, Removal, Result, Wait,
 };
-use crate::lock::LockError;
+use crate::lock::StorageError;
 
 /// The call of the function `decide` (see `FUNCTIONS`), for `DecideArgs::params`.
 pub(super) const DECIDE: &str =
@@ -153,11 +153,8 @@ impl Postgres {
         })?;
         self.succeeded();
         if rows.len() != ops.len() {
-            return Err(LockError::Storage(format!(
-                "while deciding: {} answers to {} operations",
-                rows.len(),
-                ops.len()
-            )));
+            let answers = format!("{} answers to {} operations", rows.len(), ops.len());
+            return Err(StorageError::new("deciding", answers).into());
         }
         if let Some(first) = rows.first() {
             // The first operation's time: the earliest read after the call was sent.

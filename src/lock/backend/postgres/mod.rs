@@ -68,20 +68,30 @@ use crate::lock::backend::codec::{
 use crate::lock::backend::{Capabilities, DecidesAtOnce, Opening, Poke, Serve};
 use crate::lock::backend::{Changes, Deleted, OwnedRequest, Result, Row, Storage};
 use crate::lock::grant::RowView;
-use crate::lock::{LockError, LockRequest};
+use crate::lock::{LockError, LockRequest, StorageError};
 use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
 
-fn storage_error(doing: &str, error: &postgres::Error) -> LockError {
-    match error.as_db_error() {
-        // The server's own message ("db error" alone says nothing).
-        Some(db) => LockError::Storage(format!(
-            "while {doing}: {} (PostgreSQL code {})",
-            db.message(),
-            db.code().code()
-        )),
-        None => LockError::Storage(format!("while {doing}: {error}")),
-    }
+/// The error of a call that failed while `doing` something: the server's own message and
+/// SQLSTATE ("db error" alone says nothing), or the client's message with what it says caused
+/// it ("error connecting to server: Connection refused"); `error` is its source.
+fn storage_error(doing: &str, error: postgres::Error) -> LockError {
+    let transient = session_ended(&error) || passing(&error);
+    let failure = match error.as_db_error() {
+        Some(db) => {
+            StorageError::new(doing, db.message()).with_code("PostgreSQL", db.code().code())
+        }
+        None => {
+            let mut message = error.to_string();
+            let mut cause = std::error::Error::source(&error);
+            while let Some(error) = cause {
+                message.push_str(&format!(": {error}"));
+                cause = error.source();
+            }
+            StorageError::new(doing, message)
+        }
+    };
+    failure.transient(transient).caused_by(error).into()
 }
 
 /// Whether `error` is the server giving up on a statement for a reason that passes: a statement
@@ -188,7 +198,9 @@ impl Postgres {
         std::thread::Builder::new()
             .name("leasehold-listen".into())
             .spawn(move || listener.run())
-            .map_err(|e| LockError::Storage(format!("while starting the listener thread: {e}")))?;
+            .map_err(|e| {
+                StorageError::new("starting the listener thread", e.to_string()).caused_by(e)
+            })?;
         Ok(storage)
     }
 
@@ -204,19 +216,21 @@ impl Postgres {
         }
         if self.client.is_none() && self.in_transaction {
             self.transient = true;
-            return Err(LockError::Storage(
-                "the connection was lost inside a write transaction".into(),
-            ));
+            return Err(StorageError::new(
+                "a write transaction",
+                "the connection was lost inside it",
+            )
+            .transient(true)
+            .into());
         }
         if self.client.is_none() {
             // A server that cannot be reached now is a passing failure: the work is done again
             // once the busy schedule allows (`Storage::again`).
             if let Some(left) = self.reconnect.wait_left() {
                 self.transient = true;
-                return Err(LockError::Storage(format!(
-                    "while connecting to {}: the last attempt failed; the next in {left:?}",
-                    describe(&self.config)
-                )));
+                let doing = format!("connecting to {}", describe(&self.config));
+                let why = format!("the last attempt failed; the next in {left:?}");
+                return Err(StorageError::new(doing, why).transient(true).into());
             }
             let connected = match &self.tls {
                 Some(tls) => self.config.connect(tls.clone()),
@@ -224,9 +238,7 @@ impl Postgres {
             };
             self.transient = connected.is_err();
             let client = connected
-                .map_err(|e| {
-                    storage_error(&format!("connecting to {}", describe(&self.config)), &e)
-                })
+                .map_err(|e| storage_error(&format!("connecting to {}", describe(&self.config)), e))
                 .and_then(|mut client| migrate(&mut client, &self.schema).map(|()| client));
             match client {
                 Ok(client) => {
@@ -252,18 +264,18 @@ impl Postgres {
         f: impl FnOnce(&mut Client) -> std::result::Result<T, postgres::Error>,
     ) -> Result<T> {
         let result = f(self.client()?);
-        result.map_err(|e| self.failed(doing, &e))
+        result.map_err(|e| self.failed(doing, e))
     }
 
     /// The error of a call that failed; a session found ended is dropped (the next call opens
     /// a new one). Remembers whether the failure was a passing one (`Storage::again`).
-    fn failed(&mut self, doing: &str, error: &postgres::Error) -> LockError {
-        let ended = session_ended(error);
+    fn failed(&mut self, doing: &str, error: postgres::Error) -> LockError {
+        let ended = session_ended(&error);
         if ended {
             self.client = None;
             self.statements.clear();
         }
-        self.transient = ended || passing(error);
+        self.transient = ended || passing(&error);
         storage_error(doing, error)
     }
 
@@ -277,7 +289,7 @@ impl Postgres {
         let client = self.client.as_mut().expect("connected above");
         let statement = match client.prepare(&text) {
             Ok(statement) => statement,
-            Err(error) => return Err(self.failed(&format!("preparing {name}"), &error)),
+            Err(error) => return Err(self.failed(&format!("preparing {name}"), error)),
         };
         self.statements.insert(name, statement.clone());
         Ok(statement)
@@ -421,7 +433,7 @@ impl Storage for Postgres {
                     self.client = None;
                     self.statements.clear();
                 }
-                Err(error) => return Err(self.failed("starting a write transaction", &error)),
+                Err(error) => return Err(self.failed("starting a write transaction", error)),
             }
         };
         let now = messages
@@ -431,9 +443,7 @@ impl Storage for Postgres {
                 SimpleQueryMessage::Row(row) => row.get(0).and_then(|text| text.parse().ok()),
                 _ => None,
             })
-            .ok_or_else(|| {
-                LockError::Storage("while starting a write transaction: no server time".into())
-            })?;
+            .ok_or_else(|| StorageError::new("starting a write transaction", "no server time"))?;
         self.offset = now - sent;
         self.in_transaction = true;
         Ok(now)

@@ -97,7 +97,7 @@ fn functions(schema: &str) -> String {
 pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
     let s = quote(schema);
     let doing = "creating the schema";
-    let mut transaction = client.transaction().map_err(|e| storage_error(doing, &e))?;
+    let mut transaction = client.transaction().map_err(|e| storage_error(doing, e))?;
     // The planner as the server has it, for these queries of the catalog (`Target::bound_by`
     // sets it for the lock statements); and time enough for another process's creation of the
     // schema, whose lock this waits for (the lock statements' timeouts are a fraction of a
@@ -108,24 +108,24 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
              SET LOCAL enable_bitmapscan = on; SET LOCAL statement_timeout = '60s';
              SET LOCAL lock_timeout = '60s'; SET LOCAL idle_in_transaction_session_timeout = '60s'",
         )
-        .map_err(|e| storage_error(doing, &e))?;
+        .map_err(|e| storage_error(doing, e))?;
     transaction
         .execute(
             "SELECT pg_advisory_xact_lock($1, hashtext($2))",
             &[&LOCK_CLASS, &schema],
         )
-        .map_err(|e| storage_error(doing, &e))?;
+        .map_err(|e| storage_error(doing, e))?;
     let exists: bool = transaction
         .query_one(
             "SELECT to_regclass($1) IS NOT NULL",
             &[&format!("{s}.meta")],
         )
-        .map_err(|e| storage_error(doing, &e))?
+        .map_err(|e| storage_error(doing, e))?
         .get(0);
     if exists {
         let found: i32 = transaction
             .query_one(&format!("SELECT version FROM {s}.meta"), &[])
-            .map_err(|e| storage_error("reading the schema version", &e))?
+            .map_err(|e| storage_error("reading the schema version", e))?
             .get(0);
         if found > SCHEMA_VERSION {
             return Err(LockError::SchemaTooNew {
@@ -142,13 +142,13 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                     "ALTER TABLE {s}.locks ADD COLUMN keys text;
                      UPDATE {s}.meta SET version = 2;"
                 ))
-                .map_err(|e| storage_error("migrating the schema to version 2", &e))?;
+                .map_err(|e| storage_error("migrating the schema to version 2", e))?;
         }
         if found < 3 {
             // Callers that wait without a row (see `WATCHERS`).
             transaction
                 .batch_execute(&WATCHERS.replace("{s}", &s))
-                .map_err(|e| storage_error("migrating the schema to version 3", &e))?;
+                .map_err(|e| storage_error("migrating the schema to version 3", e))?;
         }
         if found < SCHEMA_VERSION {
             // One round trip per batch of acquisitions and releases: the functions of
@@ -165,7 +165,7 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                     SWEEP_INDEXES.replace("{s}", &s),
                     functions(schema)
                 ))
-                .map_err(|e| storage_error("migrating the schema's functions", &e))?;
+                .map_err(|e| storage_error("migrating the schema's functions", e))?;
         }
     } else {
         transaction
@@ -199,7 +199,7 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 WATCHERS.replace("{s}", &s),
                 functions(schema)
             ))
-            .map_err(|e| storage_error(doing, &e))?;
+            .map_err(|e| storage_error(doing, e))?;
     }
-    transaction.commit().map_err(|e| storage_error(doing, &e))
+    transaction.commit().map_err(|e| storage_error(doing, e))
 }

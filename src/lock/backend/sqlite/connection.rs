@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use sqlite::{Connection, OpenFlags};
 
-use super::{retry_busy, storage_error, Db};
+use super::{retry_busy, storage_error, storage_failure, Db};
 use crate::clock::SystemClock;
 use crate::lock::backend::Result;
 use crate::lock::LockError;
+use crate::lock::StorageError;
 use crate::schedule::Schedule;
 
 /// How long SQLite's own busy handler waits for the write lock inside each try; between tries
@@ -43,8 +44,8 @@ pub(super) fn connect(path: Option<&Path>, file_mode: u32, busy: &Schedule) -> R
         .with_read_write()
         .with_no_mutex();
     let target = path.unwrap_or_else(|| Path::new(":memory:"));
-    let mut conn = Connection::open_with_flags(target, flags)
-        .map_err(|e| storage_error(&format!("opening the database {}", target.display()), &e))?;
+    let mut conn =
+        Connection::open_with_flags(target, flags).map_err(|e| open_error(target, &e))?;
     conn.set_busy_timeout(BUSY_TIMEOUT_MS)
         .map_err(|e| storage_error("setting the busy timeout", &e))?;
     let mut db = Db::new(&conn, Arc::new(SystemClock), None, busy.clone());
@@ -54,6 +55,30 @@ pub(super) fn connect(path: Option<&Path>, file_mode: u32, busy: &Schedule) -> R
     db.migrate()?;
     drop(db);
     Ok(conn)
+}
+
+/// Why the database at `path` could not be opened: SQLite's error, and what the path is, when
+/// that explains it ("unable to open database file" alone does not).
+fn open_error(path: &Path, error: &sqlite::Error) -> LockError {
+    let doing = format!("opening the database {}", path.display());
+    let folder = path
+        .parent()
+        .filter(|folder| !folder.as_os_str().is_empty());
+    let why = if path.is_dir() {
+        Some("the path is a folder, not a file".to_owned())
+    } else if folder.is_some_and(|folder| !folder.is_dir()) {
+        Some(format!(
+            "its folder {} does not exist",
+            folder.map_or_else(String::new, |folder| folder.display().to_string())
+        ))
+    } else {
+        None
+    };
+    let failure = storage_failure(&doing, error);
+    match why {
+        Some(why) => failure.explained(&why).into(),
+        None => failure.into(),
+    }
 }
 
 /// Creates the database file with the permission bits `mode` (less the umask) if there is none
@@ -133,12 +158,10 @@ impl FileIdentity {
             let same = std::fs::metadata(&self.path)
                 .is_ok_and(|metadata| (metadata.dev(), metadata.ino()) == self.id);
             if !same {
-                return Err(LockError::Storage(format!(
-                    "while checking the database file {}: it was deleted or replaced since this \
-                     manager opened it, so its locks are no longer seen by anyone else; open a \
-                     new manager",
-                    self.path.display()
-                )));
+                let doing = format!("checking the database file {}", self.path.display());
+                let why = "it was deleted or replaced since this manager opened it, so its locks \
+                           are no longer seen by anyone else; open a new manager";
+                return Err(StorageError::new(doing, why).into());
             }
             self.seen_at.set(Some(std::time::Instant::now()));
         }

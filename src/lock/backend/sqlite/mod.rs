@@ -29,7 +29,7 @@ use crate::lock::backend::{
 };
 use crate::lock::grant::RowView;
 use crate::lock::time::micros;
-use crate::lock::{LockError, LockRequest};
+use crate::lock::{LockError, LockRequest, StorageError};
 use crate::schedule::Schedule;
 
 /// The schema version this build writes and understands.
@@ -46,13 +46,24 @@ const KNOWN_KEYS: usize = 4096;
 /// longer than that many promotions takes a full look instead.
 const LOG_KEPT: i64 = 4096;
 
-/// A storage error with the SQLite code and what was being done.
+/// A storage error with the SQLite code and what was being done; `error` is its source.
 pub(crate) fn storage_error(doing: &str, error: &sqlite::Error) -> LockError {
+    storage_failure(doing, error).into()
+}
+
+/// [`storage_error`], as the failure alone.
+pub(crate) fn storage_failure(doing: &str, error: &sqlite::Error) -> StorageError {
     let message = error.message.as_deref().unwrap_or("unknown error");
-    match error.code {
-        Some(code) => LockError::Storage(format!("while {doing}: {message} (SQLite code {code})")),
-        None => LockError::Storage(format!("while {doing}: {message}")),
-    }
+    let failure = StorageError::new(doing, message).transient(is_busy(error));
+    let failure = match error.code {
+        Some(code) => failure.with_code("SQLite", code.to_string()),
+        None => failure,
+    };
+    let source = sqlite::Error {
+        code: error.code,
+        message: error.message.clone(),
+    };
+    failure.caused_by(source)
 }
 
 fn is_busy(error: &sqlite::Error) -> bool {
@@ -570,16 +581,15 @@ impl Storage for Db<'_> {
                     "SELECT last_ticket FROM locks WHERE key = '' AND ticket = 0",
                 )?;
                 if !step(doing, &mut statement)? {
-                    return Err(LockError::Storage(format!(
-                        "while {doing}: the ticket sequence row is missing"
-                    )));
+                    let missing = "the ticket sequence row is missing";
+                    return Err(StorageError::new(doing, missing).into());
                 }
                 read(doing, &statement, 0)?
             }
         };
-        let ticket = last.checked_add(1).ok_or_else(|| {
-            LockError::Storage("while taking a ticket: the sequence is exhausted".into())
-        })?;
+        let ticket = last
+            .checked_add(1)
+            .ok_or_else(|| StorageError::new("taking a ticket", "the sequence is exhausted"))?;
         self.known.last_ticket = Some(ticket);
         self.known.tickets_taken = true;
         Ok(ticket_of(ticket))
