@@ -21,9 +21,8 @@
 //! SQLite databases are files in a temporary directory; PostgreSQL keeps each measurement in a
 //! schema of its own (dropped at the end). Default settings unless stated.
 
-#[cfg(feature = "postgres")]
-#[path = "../tests/pg_support/mod.rs"]
-mod pg_support;
+#[cfg(all(feature = "postgres", feature = "testkit"))]
+use leasehold::testkit::postgres as pg_support;
 
 use std::cell::RefCell;
 use std::fs::File;
@@ -67,9 +66,9 @@ fn main() -> Result<(), Error> {
     let started = Instant::now();
     let report = match value_of("--backend").unwrap_or("sqlite") {
         "sqlite" => sqlite_report(&plan)?,
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         "postgres" => pg::report(&plan, value_of("--url"))?,
-        #[cfg(not(feature = "postgres"))]
+        #[cfg(not(all(feature = "postgres", feature = "testkit")))]
         "postgres" => return Err("this build has no PostgreSQL: add --features postgres".into()),
         other => return Err(format!("unknown backend {other:?}: sqlite or postgres").into()),
     };
@@ -498,7 +497,10 @@ enum Event {
 /// `target`), "flock" (an OS file lock on the file `target`), "pg-lock" (a lock manager on the
 /// PostgreSQL of `target`, in the schema `detail`), "advisory" (PostgreSQL's advisory lock named
 /// `detail`, on the server of `target`).
-#[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
+#[cfg_attr(
+    not(all(feature = "postgres", feature = "testkit")),
+    allow(unused_variables)
+)]
 fn ping_pong(kind: &str, target: &str, detail: &str, rounds: usize) -> Result<Vec<Event>, Error> {
     let mut events = Vec::with_capacity(2 * rounds);
     let hold = Duration::from_millis(2);
@@ -507,7 +509,7 @@ fn ping_pong(kind: &str, target: &str, detail: &str, rounds: usize) -> Result<Ve
     let rest = Duration::from_millis(1);
     let locks = match kind {
         "lock" => Some(LockManager::open(target)?),
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         "pg-lock" => Some(pg::connect(target, detail)?),
         _ => None,
     };
@@ -541,7 +543,7 @@ fn ping_pong(kind: &str, target: &str, detail: &str, rounds: usize) -> Result<Ve
                 std::thread::sleep(rest);
             }
         }
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         "advisory" => {
             let mut client = postgres::Client::connect(target, postgres::NoTls)?;
             let lock = client.prepare("SELECT pg_advisory_lock(hashtext($1))")?;
@@ -1231,7 +1233,7 @@ fn unix_micros() -> u64 {
 // ----------------------------------------------------------------------------------------------
 // PostgreSQL
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "testkit"))]
 mod pg {
     use super::*;
     use postgres::{Client, NoTls};

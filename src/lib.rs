@@ -125,6 +125,9 @@ mod scope;
 mod semaphore;
 mod spawn;
 mod sync;
+#[cfg(feature = "testkit")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
+pub mod testkit;
 
 pub use abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted, TimedOut};
 pub use clock::{Clock, SystemClock, TestClock};

@@ -49,7 +49,7 @@ fn interrupt_waits_for_the_finalizers_of_nested_scoped_inside_the_fiber() {
             "nested",
             started.clone(),
         ));
-        within(GENEROUS, "the fiber started", || started.is_set()).await;
+        within(GENEROUS, "the fiber started", || async { started.is_set() }).await;
 
         let reason = AbortReason::from("stop the fiber");
         let exit = fiber.interrupt(reason.clone()).await;
@@ -226,7 +226,10 @@ fn a_fiber_that_closes_its_own_scope_is_not_interrupted_and_keeps_its_value() {
             "sibling",
             sibling_started.clone(),
         ));
-        within(GENEROUS, "the sibling started", || sibling_started.is_set()).await;
+        within(GENEROUS, "the sibling started", || async {
+            sibling_started.is_set()
+        })
+        .await;
         let finalizer_log = log.clone();
         scope.add_finalizer(move |_| async move { finalizer_log.push("scope finalizer") });
         let (closer_scope, closer_log) = (scope.clone(), log.clone());
@@ -291,7 +294,10 @@ fn dropping_a_fiber_detaches_it_and_it_runs_on() {
     let done = Flag::new();
     let (fiber_gate, fiber_done) = (gate.clone(), done.clone());
     let fiber = fork_daemon(async move {
-        within(GENEROUS, "the gate opened", || fiber_gate.is_set()).await;
+        within(GENEROUS, "the gate opened", || async {
+            fiber_gate.is_set()
+        })
+        .await;
         fiber_done.set();
     });
     drop(fiber);
@@ -309,7 +315,10 @@ fn a_panic_of_a_fiber_nobody_joins_is_logged() {
     let before = fork_daemon(async move {
         let _ = scoped::<(), Interrupted, _, _>(move |scope| async move {
             scope.add_finalizer(|_| async { panic!("a finalizer of a fiber dropped before") });
-            within(GENEROUS, "the gate opened", || fiber_gate.is_set()).await;
+            within(GENEROUS, "the gate opened", || async {
+                fiber_gate.is_set()
+            })
+            .await;
             Ok(())
         })
         .await;

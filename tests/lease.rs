@@ -2,9 +2,9 @@
 //! heartbeats, which is how a frozen or crashed process looks to the others. Each runs on a
 //! SQLite file and on a store in memory (`on_both`).
 
-mod lock_support;
+mod common;
 
-use lock_support::{granted_while_stalled, read_when_stalled, within};
+use common::{granted_while_stalled, read_when_stalled, within};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -97,7 +97,7 @@ async fn queue_behind_the_holder(
         let locks = locks.clone();
         fork_daemon(async move { locks.exclusive("k", operation).await })
     };
-    within(5_000, "the waiter queued", || async {
+    within(Duration::from_secs(5), "the waiter queued", || async {
         locks.inspect(Some("k")).await.unwrap().len() == 2
     })
     .await;
@@ -111,7 +111,7 @@ async fn start_waiter_heartbeat(clock: &TestClock, beat: Duration) {
     let before = clock.sleepers();
     clock.advance(beat / 4);
     within(
-        5_000,
+        Duration::from_secs(5),
         "the waiter's heartbeat forked and asleep",
         || async { clock.sleepers() > before },
     )
@@ -135,14 +135,16 @@ async fn advance_with_heartbeats_until(
     let mut moved = Duration::ZERO;
     while moved < total {
         let before = locks.stats().heartbeats;
-        within(5_000, "a heartbeat is sleeping", || async {
-            clock.sleepers() > 0
-        })
+        within(
+            Duration::from_secs(5),
+            "a heartbeat is sleeping",
+            || async { clock.sleepers() > 0 },
+        )
         .await;
         let ended_before = ended();
         clock.advance(BEAT);
         moved += BEAT;
-        within(5_000, "the heartbeat renewed", || async {
+        within(Duration::from_secs(5), "the heartbeat renewed", || async {
             locks.stats().heartbeats > before || (!ended_before && ended())
         })
         .await;
@@ -229,7 +231,7 @@ fn a_frozen_owners_lock_passes_on_when_its_lease_ends_however_long_the_poll() {
         start_waiter_heartbeat(&live_clock, BEAT).await;
         advance_with_heartbeats_until(&live_clock, &live, LEASE + BEAT, || waiter.is_finished())
             .await;
-        let guard = match lock_support::join_within(5_000, "the waiter", waiter).await {
+        let guard = match common::join_within(Duration::from_secs(5), "the waiter", waiter).await {
             leasehold::Exit::Success(Ok(guard)) => guard,
             other => panic!("{other:?}"),
         };
@@ -269,7 +271,7 @@ fn waiting_costs_no_write_transactions_however_many_wait() {
                 locks.shared("k", format!("waiter {i}")).await
             }));
         }
-        within(10_000, "all queued", || async {
+        within(Duration::from_secs(10), "all queued", || async {
             locks.inspect(Some("k")).await.unwrap().len() == 201
         })
         .await;
@@ -278,7 +280,7 @@ fn waiting_costs_no_write_transactions_however_many_wait() {
         for _ in 0..5 {
             let checks = locks.stats().change_checks;
             clock.advance(Duration::from_millis(5));
-            within(5_000, "a change check", || async {
+            within(Duration::from_secs(5), "a change check", || async {
                 locks.stats().change_checks > checks
             })
             .await;
@@ -314,7 +316,7 @@ fn a_heartbeat_never_revives_an_expired_row() {
         let guard = locks.exclusive("k", "paused").await.unwrap();
         let lost = guard.lost();
         // Jump past the lease in one step: the heartbeat that then runs must not renew.
-        within(5_000, "the daemon sleeps", || async {
+        within(Duration::from_secs(5), "the daemon sleeps", || async {
             clock.sleepers() > 0
         })
         .await;
@@ -352,9 +354,11 @@ fn a_waiter_whose_lease_ran_out_queues_again_and_is_granted() {
         // It thaws: its next heartbeat (or its storage thread, which was never frozen, looking
         // for other processes' changes) finds its row gone, and it queues again, rather than
         // failing an acquisition its caller is still waiting for.
-        within(5_000, "the waiter's heartbeat sleeps", || async {
-            waiter_clock.sleepers() > 0
-        })
+        within(
+            Duration::from_secs(5),
+            "the waiter's heartbeat sleeps",
+            || async { waiter_clock.sleepers() > 0 },
+        )
         .await;
         waiter_clock.advance(LEASE * 2);
         let granted = waiter.join().await.success().unwrap().unwrap();
@@ -411,7 +415,7 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
         // ... and then: start nothing before it is there to start.
         clock.advance(Duration::from_millis(1));
         within(
-            5_000,
+            Duration::from_secs(5),
             "the waiter's heartbeat handed to the spawner",
             || async { !late.0.lock().unwrap().is_empty() },
         )
@@ -420,7 +424,7 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
         clock.advance(BEAT - BEAT / 4);
         late.start();
         within(
-            5_000,
+            Duration::from_secs(5),
             "the late heartbeat renewed the waiting row",
             || async {
                 let rows = locks.inspect(Some("k")).await.unwrap();
@@ -431,7 +435,7 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
         .await;
 
         guard.release().await.unwrap();
-        within(5_000, "the waiter was granted", || async {
+        within(Duration::from_secs(5), "the waiter was granted", || async {
             waiter.is_finished()
         })
         .await;
@@ -457,16 +461,20 @@ fn a_renewal_held_up_past_the_lease_does_not_revive_the_row() {
         let locks = manager(&place, &clock);
         let guard = locks.exclusive("k", "held").await.unwrap();
         let expires_at = clock.now() + LEASE;
-        within(5_000, "the lock heartbeat sleeps", || async {
-            clock.sleepers() > 0
-        })
+        within(
+            Duration::from_secs(5),
+            "the lock heartbeat sleeps",
+            || async { clock.sleepers() > 0 },
+        )
         .await;
 
-        let write_lock = lock_support::WriteLock::take(place.path());
+        let write_lock = common::WriteLock::take(place.path());
         clock.advance(BEAT);
-        within(5_000, "the heartbeat woke to renew", || async {
-            clock.sleepers() == 0
-        })
+        within(
+            Duration::from_secs(5),
+            "the heartbeat woke to renew",
+            || async { clock.sleepers() == 0 },
+        )
         .await;
         // Let the renewal reach the worker and wait for the write lock. (Too short a pause
         // could only let the renewal read the clock late, which hides a bug; it cannot fail a
@@ -477,9 +485,11 @@ fn a_renewal_held_up_past_the_lease_does_not_revive_the_row() {
         assert!(clock.now() > expires_at);
         drop(write_lock);
 
-        within(5_000, "the guard was told it is lost", || async {
-            guard.lost().is_aborted()
-        })
+        within(
+            Duration::from_secs(5),
+            "the guard was told it is lost",
+            || async { guard.lost().is_aborted() },
+        )
         .await;
         assert!(locks.inspect(Some("k")).await.unwrap().is_empty());
     });
@@ -512,19 +522,23 @@ fn a_lock_granted_from_the_queue_starts_with_a_whole_lease() {
         let waiter = queue_behind_the_holder(&b, "B").await;
         start_waiter_heartbeat(&clock, Duration::from_secs(1)).await;
         // A's lock heartbeat and B's waiter heartbeat.
-        within(5_000, "both heartbeats asleep", || async {
+        within(Duration::from_secs(5), "both heartbeats asleep", || async {
             clock.sleepers() >= 2
         })
         .await;
         clock.advance(Duration::from_secs(1));
         let renewed_until = clock.now() + Duration::from_secs(2);
-        within(5_000, "B's waiting row renewed", || async {
-            b.inspect(Some("k"))
-                .await
-                .unwrap()
-                .iter()
-                .any(|e| e.operation == "B" && e.expires_at == renewed_until)
-        })
+        within(
+            Duration::from_secs(5),
+            "B's waiting row renewed",
+            || async {
+                b.inspect(Some("k"))
+                    .await
+                    .unwrap()
+                    .iter()
+                    .any(|e| e.operation == "B" && e.expires_at == renewed_until)
+            },
+        )
         .await;
 
         clock.advance(Duration::from_millis(900));
@@ -541,12 +555,14 @@ fn a_lock_granted_from_the_queue_starts_with_a_whole_lease() {
 
         // B's lock heartbeat is asleep; wake it 200 ms after it was due.
         let beats = b.stats().heartbeats;
-        within(5_000, "B's lock heartbeat asleep", || async {
-            clock.sleepers() >= 1
-        })
+        within(
+            Duration::from_secs(5),
+            "B's lock heartbeat asleep",
+            || async { clock.sleepers() >= 1 },
+        )
         .await;
         clock.advance(Duration::from_millis(1_200));
-        within(5_000, "B's lock heartbeat ran", || async {
+        within(Duration::from_secs(5), "B's lock heartbeat ran", || async {
             b.stats().heartbeats > beats
         })
         .await;
@@ -581,9 +597,11 @@ fn locks_granted_from_the_queue_on_real_clocks_are_not_lost() {
             let waiter = queue_behind_the_holder(&b, "B").await;
             let first = b.inspect(Some("k")).await.unwrap()[1].expires_at;
             // Its first waiter heartbeat renews the row...
-            within(5_000, "B's waiting row renewed", || async {
-                b.inspect(Some("k")).await.unwrap()[1].expires_at > first
-            })
+            within(
+                Duration::from_secs(5),
+                "B's waiting row renewed",
+                || async { b.inspect(Some("k")).await.unwrap()[1].expires_at > first },
+            )
             .await;
             let renewed_until = b.inspect(Some("k")).await.unwrap()[1].expires_at;
             // ...and A lets go just before the second is due.
@@ -610,12 +628,14 @@ fn locks_granted_from_the_queue_on_real_clocks_are_not_lost() {
 async fn beat(clock: &TestClock, b: &LockManager, times: usize) {
     for _ in 0..times {
         let beats = b.stats().heartbeats;
-        within(5_000, "B's lock heartbeat asleep", || async {
-            clock.sleepers() >= 1
-        })
+        within(
+            Duration::from_secs(5),
+            "B's lock heartbeat asleep",
+            || async { clock.sleepers() >= 1 },
+        )
         .await;
         clock.advance(Duration::from_secs(1));
-        within(5_000, "B's lock heartbeat ran", || async {
+        within(Duration::from_secs(5), "B's lock heartbeat ran", || async {
             b.stats().heartbeats > beats
         })
         .await;
@@ -687,7 +707,7 @@ fn a_guard_delivered_late_but_live_is_renewed_before_its_lease_runs_out() {
 
         // The first lock heartbeat is due already: it renews without the clock moving.
         within(
-            5_000,
+            Duration::from_secs(5),
             "B's first lock heartbeat renewed the row",
             || async {
                 b.inspect(Some("k"))
@@ -759,10 +779,14 @@ fn a_guard_whose_heartbeat_never_runs_is_told_when_its_lease_runs_out() {
             .unwrap();
         let guard = locks.exclusive("k", "unrenewed").await.unwrap();
         let lost = guard.lost();
-        within(5_000, "the guard is told its lease ran out", || {
-            let told = lost.is_aborted();
-            async move { told }
-        })
+        within(
+            Duration::from_secs(5),
+            "the guard is told its lease ran out",
+            || {
+                let told = lost.is_aborted();
+                async move { told }
+            },
+        )
         .await;
         assert_eq!(locks.stats().heartbeats, 0, "a heartbeat ran after all");
         assert!(matches!(
@@ -793,10 +817,14 @@ fn a_guard_whose_heartbeat_is_never_polled_is_told_when_its_lease_runs_out() {
         let first = locks.exclusive("a", "first").await.unwrap();
         let second = locks.exclusive("b", "second").await.unwrap();
         let lost = [first.lost(), second.lost()];
-        within(5_000, "both guards are told their leases ran out", || {
-            let told = lost.iter().all(|l| l.is_aborted());
-            async move { told }
-        })
+        within(
+            Duration::from_secs(5),
+            "both guards are told their leases ran out",
+            || {
+                let told = lost.iter().all(|l| l.is_aborted());
+                async move { told }
+            },
+        )
         .await;
         assert_eq!(locks.stats().heartbeats, 0, "a heartbeat ran after all");
         assert!(
@@ -820,12 +848,12 @@ fn an_immediate_grant_read_after_its_lease_ran_out_is_not_handed_out() {
             if delivered.is_none() {
                 // The reply was not there at the first poll: stall past the lease before the next.
                 stalled += 1;
-                within(5_000, "the grant was written", || async {
+                within(Duration::from_secs(5), "the grant was written", || async {
                     locks.is_locked("k").await.unwrap()
                 })
                 .await;
                 clock.advance(Duration::from_secs(3));
-                within(5_000, "try_acquire returned", || {
+                within(Duration::from_secs(5), "try_acquire returned", || {
                     delivered = futures::FutureExt::now_or_never(&mut attempt);
                     let returned = delivered.is_some();
                     async move { returned }
@@ -853,7 +881,7 @@ fn releasing_a_lost_lease_reports_it() {
 
         // Lost, and told so by the heartbeat.
         let guard = locks.exclusive("k", "told").await.unwrap();
-        within(5_000, "the daemon sleeps", || async {
+        within(Duration::from_secs(5), "the daemon sleeps", || async {
             clock.sleepers() > 0
         })
         .await;

@@ -4,10 +4,9 @@
 //! replies, and where background work runs, depend on it.
 
 mod common;
-mod lock_support;
 mod stores;
 
-use lock_support::{join_within, within};
+use common::{join_within, within};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -85,12 +84,12 @@ fn case_01_shared_waits_behind_a_queued_exclusive() {
         let grants = Grants::default();
         let s1 = locks.shared("k", "S1").await.unwrap();
         let x = contend(&locks, LockRequest::exclusive("k", "X"), &grants, None);
-        within(5_000, "X queued", || async {
+        within(Duration::from_secs(5), "X queued", || async {
             queue(&locks, "k").await.len() == 2
         })
         .await;
         let s2 = contend(&locks, LockRequest::shared("k", "S2"), &grants, None);
-        within(5_000, "S2 queued", || async {
+        within(Duration::from_secs(5), "S2 queued", || async {
             queue(&locks, "k").await == vec![held("S1"), waiting("X", 0), waiting("S2", 1)]
         })
         .await;
@@ -118,12 +117,12 @@ fn case_02_interrupting_a_queued_exclusive_lets_the_shared_behind_it_through() {
             &grants,
             Some(&stop.signal()),
         );
-        within(5_000, "X queued", || async {
+        within(Duration::from_secs(5), "X queued", || async {
             queue(&locks, "k").await.len() == 2
         })
         .await;
         let s = contend(&locks, LockRequest::shared("k", "S"), &grants, None);
-        within(5_000, "S queued", || async {
+        within(Duration::from_secs(5), "S queued", || async {
             queue(&locks, "k").await.len() == 3
         })
         .await;
@@ -160,12 +159,12 @@ fn case_03_the_third_exclusive_is_granted_when_the_first_two_are_interrupted() {
             &grants,
             Some(&stops[1].signal()),
         );
-        within(5_000, "X1, X2 queued", || async {
+        within(Duration::from_secs(5), "X1, X2 queued", || async {
             queue(&locks, "k").await.len() == 3
         })
         .await;
         let x3 = contend(&locks, LockRequest::exclusive("k", "X3"), &grants, None);
-        within(5_000, "X3 queued", || async {
+        within(Duration::from_secs(5), "X3 queued", || async {
             queue(&locks, "k").await.len() == 4
         })
         .await;
@@ -195,7 +194,7 @@ fn case_04_interrupting_a_queued_request_never_releases_anyone_else() {
             &grants,
             Some(&stop.signal()),
         );
-        within(5_000, "X queued", || async {
+        within(Duration::from_secs(5), "X queued", || async {
             queue(&locks, "k").await.len() == 2
         })
         .await;
@@ -226,7 +225,7 @@ fn case_05_an_interrupted_request_returns_the_callers_reason_with_no_trace_left(
             let signal = stop.signal();
             fork_daemon(async move { locks.shared("k", "backup").with_signal(&signal).await })
         };
-        within(5_000, "backup queued", || async {
+        within(Duration::from_secs(5), "backup queued", || async {
             queue(&locks, "k").await.len() == 2
         })
         .await;
@@ -252,7 +251,7 @@ fn case_06_shared_locks_are_held_together_and_exclusive_waits_for_all() {
             vec![held("A"), held("B"), held("C")]
         );
         let x = contend(&locks, LockRequest::exclusive("k", "X"), &grants, None);
-        within(5_000, "X queued", || async {
+        within(Duration::from_secs(5), "X queued", || async {
             queue(&locks, "k").await.len() == 4
         })
         .await;
@@ -282,7 +281,7 @@ fn case_07_while_exclusive_is_held_later_requests_are_granted_in_arrival_order()
         let mut fibers = Vec::new();
         for (queued, request) in order.iter().enumerate() {
             fibers.push(contend(&locks, request.clone(), &grants, None));
-            within(5_000, "queued in turn", || async {
+            within(Duration::from_secs(5), "queued in turn", || async {
                 queue(&locks, "k").await.len() == queued + 2
             })
             .await;
@@ -313,7 +312,7 @@ fn case_08_releasing_exclusive_grants_the_leading_shared_run_together() {
         .enumerate()
         {
             fibers.push(contend(&locks, request, &grants, None));
-            within(5_000, "queued in turn", || async {
+            within(Duration::from_secs(5), "queued in turn", || async {
                 queue(&locks, "k").await.len() == queued + 2
             })
             .await;
@@ -472,14 +471,14 @@ fn case_12_a_waiter_in_this_process_is_woken_at_once_even_with_a_long_poll() {
                 let locks = waiter_side.clone();
                 fork_daemon(async move { locks.many_queued(requests).await })
             };
-            within(5_000, "W queued", || async {
+            within(Duration::from_secs(5), "W queued", || async {
                 queue(&first, "k").await.len() == 2
             })
             .await;
             let released = std::time::Instant::now();
             holder.release().await.unwrap();
             // Far sooner than the 30 s poll: only a wake-up can have done it.
-            let guard = join_within(10_000, "the waiter granted", waiter)
+            let guard = join_within(Duration::from_secs(10), "the waiter granted", waiter)
                 .await
                 .success()
                 .unwrap()
@@ -551,9 +550,11 @@ fn names_of_the_longest_allowed_length_survive_queueing_and_promotion() {
             fork_daemon(async move { waiter.many_queued(requests).await })
         };
         let entries = || async { holder.inspect(None).await.unwrap() };
-        within(5_000, "the waiter queued on all three keys", || async {
-            entries().await.len() == 4
-        })
+        within(
+            Duration::from_secs(5),
+            "the waiter queued on all three keys",
+            || async { entries().await.len() == 4 },
+        )
         .await;
         for entry in entries().await {
             assert!(keys.contains(&entry.key), "a key cut short");
@@ -669,7 +670,7 @@ fn a_manager_decides_on_what_others_committed_since_its_own_last_transaction() {
             let a = a.clone();
             fork_daemon(async move { a.exclusive("k", "waiter").await })
         };
-        within(5_000, "A queued behind B", || async {
+        within(Duration::from_secs(5), "A queued behind B", || async {
             queue(&a, "k").await == vec![held("holder"), waiting("waiter", 0)]
         })
         .await;
@@ -726,7 +727,7 @@ fn a_long_wait_keeps_its_row_and_its_place_at_the_smallest_lease() {
             let locks = locks.clone();
             fork_daemon(async move { locks.exclusive("k", "waiter").await })
         };
-        within(5_000, "queued", || async {
+        within(Duration::from_secs(5), "queued", || async {
             queue(&locks, "k").await == vec![held("holder"), waiting("waiter", 0)]
         })
         .await;
@@ -734,7 +735,7 @@ fn a_long_wait_keeps_its_row_and_its_place_at_the_smallest_lease() {
         let first = row(locks.inspect(Some("k")).await.unwrap()).unwrap();
         // Past its first lease only if renewed, more than once.
         within(
-            5_000,
+            Duration::from_secs(5),
             "the waiting row renewed past its first lease",
             || async {
                 row(locks.inspect(Some("k")).await.unwrap()).is_some_and(|e| {
@@ -786,7 +787,8 @@ fn a_guard_hears_its_lease_lost_by_its_end_while_the_storage_thread_is_stuck() {
             let awaited = lost.aborted();
             smol::Timer::at(runs_out).await;
             assert!(lost.is_aborted(), "not lost when the row ran out");
-            let reason = lock_support::bounded(5_000, "the awaiter wakes", awaited).await;
+            let reason =
+                common::bounded(Duration::from_secs(5), "the awaiter wakes", awaited).await;
             assert!(reason.downcast_ref::<LeaseLost>().is_some(), "{reason:?}");
         };
         futures::pin_mut!(ticker, watch);
@@ -836,7 +838,7 @@ fn dropping_the_last_handle_while_the_storage_is_stuck_returns_within_half_a_hea
             "the drop took {took:?}"
         );
         drop(stall);
-        within(10_000, "the owner's rows gone", || async {
+        within(Duration::from_secs(10), "the owner's rows gone", || async {
             store.count_rows(&format!("owner = '{owner}'")) == 0
         })
         .await;
@@ -859,7 +861,7 @@ fn many_queued_takes_one_ticket_for_all_keys_and_holds_them_together() {
                     .await
             })
         };
-        within(5_000, "queued on both keys", || async {
+        within(Duration::from_secs(5), "queued on both keys", || async {
             locks.inspect(None).await.unwrap().len() == 3
         })
         .await;
@@ -897,16 +899,18 @@ fn dropping_a_queued_acquisition_removes_its_row() {
         {
             let mut acquisition = locks.exclusive("k", "dropped");
             // Poll it until it is queued, then drop it (as losing a select would).
-            within(5_000, "queued", || {
+            within(Duration::from_secs(5), "queued", || {
                 let polled = futures::FutureExt::now_or_never(&mut acquisition).is_some();
                 assert!(!polled);
                 async { queue(&locks, "k").await.len() == 2 }
             })
             .await;
         }
-        within(5_000, "the dropped request's row is removed", || async {
-            queue(&locks, "k").await == vec![held("H")]
-        })
+        within(
+            Duration::from_secs(5),
+            "the dropped request's row is removed",
+            || async { queue(&locks, "k").await == vec![held("H")] },
+        )
         .await;
         holder.release().await.unwrap();
         assert!(locks.inspect(None).await.unwrap().is_empty());
@@ -934,7 +938,7 @@ fn shutdown_releases_everything_and_ends_waits() {
             let locks = locks.clone();
             fork_daemon(async move { locks.exclusive("j", "W").await })
         };
-        within(5_000, "waiter queued", || async {
+        within(Duration::from_secs(5), "waiter queued", || async {
             queue(&other, "j").await.len() == 2
         })
         .await;
@@ -962,7 +966,7 @@ fn inspect_reports_modes_owners_positions_and_times() {
         let grants = Grants::default();
         let s = locks.shared("k", "S").await.unwrap();
         let x = contend(&locks, LockRequest::exclusive("k", "X"), &grants, None);
-        within(5_000, "X queued", || async {
+        within(Duration::from_secs(5), "X queued", || async {
             queue(&locks, "k").await.len() == 2
         })
         .await;
@@ -1082,7 +1086,7 @@ fn inspect_prints_one_line_per_entry_with_the_lease_expiry() {
             &Grants::default(),
             None,
         );
-        within(5_000, "the backup queued", || async {
+        within(Duration::from_secs(5), "the backup queued", || async {
             queue(&locks, "repo").await.len() == 2
         })
         .await;
@@ -1207,9 +1211,11 @@ fn a_held_request_on_several_keys_stores_each_key_once() {
                     .await
             })
         };
-        within(5_000, "the waiter's two rows name their keys", || async {
-            naming() == 2
-        })
+        within(
+            Duration::from_secs(5),
+            "the waiter's two rows name their keys",
+            || async { naming() == 2 },
+        )
         .await;
         blocker.release().await.unwrap();
         let guard = guard_of(waiter).await;
@@ -1233,7 +1239,7 @@ fn a_commit_on_one_key_does_not_wake_a_manager_waiting_on_another() {
             let waiting = waiting.clone();
             fork_daemon(async move { waiting.exclusive("x", "waiter").await })
         };
-        within(5_000, "the waiter's row", || async {
+        within(Duration::from_secs(5), "the waiter's row", || async {
             queue(&busy, "x").await.len() == 2
         })
         .await;
@@ -1259,7 +1265,7 @@ fn a_commit_on_one_key_does_not_wake_a_manager_waiting_on_another() {
             "commits on another key woke the waiting manager {woken} times"
         );
         blocker.release().await.unwrap();
-        let granted = join_within(5_000, "the waiter's grant", waiter).await;
+        let granted = join_within(Duration::from_secs(5), "the waiter's grant", waiter).await;
         granted.success().unwrap().unwrap().release().await.unwrap();
     });
 }

@@ -9,20 +9,19 @@
 //! left. A per-key counter, set while a guard is held, checks mutual exclusion on the way.
 
 mod common;
-mod lock_support;
 mod stores;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{entries, join_within, rows_of, within};
 use futures::executor::block_on;
 use futures::future::{select, Either};
 use leasehold::{
     fork_daemon, AbortController, AbortReason, Exit, Guard, LockError, LockManager, LockRequest,
     Mode,
 };
-use lock_support::{entries, join_within, rows_of, within};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use stores::Store;
@@ -191,7 +190,9 @@ async fn interrupted_workload(store: Store, plans: Vec<Plan>) -> (usize, usize) 
         }));
     }
     for fiber in fibers {
-        if let Exit::Panicked(message) = join_within(20_000, "a workload task", fiber).await {
+        if let Exit::Panicked(message) =
+            join_within(Duration::from_secs(20), "a workload task", fiber).await
+        {
             panic!("{message}");
         }
     }
@@ -237,7 +238,7 @@ async fn dropped_workload(store: Store, plans: Vec<Plan>) -> usize {
                 None => {
                     dropped.fetch_add(1, Ordering::SeqCst);
                     within(
-                        2_000,
+                        Duration::from_secs(2),
                         &format!("{operation}, dropped, leaves no row"),
                         || async { rows_of(&locks, &operation).await.is_empty() },
                     )
@@ -247,14 +248,18 @@ async fn dropped_workload(store: Store, plans: Vec<Plan>) -> usize {
         }));
     }
     for fiber in fibers {
-        if let Exit::Panicked(message) = join_within(20_000, "a workload task", fiber).await {
+        if let Exit::Panicked(message) =
+            join_within(Duration::from_secs(20), "a workload task", fiber).await
+        {
             panic!("{message}");
         }
     }
     for locks in &bench.owners {
-        within(2_000, "nothing left after the workload", || async {
-            entries(locks).await.is_empty()
-        })
+        within(
+            Duration::from_secs(2),
+            "nothing left after the workload",
+            || async { entries(locks).await.is_empty() },
+        )
         .await;
     }
     dropped.load(Ordering::SeqCst)
@@ -335,7 +340,7 @@ fn an_interruption_racing_the_grant_hands_over_the_guard_or_leaves_no_row() {
                     .with_signal(&stop.signal());
                 fork_daemon(acquisition)
             };
-            within(5_000, "the waiter queued", || async {
+            within(Duration::from_secs(5), "the waiter queued", || async {
                 !rows_of(&a, &operation).await.is_empty()
             })
             .await;
@@ -348,13 +353,13 @@ fn an_interruption_racing_the_grant_hands_over_the_guard_or_leaves_no_row() {
                 let releasing = fork_daemon(release);
                 (0..spins).for_each(|_| std::hint::spin_loop());
                 stop.abort(reason.clone());
-                join_within(5_000, "the release", releasing).await;
+                join_within(Duration::from_secs(5), "the release", releasing).await;
             } else {
                 stop.abort(reason.clone());
                 (0..spins).for_each(|_| std::hint::spin_loop());
                 release.await;
             }
-            match join_within(5_000, "the waiter", waiter).await {
+            match join_within(Duration::from_secs(5), "the waiter", waiter).await {
                 Exit::Success(Ok(guard)) => {
                     granted += 1;
                     guard.release().await.unwrap();

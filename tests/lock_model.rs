@@ -27,9 +27,9 @@
 //! PostgreSQL server too (`pg_support`), without the steps that move time: there the server's
 //! clock judges leases, and owners beat in real time.
 
-mod lock_support;
-#[cfg(feature = "postgres")]
-mod pg_support;
+mod common;
+#[cfg(all(feature = "postgres", feature = "testkit"))]
+use leasehold::testkit::postgres as pg_support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -37,20 +37,20 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{entries, join_within, rows_of, temp_db};
 use futures::executor::block_on;
 use futures::FutureExt;
 use leasehold::{
     fork_daemon, AbortController, AbortReason, Clock, Exit, Fiber, Guard, LockEntry, LockError,
     LockManager, LockRequest, Mode, Scoped, TestClock,
 };
-use lock_support::{entries, join_within, rows_of, temp_db};
 use proptest::prelude::*;
 
 const LEASE: Duration = Duration::from_secs(6);
 const HEARTBEAT: Duration = Duration::from_secs(1);
 const POLL: Duration = Duration::from_millis(2);
 /// How long the system may take to settle after one step.
-const SETTLE_MS: u64 = 10_000;
+const SETTLE: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Copy, Debug)]
 enum Policy {
@@ -188,7 +188,7 @@ enum Store {
     Memory(leasehold::MemoryStore),
     /// A schema on a PostgreSQL server, whose clock judges leases: no step moves time there,
     /// and the owners heartbeat in real time.
-    #[cfg(feature = "postgres")]
+    #[cfg(all(feature = "postgres", feature = "testkit"))]
     Postgres { url: String, schema: String },
 }
 
@@ -219,7 +219,7 @@ impl Store {
                     .expect("open a manager");
                 (locks, Arc::new(clock.clone()), Some(clock))
             }
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { url, schema } => {
                 let locks = builder
                     .schema(schema)
@@ -237,7 +237,7 @@ impl Store {
     fn margin(&self) -> Duration {
         match self {
             Store::Sqlite(_) | Store::Memory(_) => LEASE - HEARTBEAT,
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { .. } => LEASE - 2 * HEARTBEAT,
         }
     }
@@ -774,7 +774,7 @@ impl World {
             } = attempt;
             let granted = match early {
                 Some(granted) => granted,
-                None => lock_support::bounded(SETTLE_MS, "a try_acquire", answer).await,
+                None => common::bounded(SETTLE, "a try_acquire", answer).await,
             }
             .expect("try_acquire");
             if expected.is_some_and(|expected| expected != granted.is_some()) {
@@ -797,7 +797,7 @@ impl World {
             else {
                 unreachable!("picked among pending requests")
             };
-            match join_within(SETTLE_MS, "an interrupted acquisition", fiber).await {
+            match join_within(SETTLE, "an interrupted acquisition", fiber).await {
                 Exit::Success(Err(error))
                     if error.abort_reason().is_some_and(|r| r.ptr_eq(&reason)) =>
                 {
@@ -893,7 +893,7 @@ impl World {
         let reason = AbortReason::from(format!("interrupt {}", request.name));
         stop.abort(reason.clone());
         // Settled, and the rule says it waits: nothing can grant it meanwhile.
-        match join_within(SETTLE_MS, "an interrupted acquisition", fiber).await {
+        match join_within(SETTLE, "an interrupted acquisition", fiber).await {
             Exit::Success(Err(error))
                 if error.abort_reason().is_some_and(|r| r.ptr_eq(&reason)) => {}
             other => self.fail(
@@ -938,7 +938,7 @@ impl World {
             for o in self.owners.iter().filter(|o| !o.frozen) {
                 let now = o.clock.now();
                 let id = o.locks.owner_id();
-                lock_support::within(SETTLE_MS, "every live row renewed", || async {
+                common::within(SETTLE, "every live row renewed", || async {
                     entries(&o.locks)
                         .await
                         .iter()
@@ -968,7 +968,7 @@ impl World {
                 .any(|r| r.owner == o && matches!(r.state, State::Held(_)));
             let beats = waiting + usize::from(holding);
             let clock = self.owners[o].test_clock();
-            lock_support::within(SETTLE_MS, "heartbeats asleep", || async {
+            common::within(SETTLE, "heartbeats asleep", || async {
                 clock.sleepers() >= beats
             })
             .await;
@@ -1017,7 +1017,7 @@ impl World {
     /// Waits until the system is quiescent and matches the model; checks every snapshot on the
     /// way for safety.
     async fn settle(&mut self) {
-        let deadline = Instant::now() + Duration::from_millis(SETTLE_MS);
+        let deadline = Instant::now() + SETTLE;
         loop {
             // Read before the snapshot: an acquisition that had returned then must hold in it.
             let finished: Vec<bool> = self.requests.iter().map(Request::is_finished).collect();
@@ -1030,7 +1030,7 @@ impl World {
                     return;
                 }
                 Err(why) if Instant::now() > deadline => {
-                    self.fail(&format!("not settled within {SETTLE_MS} ms: {why}"), &rows)
+                    self.fail(&format!("not settled within {SETTLE:?}: {why}"), &rows)
                 }
                 Err(_) => {
                     smol::Timer::after(Duration::from_millis(1)).await;
@@ -1236,7 +1236,7 @@ impl World {
         for request in std::mem::take(&mut self.graveyard) {
             if let State::Pending { fiber, stop } = request.state {
                 stop.abort("the end");
-                drop(join_within(SETTLE_MS, "a frozen owner's acquisition", fiber).await);
+                drop(join_within(SETTLE, "a frozen owner's acquisition", fiber).await);
             }
         }
         for owner in &self.owners {
@@ -1292,7 +1292,7 @@ proptest! {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "testkit"))]
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: 32,

@@ -2,18 +2,18 @@
 //! `pg_support` starts for this test binary (or `LEASEHOLD_POSTGRES_URL`). Each test works in a
 //! schema of its own. Without the server programs the tests are skipped with a printed reason,
 //! unless `LEASEHOLD_REQUIRE_POSTGRES=1`.
-#![cfg(feature = "postgres")]
+#![cfg(all(feature = "postgres", feature = "testkit"))]
 
-mod lock_support;
-mod pg_support;
+mod common;
+use leasehold::testkit::postgres as pg_support;
 
 use std::time::Duration;
 
+use common::{bounded, granted_while_stalled, join_within, read_when_stalled, within};
 use futures::executor::block_on;
 use leasehold::{
     fork_daemon, AbortController, EntryState, Exit, LockError, LockManager, LockRequest, Schedule,
 };
-use lock_support::{bounded, granted_while_stalled, join_within, read_when_stalled, within};
 
 /// A manager on `server` in `schema`, with short leases so that tests about them are quick.
 async fn manager(url: &str, schema: &str) -> LockManager {
@@ -83,7 +83,7 @@ fn shared_waits_behind_a_queued_exclusive_across_managers() {
             let b = b.clone();
             fork_daemon(async move { b.exclusive("k", "X").await })
         };
-        within(5_000, "X queued", || async {
+        within(Duration::from_secs(5), "X queued", || async {
             states(&a, "k").await.len() == 2
         })
         .await;
@@ -91,7 +91,7 @@ fn shared_waits_behind_a_queued_exclusive_across_managers() {
             let a = a.clone();
             fork_daemon(async move { a.shared("k", "S2").await })
         };
-        within(5_000, "S2 queued", || async {
+        within(Duration::from_secs(5), "S2 queued", || async {
             states(&a, "k").await.len() == 3
         })
         .await;
@@ -105,7 +105,7 @@ fn shared_waits_behind_a_queued_exclusive_across_managers() {
         );
         let first = s1.fencing_token();
         s1.release().await.unwrap();
-        let x = match join_within(5_000, "X granted", x).await {
+        let x = match join_within(Duration::from_secs(5), "X granted", x).await {
             Exit::Success(Ok(guard)) => guard,
             other => panic!("{other:?}"),
         };
@@ -113,7 +113,7 @@ fn shared_waits_behind_a_queued_exclusive_across_managers() {
         assert!(!s2.is_finished(), "S2 was granted while X held");
         let second = x.fencing_token();
         x.release().await.unwrap();
-        let s2 = match join_within(5_000, "S2 granted", s2).await {
+        let s2 = match join_within(Duration::from_secs(5), "S2 granted", s2).await {
             Exit::Success(Ok(guard)) => guard,
             other => panic!("{other:?}"),
         };
@@ -139,13 +139,13 @@ fn an_interrupted_waiter_returns_the_callers_reason_and_leaves_no_row() {
             let acquisition = locks.exclusive("k", "waiter").with_signal(&stop.signal());
             fork_daemon(acquisition)
         };
-        within(5_000, "queued", || async {
+        within(Duration::from_secs(5), "queued", || async {
             states(&locks, "k").await.len() == 2
         })
         .await;
         let reason = leasehold::AbortReason::from("the user left");
         stop.abort(reason.clone());
-        match join_within(5_000, "the interrupted waiter", waiter).await {
+        match join_within(Duration::from_secs(5), "the interrupted waiter", waiter).await {
             Exit::Success(Err(error)) => {
                 assert!(error.abort_reason().unwrap().ptr_eq(&reason));
             }
@@ -182,9 +182,11 @@ fn a_guard_survives_its_connection_being_cut() {
         assert!(cut >= 1, "no connection of the manager was cut");
         // Past two leases: only renewals over a new connection keep the row.
         let heartbeats = locks.stats().heartbeats;
-        within(10_000, "renewed over a new connection", || async {
-            locks.stats().heartbeats >= heartbeats + 3
-        })
+        within(
+            Duration::from_secs(10),
+            "renewed over a new connection",
+            || async { locks.stats().heartbeats >= heartbeats + 3 },
+        )
         .await;
         smol::Timer::after(Duration::from_secs(3)).await;
         assert!(!guard.lost().is_aborted(), "the lease was lost");
@@ -348,9 +350,11 @@ fn a_renewal_that_waited_past_the_lease_does_not_revive_the_row() {
             }
             caught = true;
             // The renewal goes on now; whatever it does, the lapsed row keeps its expiry.
-            within(5_000, "the renewal after the wait", || async {
-                server.sql(&renewal_waits) == "0"
-            })
+            within(
+                Duration::from_secs(5),
+                "the renewal after the wait",
+                || async { server.sql(&renewal_waits) == "0" },
+            )
             .await;
             smol::Timer::after(Duration::from_millis(100)).await;
             let after = micros(&mut blocker, &expiry);
@@ -361,9 +365,11 @@ fn a_renewal_that_waited_past_the_lease_does_not_revive_the_row() {
             break;
         }
         assert!(caught, "no renewal was ever caught waiting past the lease");
-        within(5_000, "the guard is told its lease was lost", || async {
-            guard.lost().is_aborted()
-        })
+        within(
+            Duration::from_secs(5),
+            "the guard is told its lease was lost",
+            || async { guard.lost().is_aborted() },
+        )
         .await;
     });
 }
@@ -421,26 +427,34 @@ async fn acquire_through_a_cut(
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    within(5_000, "the other session holds the table", || async {
-        server.sql(&format!(
-            "SELECT count(*) FROM pg_locks WHERE granted AND mode = 'AccessExclusiveLock' \
+    within(
+        Duration::from_secs(5),
+        "the other session holds the table",
+        || async {
+            server.sql(&format!(
+                "SELECT count(*) FROM pg_locks WHERE granted AND mode = 'AccessExclusiveLock' \
              AND relation = '\"{schema}\".locks'::regclass"
-        )) == "1"
-    })
+            )) == "1"
+        },
+    )
     .await;
     let acquisition = {
         let locks = locks.clone();
         fork_daemon(async move { locks.exclusive("k", "cut").await })
     };
     let waiting = format!("application_name = '{name}' AND wait_event_type = 'Lock'");
-    within(5_000, "the transaction waits for the table", || async {
-        server.sql(&format!(
-            "SELECT count(*) FROM pg_stat_activity WHERE {waiting}"
-        )) == "1"
-    })
+    within(
+        Duration::from_secs(5),
+        "the transaction waits for the table",
+        || async {
+            server.sql(&format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE {waiting}"
+            )) == "1"
+        },
+    )
     .await;
     assert_eq!(server.terminate_backends(&waiting), 1);
-    match join_within(10_000, "the acquisition", acquisition).await {
+    match join_within(Duration::from_secs(10), "the acquisition", acquisition).await {
         Exit::Success(Ok(guard)) => guard.release().await.unwrap(),
         other => panic!("{other:?}"),
     }
@@ -669,13 +683,13 @@ fn shutdown_leaves_no_row_and_ends_waits() {
             let a = a.clone();
             fork_daemon(async move { a.exclusive("j", "waiting").await })
         };
-        within(5_000, "queued", || async {
+        within(Duration::from_secs(5), "queued", || async {
             states(&b, "j").await.len() == 2
         })
         .await;
         a.shutdown().await.unwrap();
         assert!(matches!(
-            join_within(5_000, "the waiter", waiter).await,
+            join_within(Duration::from_secs(5), "the waiter", waiter).await,
             Exit::Success(Err(LockError::Shutdown))
         ));
         assert!(guard.lost().is_aborted());
@@ -727,7 +741,7 @@ fn leases_do_not_depend_on_the_clients_clocks() {
         let fast = open(10).await.unwrap();
         let slow = open(-10).await.unwrap();
         let held = bounded(
-            5_000,
+            Duration::from_secs(5),
             "the fast client's grant",
             fast.exclusive("k", "fast"),
         )
@@ -737,7 +751,7 @@ fn leases_do_not_depend_on_the_clients_clocks() {
             let slow = slow.clone();
             fork_daemon(async move { slow.exclusive("k", "slow").await })
         };
-        within(5_000, "queued", || async {
+        within(Duration::from_secs(5), "queued", || async {
             states(&fast, "k").await.len() == 2
         })
         .await;
@@ -749,10 +763,11 @@ fn leases_do_not_depend_on_the_clients_clocks() {
         );
         assert_eq!(states(&slow, "k").await.len(), 2);
         held.release().await.unwrap();
-        let granted = match join_within(5_000, "the slow client's grant", waiter).await {
-            Exit::Success(Ok(guard)) => guard,
-            other => panic!("{other:?}"),
-        };
+        let granted =
+            match join_within(Duration::from_secs(5), "the slow client's grant", waiter).await {
+                Exit::Success(Ok(guard)) => guard,
+                other => panic!("{other:?}"),
+            };
         smol::Timer::after(Duration::from_secs(3)).await;
         assert!(
             !granted.lost().is_aborted(),
@@ -832,12 +847,16 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
                 .connect(&format!("{socket} application_name={name}"))
                 .await
                 .unwrap();
-            within(5_000, "the waiting manager listens", || async {
-                server.sql(&format!(
-                    "SELECT count(*) FROM pg_stat_activity \
+            within(
+                Duration::from_secs(5),
+                "the waiting manager listens",
+                || async {
+                    server.sql(&format!(
+                        "SELECT count(*) FROM pg_stat_activity \
                      WHERE application_name = '{name}' AND query LIKE 'LISTEN%'"
-                )) == "1"
-            })
+                    )) == "1"
+                },
+            )
             .await;
             let guard = holder.exclusive("k", "holder").await.unwrap();
             let waiter = {
@@ -854,7 +873,7 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
                     }
                 })
             };
-            within(5_000, "waiting", || async {
+            within(Duration::from_secs(5), "waiting", || async {
                 if rows > 0 {
                     holder.inspect(None).await.unwrap().len() == rows
                 } else {
@@ -866,7 +885,13 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
             })
             .await;
             guard.release().await.unwrap();
-            match join_within(3_000, "the grant, long before the next poll", waiter).await {
+            match join_within(
+                Duration::from_secs(3),
+                "the grant, long before the next poll",
+                waiter,
+            )
+            .await
+            {
                 Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
                 other => panic!("{case}: {other:?}"),
             }
@@ -933,12 +958,12 @@ fn transactions_on_thousands_of_keys_work() {
             let other = other.clone();
             fork_daemon(async move { other.exclusive("k1999", "waiter").await })
         };
-        within(5_000, "the waiter queued", || async {
+        within(Duration::from_secs(5), "the waiter queued", || async {
             states(&other, "k1999").await.len() == 2
         })
         .await;
         locks.shutdown().await.unwrap();
-        let guard = match join_within(5_000, "the waiter", waiter).await {
+        let guard = match join_within(Duration::from_secs(5), "the waiter", waiter).await {
             Exit::Success(Ok(guard)) => guard,
             other => panic!("{other:?}"),
         };
@@ -982,17 +1007,25 @@ fn a_begin_that_times_out_on_its_key_lock_is_done_again() {
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        within(5_000, "the other session holds the key's lock", || async {
-            server.sql(&format!(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+        within(
+            Duration::from_secs(5),
+            "the other session holds the key's lock",
+            || async {
+                server.sql(&format!(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
                  AND classid = {} AND objid = {}",
-                class as u32, id as u32
-            )) == "1"
-        })
+                    class as u32, id as u32
+                )) == "1"
+            },
+        )
         .await;
-        let guard = bounded(20_000, "the acquisition", locks.exclusive("k", "late"))
-            .await
-            .unwrap();
+        let guard = bounded(
+            Duration::from_secs(20),
+            "the acquisition",
+            locks.exclusive("k", "late"),
+        )
+        .await
+        .unwrap();
         other.wait().unwrap();
         guard.release().await.unwrap();
         assert!(locks.inspect(None).await.unwrap().is_empty());
@@ -1053,13 +1086,13 @@ fn a_decision_that_waited_for_a_renewal_sees_the_row_renewed() {
              AND wait_event_type = 'Lock'"
         );
         within(
-            5_000,
+            Duration::from_secs(5),
             "the decision waits for the renewal's row lock",
             || async { server.sql(&waiting) == "1" },
         )
         .await;
         renewal.batch_execute("COMMIT").unwrap();
-        let granted = match join_within(5_000, "the decision", attempt).await {
+        let granted = match join_within(Duration::from_secs(5), "the decision", attempt).await {
             Exit::Success(result) => result.unwrap(),
             other => panic!("the attempt did not succeed: {other:?}"),
         };

@@ -7,7 +7,7 @@
 //! failure shows, and a child is killed and reaped whenever its handle is dropped, so that a
 //! failing test leaves neither a hung test nor a zombie.
 
-mod lock_support;
+mod common;
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -16,9 +16,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use common::{entries, join_within, within};
 use futures::executor::block_on;
 use leasehold::{fork_daemon, EntryState, Exit, LockManager, LockRequest, Mode};
-use lock_support::{entries, join_within, within};
 
 const ROLE: &str = "LEASEHOLD_CHILD";
 const DB: &str = "LEASEHOLD_CHILD_DB";
@@ -300,9 +300,11 @@ fn a_killed_childs_lock_is_granted_when_its_lease_runs_out_and_not_before() {
             let locks = locks.clone();
             fork_daemon(async move { locks.exclusive("k", "parent").await })
         };
-        within(5_000, "the parent queued behind the child", || {
-            waits_for(&locks, "parent")
-        })
+        within(
+            Duration::from_secs(5),
+            "the parent queued behind the child",
+            || waits_for(&locks, "parent"),
+        )
         .await;
 
         // Kill it right after a renewal, so that its lease has nearly all of its second to run.
@@ -314,9 +316,11 @@ fn a_killed_childs_lock_is_granted_when_its_lease_runs_out_and_not_before() {
                 .map(|e| e.expires_at)
         };
         let first = child_expiry().await.expect("the child's row");
-        within(5_000, "the child renewed its lease", || async {
-            child_expiry().await.is_some_and(|e| e > first)
-        })
+        within(
+            Duration::from_secs(5),
+            "the child renewed its lease",
+            || async { child_expiry().await.is_some_and(|e| e > first) },
+        )
         .await;
         let expires_at = child_expiry().await.expect("the child's row");
         child.kill();
@@ -332,7 +336,13 @@ fn a_killed_childs_lock_is_granted_when_its_lease_runs_out_and_not_before() {
             smol::Timer::after(Duration::from_millis(5)).await;
         }
         // ...but soon after it.
-        let guard = match join_within(3_000, "the grant after the lease ran out", waiter).await {
+        let guard = match join_within(
+            Duration::from_secs(3),
+            "the grant after the lease ran out",
+            waiter,
+        )
+        .await
+        {
             Exit::Success(Ok(guard)) => guard,
             other => panic!("{other:?}"),
         };
@@ -462,7 +472,7 @@ fn several_owners_in_one_process_hand_off_correctly() {
             }
         }
         for task in tasks {
-            match join_within(30_000, "a contending task", task).await {
+            match join_within(Duration::from_secs(30), "a contending task", task).await {
                 Exit::Success(()) => {}
                 other => panic!("{other:?}"),
             }
@@ -489,10 +499,11 @@ fn a_holder_whose_executor_is_stalled_past_its_lease_loses_the_lock_and_is_told(
             let locks = locks.clone();
             fork_daemon(async move { locks.exclusive("k", "parent").await })
         };
-        let guard = match join_within(10_000, "the grant to the parent", waiter).await {
-            Exit::Success(Ok(guard)) => guard,
-            other => panic!("{other:?}\n{}", child.output()),
-        };
+        let guard =
+            match join_within(Duration::from_secs(10), "the grant to the parent", waiter).await {
+                Exit::Success(Ok(guard)) => guard,
+                other => panic!("{other:?}\n{}", child.output()),
+            };
         assert!(
             !folder.join("stall-over").exists(),
             "the parent waited for the stalled holder to recover"
@@ -618,9 +629,11 @@ fn only_a_caller_waiting_without_a_row_puts_up_a_waiting_marker() {
             let trying = trying.clone();
             fork_daemon(async move { trying.shared("k", "queued").await })
         };
-        within(5_000, "the queued waiter's row", || async {
-            holder.inspect(Some("k")).await.unwrap().len() == 2
-        })
+        within(
+            Duration::from_secs(5),
+            "the queued waiter's row",
+            || async { holder.inspect(Some("k")).await.unwrap().len() == 2 },
+        )
         .await;
         assert_eq!(markers(), 0, "a queued waiter put up a waiting marker");
         // A caller waiting without a row has nothing else to be found by.
@@ -629,14 +642,14 @@ fn only_a_caller_waiting_without_a_row_puts_up_a_waiting_marker() {
             fork_daemon(async move { trying.many([LockRequest::shared("k", "unqueued")]).await })
         };
         within(
-            5_000,
+            Duration::from_secs(5),
             "a caller waiting without a row puts up its marker",
             || async { markers() == 1 },
         )
         .await;
         guard.release().await.unwrap();
         for waiter in [queued, unqueued] {
-            match join_within(5_000, "the waiter's grant", waiter).await {
+            match join_within(Duration::from_secs(5), "the waiter's grant", waiter).await {
                 Exit::Success(Ok(granted)) => granted.release().await.unwrap(),
                 other => panic!("{other:?}"),
             }
@@ -700,22 +713,28 @@ fn handed_over_after(
             })
         };
         if queued {
-            within(5_000, "the parent queued behind the child", || {
-                waits_for(&locks, "parent")
-            })
+            within(
+                Duration::from_secs(5),
+                "the parent queued behind the child",
+                || waits_for(&locks, "parent"),
+            )
             .await;
         } else {
             // Without a row, its waiting marker is what shows it waits.
             let markers = db.with_extension("db-doorbell");
-            within(5_000, "the parent waiting without a row", || {
-                let markers = markers.clone();
-                async move {
-                    fs::read_dir(&markers).is_ok_and(|entries| {
-                        (entries.filter_map(Result::ok))
-                            .any(|e| e.file_name().to_string_lossy().ends_with(".wait"))
-                    })
-                }
-            })
+            within(
+                Duration::from_secs(5),
+                "the parent waiting without a row",
+                || {
+                    let markers = markers.clone();
+                    async move {
+                        fs::read_dir(&markers).is_ok_and(|entries| {
+                            (entries.filter_map(Result::ok))
+                                .any(|e| e.file_name().to_string_lossy().ends_with(".wait"))
+                        })
+                    }
+                },
+            )
             .await;
         }
         meanwhile(&db.with_extension("db-doorbell"));
@@ -724,7 +743,7 @@ fn handed_over_after(
         assert!(!waiter.is_finished(), "granted while the child held");
         assert!(locks.is_locked("k").await.unwrap());
         mark(folder, "release", "");
-        let guard = match join_within(10_000, "the parent's grant", waiter).await {
+        let guard = match join_within(Duration::from_secs(10), "the parent's grant", waiter).await {
             Exit::Success(Ok(guard)) => guard,
             other => panic!("{other:?}\n{}", child.output()),
         };

@@ -4,17 +4,17 @@
 //! connection of their own: the worker then stalls in `BEGIN IMMEDIATE` on an earlier command,
 //! and whatever is sent meanwhile reaches it together.
 
-mod lock_support;
+mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{bounded, join_within, rows_of, temp_db, within, WriteLock};
 use futures::executor::block_on;
 use leasehold::{
     fork_daemon, AbortController, AbortReason, Clock as _, LockError, LockManager, LockRequest,
     Schedule, TestClock,
 };
-use lock_support::{bounded, join_within, rows_of, temp_db, within, WriteLock};
 
 /// Starts a write on `locks` that stalls in `BEGIN IMMEDIATE` while a `WriteLock` is held, and
 /// gives the worker time to take it off its queue alone. Too short a pause could only make the
@@ -52,16 +52,20 @@ fn an_interruption_that_reaches_the_worker_with_its_acquire_leaves_no_row() {
             assert!(futures::poll!(acquisition.as_mut()).is_pending());
             drop(write_lock);
 
-            let error = bounded(10_000, "the interrupted acquisition", acquisition)
-                .await
-                .unwrap_err();
+            let error = bounded(
+                Duration::from_secs(10),
+                "the interrupted acquisition",
+                acquisition,
+            )
+            .await
+            .unwrap_err();
             assert!(error.abort_reason().unwrap().ptr_eq(&reason), "{error}");
             assert!(
                 rows_of(&locks, &operation).await.is_empty(),
                 "attempt {attempt}: the interrupted request left {:?}",
                 rows_of(&locks, &operation).await
             );
-            let blocker = join_within(10_000, "the blocker", blocker).await;
+            let blocker = join_within(Duration::from_secs(10), "the blocker", blocker).await;
             drop(blocker);
             // Nothing blocks the key: a later exclusive request is granted at once.
             let probe = locks
@@ -88,15 +92,17 @@ fn an_acquisition_sent_right_after_shutdown_leaves_no_row() {
         assert!(futures::poll!(late.as_mut()).is_pending());
         drop(write_lock);
 
-        bounded(10_000, "shutdown", shutdown).await.unwrap();
-        let late = bounded(10_000, "the late acquisition", late).await;
+        bounded(Duration::from_secs(10), "shutdown", shutdown)
+            .await
+            .unwrap();
+        let late = bounded(Duration::from_secs(10), "the late acquisition", late).await;
         assert!(
             observer.inspect(None).await.unwrap().is_empty(),
             "after shutdown: {:?} (the late acquisition returned {late:?})",
             observer.inspect(None).await.unwrap()
         );
         assert!(matches!(late, Err(LockError::Shutdown)), "{late:?}");
-        drop(join_within(10_000, "the blocker", blocker).await);
+        drop(join_within(Duration::from_secs(10), "the blocker", blocker).await);
     });
 }
 
@@ -115,15 +121,17 @@ fn a_guard_granted_in_the_batch_that_shuts_down_is_told_it_is_lost() {
         assert!(futures::poll!(shutdown.as_mut()).is_pending());
         drop(write_lock);
 
-        bounded(10_000, "shutdown", shutdown).await.unwrap();
+        bounded(Duration::from_secs(10), "shutdown", shutdown)
+            .await
+            .unwrap();
         // Granted, then deleted by the shutdown in the same transaction: whoever holds the guard
         // must learn that it protects nothing.
-        match bounded(10_000, "the early acquisition", early).await {
+        match bounded(Duration::from_secs(10), "the early acquisition", early).await {
             Ok(guard) => assert!(guard.lost().is_aborted(), "{guard:?}"),
             Err(error) => assert!(matches!(error, LockError::Shutdown), "{error}"),
         }
         assert!(observer.inspect(None).await.unwrap().is_empty());
-        drop(join_within(10_000, "the blocker", blocker).await);
+        drop(join_within(Duration::from_secs(10), "the blocker", blocker).await);
     });
 }
 
@@ -156,9 +164,11 @@ fn waiting_manys_cost_no_write_transactions_even_beside_a_sibling() {
             .collect();
         // A refused attempt is decided by a read (no write transaction); once it is waiting, the
         // owner's worker starts looking for changes.
-        within(5_000, "each made its first attempt and waits", || async {
-            owners.iter().all(|o| o.stats().change_checks >= 1)
-        })
+        within(
+            Duration::from_secs(5),
+            "each made its first attempt and waits",
+            || async { owners.iter().all(|o| o.stats().change_checks >= 1) },
+        )
         .await;
         // Settle, then measure a quiet window: a failed attempt must not wake anyone.
         smol::Timer::after(Duration::from_millis(20)).await;
@@ -177,7 +187,7 @@ fn waiting_manys_cost_no_write_transactions_even_beside_a_sibling() {
 
         mirror.release().await.unwrap();
         for copy in copies {
-            let both = join_within(5_000, "a copy", copy)
+            let both = join_within(Duration::from_secs(5), "a copy", copy)
                 .await
                 .success()
                 .unwrap()
@@ -295,7 +305,7 @@ fn the_change_poll_follows_its_schedule_on_the_managers_clock() {
             let locks = locks.clone();
             fork_daemon(async move { locks.exclusive("k", "waiter").await })
         };
-        within(5_000, "the waiter queued", || async {
+        within(Duration::from_secs(5), "the waiter queued", || async {
             locks.inspect(Some("k")).await.unwrap().len() == 2
         })
         .await;
@@ -311,15 +321,17 @@ fn the_change_poll_follows_its_schedule_on_the_managers_clock() {
                 "no look within {delay} ms"
             );
             clock.advance(Duration::from_millis(1));
-            within(5_000, "a look once the delay has passed", || async {
-                locks.stats().change_checks > checks
-            })
+            within(
+                Duration::from_secs(5),
+                "a look once the delay has passed",
+                || async { locks.stats().change_checks > checks },
+            )
             .await;
             settle(&locks).await;
             assert_eq!(locks.stats().change_checks, checks + 1, "one look");
         }
         holder.release().await.unwrap();
-        let granted = join_within(5_000, "the waiter is granted", waiter).await;
+        let granted = join_within(Duration::from_secs(5), "the waiter is granted", waiter).await;
         granted.success().unwrap().unwrap().release().await.unwrap();
     });
 }
@@ -336,7 +348,7 @@ fn a_busy_database_is_reported_once_the_busy_schedule_is_done() {
         let _write_lock = WriteLock::take(&path);
         // SQLite's own busy handler waits 5 s inside the one try.
         let refused = bounded(
-            30_000,
+            Duration::from_secs(30),
             "the busy database is reported",
             locks.try_acquire(LockRequest::exclusive("k", "busy")),
         )
@@ -392,7 +404,7 @@ fn each_try_of_the_busy_schedule_asks_the_database_again() {
         };
         is_taken.recv().unwrap();
         let acquired = bounded(
-            30_000,
+            Duration::from_secs(30),
             "the acquisition after the busy moment",
             locks.try_acquire(LockRequest::exclusive("k", "after a busy moment")),
         )
@@ -428,7 +440,7 @@ fn renewals_asked_for_together_are_one_write() {
                 locks.exclusive(format!("k{i}"), "waiter").await
             }));
         }
-        within(5_000, "every waiter queued", || async {
+        within(Duration::from_secs(5), "every waiter queued", || async {
             locks
                 .inspect(None)
                 .await
@@ -442,7 +454,7 @@ fn renewals_asked_for_together_are_one_write() {
         // The waiters' heartbeats (forked a quarter of a heartbeat into their wait), and the
         // holder's.
         clock.advance(Duration::from_millis(250));
-        within(5_000, "every heartbeat asleep", || async {
+        within(Duration::from_secs(5), "every heartbeat asleep", || async {
             clock.sleepers() >= 21
         })
         .await;
@@ -450,13 +462,13 @@ fn renewals_asked_for_together_are_one_write() {
         let write_lock = WriteLock::take(&path);
         let blocker = stall_worker(&locks);
         clock.advance(Duration::from_secs(1));
-        within(5_000, "every heartbeat woke", || async {
+        within(Duration::from_secs(5), "every heartbeat woke", || async {
             clock.sleepers() == 0
         })
         .await;
         drop(write_lock);
-        drop(join_within(10_000, "the blocker", blocker).await);
-        within(5_000, "the waiters renewed", || async {
+        drop(join_within(Duration::from_secs(10), "the blocker", blocker).await);
+        within(Duration::from_secs(5), "the waiters renewed", || async {
             clock.sleepers() >= 21
         })
         .await;
@@ -465,7 +477,7 @@ fn renewals_asked_for_together_are_one_write() {
             guard.release().await.unwrap();
         }
         for waiter in waiters {
-            let guard = join_within(5_000, "a waiter", waiter).await;
+            let guard = join_within(Duration::from_secs(5), "a waiter", waiter).await;
             guard.success().unwrap().unwrap().release().await.unwrap();
         }
     });

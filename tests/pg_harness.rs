@@ -1,9 +1,10 @@
 //! The PostgreSQL test harness itself: a real server starts (or the test is skipped with a
 //! reason), answers over both connection forms, speaks TLS when asked, survives restarts, and is
 //! gone once the test process that started it has ended.
+#![cfg(all(unix, feature = "testkit"))]
 
 mod common;
-mod pg_support;
+use leasehold::testkit::postgres as pg_support;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;

@@ -77,7 +77,10 @@ fn the_first_contender_to_succeed_wins_and_failures_before_it_do_not_end_the_rac
             Err(Failed::Work("early failure"))
         });
         let winner = Scoped::new(move |_| async move {
-            within(GENEROUS, "the other contender failed", || failed.is_set()).await;
+            within(GENEROUS, "the other contender failed", || async {
+                failed.is_set()
+            })
+            .await;
             Ok(7)
         });
         let never = Scoped::new(|_| future::pending());
@@ -91,7 +94,10 @@ fn the_losers_finalizers_have_finished_before_race_returns() {
         let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
         let waiting = started.clone();
         let winner = Scoped::new(move |_| async move {
-            within(GENEROUS, "both losers started", || waiting.get() == 2).await;
+            within(GENEROUS, "both losers started", || async {
+                waiting.get() == 2
+            })
+            .await;
             Ok("winner")
         });
         let contenders = [
@@ -118,7 +124,10 @@ fn when_every_contender_fails_race_gives_the_error_of_the_last_to_fail() {
         let first_failed = Flag::new();
         let waiting = first_failed.clone();
         let last = Scoped::<(), Failed>::new(move |_| async move {
-            within(GENEROUS, "the other contender failed", || waiting.is_set()).await;
+            within(GENEROUS, "the other contender failed", || async {
+                waiting.is_set()
+            })
+            .await;
             Err(Failed::Work("last"))
         });
         let first = Scoped::new(move |_| async move {
@@ -151,7 +160,7 @@ fn a_panicking_contender_stops_the_others_before_its_panic_resumes() {
     let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
     let waiting = started.clone();
     let panicking = Scoped::<(), Failed>::new(move |_| async move {
-        within(GENEROUS, "the other contender started", || {
+        within(GENEROUS, "the other contender started", || async {
             waiting.get() == 1
         })
         .await;
@@ -185,7 +194,10 @@ fn a_losers_clean_up_that_panics_resumes_its_panic_instead_of_the_winners_value(
     let started = Counter::new();
     let waiting = started.clone();
     let winner = Scoped::<u32, Failed>::new(move |_| async move {
-        within(GENEROUS, "the loser started", || waiting.get() == 1).await;
+        within(GENEROUS, "the loser started", || async {
+            waiting.get() == 1
+        })
+        .await;
         Ok(1)
     });
     let contenders = [
@@ -214,7 +226,7 @@ fn all_gives_every_value_in_the_members_order_whatever_order_they_finish_in() {
         let members = (0..4).map(|i| {
             let finished = finished.clone();
             Scoped::<usize, Failed>::new(move |_| async move {
-                within(GENEROUS, "the later members finished", || {
+                within(GENEROUS, "the later members finished", || async {
                     finished.get() == 3 - i
                 })
                 .await;
@@ -238,7 +250,10 @@ fn alls_first_failure_interrupts_the_others_with_race_lost_and_awaits_their_fina
         let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
         let waiting = started.clone();
         let failing = Scoped::new(move |_| async move {
-            within(GENEROUS, "the other members started", || waiting.get() == 2).await;
+            within(GENEROUS, "the other members started", || async {
+                waiting.get() == 2
+            })
+            .await;
             Err(Failed::Work("boom"))
         });
         let members = [
@@ -323,7 +338,10 @@ where
     .with_signal(&controller.signal());
     let reason = AbortReason::from("the caller's reason");
     let interrupt = async {
-        within(GENEROUS, "every contender started", || started.get() == 3).await;
+        within(GENEROUS, "every contender started", || async {
+            started.get() == 3
+        })
+        .await;
         controller.abort(reason.clone());
     };
 
@@ -347,7 +365,10 @@ fn an_interrupted_members_clean_up_that_panics_resumes_its_panic_instead_of_the_
     let started = Counter::new();
     let waiting = started.clone();
     let failing = Scoped::<u32, Failed>::new(move |_| async move {
-        within(GENEROUS, "the other member started", || waiting.get() == 1).await;
+        within(GENEROUS, "the other member started", || async {
+            waiting.get() == 1
+        })
+        .await;
         Err(Failed::Work("the member failed"))
     });
     let members = [

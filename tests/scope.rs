@@ -140,7 +140,10 @@ fn only_the_close_that_started_it_is_given_the_finalizer_panic() {
     let gate = Flag::new();
     let finalizer_gate = gate.clone();
     scope.add_finalizer(move |_| async move {
-        within(GENEROUS, "the gate opened", || finalizer_gate.is_set()).await;
+        within(GENEROUS, "the gate opened", || async {
+            finalizer_gate.is_set()
+        })
+        .await;
         panic!("the finalizer died");
     });
     let starter = scope.clone();
@@ -304,7 +307,7 @@ fn a_finalizer_added_after_close_runs_at_once_with_the_recorded_status() {
 
         let statuses = Statuses::new();
         record_status(&scope, &statuses);
-        within(GENEROUS, "the late finalizer ran", || {
+        within(GENEROUS, "the late finalizer ran", || async {
             statuses.all().len() == 1
         })
         .await;
@@ -429,7 +432,7 @@ fn scope_close_runs_finalizers_and_awaits_forks_on_every_executor() {
             })
             .await
         });
-        within(GENEROUS, "the fiber started", || started.is_set()).await;
+        within(GENEROUS, "the fiber started", || async { started.is_set() }).await;
 
         scope.close(ExitStatus::Success).await;
 
@@ -850,7 +853,7 @@ fn interruption_waits_for_async_finalizers_before_resolving() {
         .with_signal(&controller.signal());
         let reason = AbortReason::from("shutting down");
         let abort = async {
-            within(GENEROUS, "the body started", || started.is_set()).await;
+            within(GENEROUS, "the body started", || async { started.is_set() }).await;
             controller.abort(reason.clone());
         };
 
@@ -892,7 +895,10 @@ fn nested_scoped_unwind_inner_before_outer() {
         .with_signal(&controller.signal());
         let reason = AbortReason::from("unwind");
         let abort = async {
-            within(GENEROUS, "the innermost body started", || started.is_set()).await;
+            within(GENEROUS, "the innermost body started", || async {
+                started.is_set()
+            })
+            .await;
             controller.abort(reason.clone());
         };
 
@@ -951,7 +957,10 @@ fn a_parents_fibers_outlive_the_clean_up_of_its_nested_scoped() {
             assert!(started.is_set());
             if dropped {
                 drop(work);
-                within(GENEROUS, "the nested clean-up ran", || cleaned.is_set()).await;
+                within(GENEROUS, "the nested clean-up ran", || async {
+                    cleaned.is_set()
+                })
+                .await;
             } else {
                 controller.abort("stop");
                 assert!(work.await.is_err());
@@ -995,7 +1004,10 @@ where
     E: Send + 'static,
 {
     let abort = async {
-        within(GENEROUS, "the nested body started", || started.is_set()).await;
+        within(GENEROUS, "the nested body started", || async {
+            started.is_set()
+        })
+        .await;
         stop.abort("stop");
     };
     future::join(work, abort).await.0
@@ -1091,7 +1103,10 @@ fn interruption_unwinds_every_concurrent_child_before_the_parent_closes() {
     .with_signal(&controller.signal());
     let reason = AbortReason::from("stop all");
     let abort = async {
-        within(GENEROUS, "every child started", || started.get() == 3).await;
+        within(GENEROUS, "every child started", || async {
+            started.get() == 3
+        })
+        .await;
         controller.abort(reason.clone());
     };
 

@@ -142,11 +142,11 @@ fn the_finalizer_of_an_aborted_tokio_task_runs_on_its_runtime_within_a_second() 
             .await
         };
         let task = tokio::spawn(job);
-        within(GENEROUS, "the job started", || started.is_set()).await;
+        within(GENEROUS, "the job started", || async { started.is_set() }).await;
 
         task.abort();
 
-        within(Duration::from_secs(1), "the finalizer finished", || {
+        within(Duration::from_secs(1), "the finalizer finished", || async {
             cleaned_up.is_set()
         })
         .await;
@@ -178,7 +178,10 @@ fn an_aborted_tokio_task_that_holds_a_lock_cleans_up_and_leaves_no_row_within_a_
             .await
         };
         let task = tokio::spawn(job);
-        within(GENEROUS, "the job holds the lock", || started.is_set()).await;
+        within(GENEROUS, "the job holds the lock", || async {
+            started.is_set()
+        })
+        .await;
         assert_eq!(locks.inspect(None).await.unwrap().len(), 1);
 
         task.abort();

@@ -5,6 +5,7 @@
 
 use std::future::Future;
 use std::panic::resume_unwind;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -12,7 +13,10 @@ use std::time::{Duration, Instant};
 
 use futures::task::noop_waker_ref;
 use futures::FutureExt;
-use leasehold::{AbortReason, Clock, ExitStatus, Scope, SystemClock};
+use leasehold::{
+    AbortReason, Clock, EntryState, ExitStatus, Guard, LockEntry, LockError, LockManager, Scope,
+    Scoped, SystemClock,
+};
 
 /// How long a "within" wait gives a condition before it declares the condition false. Generous on
 /// purpose: a wait returns as soon as the condition holds, so only a failing test pays it.
@@ -59,14 +63,37 @@ fn announce(executor: &str) {
     eprintln!("--- running under {executor}");
 }
 
-/// Waits until `condition` holds, checking every millisecond, for at most `limit`; panics with
-/// `what` if it never does. Sleeps on the library's own clock, so it works under any executor.
-pub async fn within(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+/// Waits until `condition` (an async check) holds, checking every millisecond, for at most
+/// `limit`; panics with `what` if it never does. Sleeps on the library's own clock, so it works
+/// under any executor.
+pub async fn within<F, Fut>(limit: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
     let deadline = Instant::now() + limit;
-    while !condition() {
+    while !condition().await {
         assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
         SystemClock.sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// `future`'s output, or a panic naming `what` if it takes longer than `limit`.
+pub async fn bounded<T>(limit: Duration, what: &str, future: impl Future<Output = T>) -> T {
+    let timer = SystemClock.sleep(limit);
+    futures::select! {
+        value = futures::FutureExt::fuse(future) => value,
+        _ = futures::FutureExt::fuse(timer) => panic!("not within {limit:?}: {what}"),
+    }
+}
+
+/// Joins a fiber, failing the test if it does not end within `limit`.
+pub async fn join_within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    fiber: leasehold::Fiber<T>,
+) -> leasehold::Exit<T> {
+    bounded(limit, what, fiber.join()).await
 }
 
 /// [`within`] for plain (non-async) test code: blocks the calling thread between checks.
@@ -264,4 +291,86 @@ impl tracing::Subscriber for ErrorLog {
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
+}
+
+// The lock manager's helpers: databases, entries, and grants read late.
+
+/// A fresh database file in a temporary folder (kept alive by the returned guard).
+pub fn temp_db() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let path = dir.path().join("locks.db");
+    (dir, path)
+}
+
+/// Every live entry, as seen by `locks`.
+pub async fn entries(locks: &LockManager) -> Vec<LockEntry> {
+    locks.inspect(None).await.expect("inspect")
+}
+
+/// The live entries whose operation is `operation`.
+pub async fn rows_of(locks: &LockManager, operation: &str) -> Vec<LockEntry> {
+    entries(locks)
+        .await
+        .into_iter()
+        .filter(|e| e.operation == operation)
+        .collect()
+}
+
+/// A connection of the test's own to a database file, which waits while the managers write.
+pub fn connection(path: &Path) -> sqlite::Connection {
+    let mut connection = sqlite::Connection::open(path).expect("open the database");
+    connection
+        .set_busy_timeout(10_000)
+        .expect("set a busy timeout");
+    connection
+}
+
+/// SQLite's write lock on a database file, held by a connection of the test's own until dropped.
+pub struct WriteLock(sqlite::Connection);
+
+impl WriteLock {
+    pub fn take(path: &Path) -> WriteLock {
+        let connection = connection(path);
+        connection
+            .execute("BEGIN IMMEDIATE")
+            .expect("take the write lock");
+        WriteLock(connection)
+    }
+}
+
+impl Drop for WriteLock {
+    fn drop(&mut self) {
+        let _ = self.0.execute("ROLLBACK");
+    }
+}
+
+/// B's acquisition of "k", queued behind A's and granted when A releases, but polled only by the
+/// test: its task is "stalled" between polls, and has not read its grant yet.
+pub async fn granted_while_stalled(a: &LockManager, b: &LockManager) -> Scoped<Guard, LockError> {
+    let holder = a.exclusive("k", "A").await.unwrap();
+    let mut acquisition = b.exclusive("k", "B");
+    within(Duration::from_secs(5), "B queued", || {
+        assert!(futures::FutureExt::now_or_never(&mut acquisition).is_none());
+        async { b.inspect(Some("k")).await.unwrap().len() == 2 }
+    })
+    .await;
+    holder.release().await.unwrap();
+    within(Duration::from_secs(5), "B's row promoted", || async {
+        let rows = b.inspect(Some("k")).await.unwrap();
+        rows.len() == 1 && rows[0].state == EntryState::Held
+    })
+    .await;
+    acquisition
+}
+
+/// Polls a stalled acquisition again until it returns a guard.
+pub async fn read_when_stalled(acquisition: &mut Scoped<Guard, LockError>) -> Guard {
+    let mut delivered = None;
+    within(Duration::from_secs(5), "the acquisition returned", || {
+        delivered = futures::FutureExt::now_or_never(&mut *acquisition);
+        let returned = delivered.is_some();
+        async move { returned }
+    })
+    .await;
+    delivered.unwrap().unwrap()
 }

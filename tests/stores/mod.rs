@@ -9,9 +9,8 @@ use std::path::PathBuf;
 
 use leasehold::{LockManager, LockManagerBuilder, MemoryStore};
 
-#[cfg(feature = "postgres")]
-#[path = "../pg_support/mod.rs"]
-mod pg_support;
+#[cfg(all(feature = "postgres", feature = "testkit"))]
+use leasehold::testkit::postgres as pg_support;
 
 /// One database that managers share, as processes share a file or a server.
 pub enum Store {
@@ -20,7 +19,7 @@ pub enum Store {
         path: PathBuf,
     },
     Memory(MemoryStore),
-    #[cfg(feature = "postgres")]
+    #[cfg(all(feature = "postgres", feature = "testkit"))]
     Postgres {
         url: String,
         schema: String,
@@ -37,7 +36,7 @@ impl Store {
 
     /// A new schema on the test server, named after the running test; `None` (the reason
     /// printed) when there is no server.
-    #[cfg(feature = "postgres")]
+    #[cfg(all(feature = "postgres", feature = "testkit"))]
     pub fn postgres() -> Option<Store> {
         let server = pg_support::server()?;
         let test = std::thread::current()
@@ -63,10 +62,18 @@ impl Store {
 
     /// Every store there is: SQLite, memory, and PostgreSQL when there is a test server.
     pub fn all() -> Vec<Store> {
-        let mut stores = vec![Store::sqlite(), Store::Memory(MemoryStore::new())];
-        #[cfg(feature = "postgres")]
-        stores.extend(Store::postgres());
-        stores
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
+        let postgres = Store::postgres();
+        #[cfg(not(all(feature = "postgres", feature = "testkit")))]
+        let postgres = None;
+        [
+            Some(Store::sqlite()),
+            Some(Store::Memory(MemoryStore::new())),
+            postgres,
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 
     /// A new store of the same kind as `store`.
@@ -74,7 +81,7 @@ impl Store {
         match store {
             Store::Sqlite { .. } => Store::sqlite(),
             Store::Memory(_) => Store::Memory(MemoryStore::new()),
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { .. } => Store::postgres().expect("the server was there before"),
         }
     }
@@ -84,7 +91,7 @@ impl Store {
         match self {
             Store::Sqlite { .. } => "SQLite",
             Store::Memory(_) => "memory",
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { .. } => "PostgreSQL",
         }
     }
@@ -99,7 +106,7 @@ impl Store {
         match self {
             Store::Sqlite { path, .. } => builder.open(path).expect("open the database"),
             Store::Memory(store) => builder.open_in(store).expect("open the memory store"),
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { url, schema } => builder
                 .schema(schema)
                 .connect(url)
@@ -128,7 +135,7 @@ impl Store {
     fn read_number(&self, query: &str) -> i64 {
         match self {
             Store::Sqlite { path, .. } => {
-                let connection = crate::lock_support::connection(path);
+                let connection = crate::common::connection(path);
                 let mut statement = connection
                     .prepare(query)
                     .expect("a query of the locks table");
@@ -136,7 +143,7 @@ impl Store {
                 statement.read::<i64, _>(0).expect("a number")
             }
             Store::Memory(_) => panic!("no SQL on a memory store: use on_every_database"),
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { schema, .. } => pg_support::server()
                 .expect("the server was there before")
                 .sql(&query.replace(" locks ", &format!(" {schema}.locks ")))
@@ -152,10 +159,10 @@ impl Store {
 /// transaction waits for it, trying again and again); on PostgreSQL another session holds the
 /// owner's rows locked (its renewal waits for them, and its lock timeout, and waits again).
 pub enum Stall {
-    Sqlite(crate::lock_support::WriteLock),
+    Sqlite(crate::common::WriteLock),
     /// The session's thread (the synchronous client runs a runtime of its own, which may not be
     /// started inside a tokio runtime), and how to tell it to let go.
-    #[cfg(feature = "postgres")]
+    #[cfg(all(feature = "postgres", feature = "testkit"))]
     Postgres(
         std::sync::mpsc::Sender<()>,
         Option<std::thread::JoinHandle<()>>,
@@ -164,11 +171,15 @@ pub enum Stall {
 
 impl Store {
     /// Stalls the storage thread of `owner` (see [`Stall`]).
+    #[cfg_attr(
+        not(all(feature = "postgres", feature = "testkit")),
+        allow(unused_variables)
+    )]
     pub fn stall(&self, owner: &str) -> Stall {
         match self {
-            Store::Sqlite { path, .. } => Stall::Sqlite(crate::lock_support::WriteLock::take(path)),
+            Store::Sqlite { path, .. } => Stall::Sqlite(crate::common::WriteLock::take(path)),
             Store::Memory(_) => panic!("a memory store cannot be stalled: use on_every_database"),
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { url, schema } => {
                 let (url, owner) = (url.clone(), owner.to_owned());
                 let lock = format!("SELECT 1 FROM \"{schema}\".locks WHERE owner = $1 FOR UPDATE");
@@ -198,7 +209,7 @@ impl Drop for Stall {
         match self {
             // Lets go as it drops.
             Stall::Sqlite(_) => {}
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Stall::Postgres(release, session) => {
                 let _ = release.send(());
                 if let Some(session) = session.take() {
@@ -230,7 +241,7 @@ where
 {
     eprintln!("=== on SQLite");
     crate::common::on_every_executor(|| scenario(Store::sqlite()));
-    #[cfg(feature = "postgres")]
+    #[cfg(all(feature = "postgres", feature = "testkit"))]
     if pg_support::server().is_some() {
         eprintln!("=== on PostgreSQL");
         crate::common::on_every_executor(|| {

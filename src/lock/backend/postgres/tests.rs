@@ -1,20 +1,12 @@
 //! The PostgreSQL backend's own tests: what its parsing refuses, and the server-side rule
 //! (`functions.sql`) against the pure one, on a real server.
 
-/// The tests' PostgreSQL harness, for the tests below that need a server.
-#[path = "../../../../tests/pg_support/mod.rs"]
-#[allow(unreachable_pub, clippy::all)]
-mod pg_support;
-
 use std::time::Duration;
 
-use super::decide::{DecideArgs, DECIDE};
 use super::listener::parse_payload;
 use super::schema::key_lock;
 use super::target::has_unescaped_at;
 use super::*;
-use crate::lock::backend::{AtOnce, Wait};
-use crate::lock::Mode;
 
 #[test]
 fn an_at_sign_left_in_a_urls_user_information_is_found() {
@@ -29,14 +21,19 @@ fn an_at_sign_left_in_a_urls_user_information_is_found() {
     assert!(!has_unescaped_at("host=h user=u password=p@ss@word"));
 }
 
+/// The server-side functions (`FUNCTIONS`) against the grant rule of `grant.rs`, on generated
+/// rows: whether a new request is granted, and which waiters a release lets through. On a real
+/// server: the throwaway one of `testkit::postgres`.
+#[cfg(feature = "testkit")]
 mod the_rule_in_sql {
-    //! The server-side functions (`FUNCTIONS`) against the grant rule of `grant.rs`, on
-    //! generated rows: whether a new request is granted, and which waiters a release lets
-    //! through.
-    use super::pg_support;
-    use super::*;
-    use crate::lock::grant::{grantable_now, promotable};
     use proptest::prelude::*;
+
+    use super::super::decide::{DecideArgs, DECIDE};
+    use super::*;
+    use crate::lock::backend::{AtOnce, Wait};
+    use crate::lock::grant::{grantable_now, promotable};
+    use crate::lock::Mode;
+    use crate::testkit::postgres as pg_support;
 
     /// A row to plant: key (0 or 1), exclusive, held, lapsed, owner (0 or 1), and whether
     /// its request names both keys. Tickets follow the order of the rows.

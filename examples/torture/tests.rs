@@ -1,24 +1,20 @@
-//! A few seconds of the torture run (`examples/torture.rs`) on every `cargo test`: two child
-//! processes, a kill and a pause, and every check of the full run; and with the `postgres`
-//! feature, a few seconds of it on a throwaway PostgreSQL server, with a cut connection, both
-//! kinds of restart and skewed clocks besides (skipped with a printed reason when the server
-//! programs are missing, unless `LEASEHOLD_REQUIRE_POSTGRES=1`).
+//! A few seconds of the torture run on every `cargo test` (the example is tested: `test = true`
+//! in `Cargo.toml`): two child processes, a kill and a pause, and every check of the full run;
+//! and with the `postgres` and `testkit` features, a few seconds of it on a throwaway PostgreSQL
+//! server, with a cut connection, both kinds of restart and skewed clocks besides (skipped with a
+//! printed reason when the server programs are missing, unless `LEASEHOLD_REQUIRE_POSTGRES=1`).
 //!
-//! The example's code is compiled into this test as a module; the test binary is its own child
-//! (`torture_child` does nothing unless the run started this process as a child).
-
-#[allow(dead_code)]
-#[path = "../examples/torture.rs"]
-mod torture;
+//! The test binary is its own child (`torture_child` does nothing unless the run started this
+//! process as a child).
 
 use std::time::Duration;
 
-use torture::{Backend, Config, Runtime, Store, Summary};
+use super::{child_main, run, Backend, Config, Runtime, Store, Summary};
 
 #[test]
 fn torture_child() {
-    if std::env::var_os("LEASEHOLD_TORTURE_CHILD").is_some() {
-        torture::child_main();
+    if std::env::var_os(super::CHILD_ENV).is_some() {
+        child_main();
     }
 }
 
@@ -41,7 +37,7 @@ fn short_run(seconds: f64, backend: Backend) -> Config {
         child_command: vec![
             exe.display().to_string(),
             "--exact".into(),
-            "torture_child".into(),
+            "tests::torture_child".into(),
             "--nocapture".into(),
         ],
     }
@@ -67,7 +63,7 @@ fn a_short_torture_run_passes_every_check() {
     // (from 20 % of the run to 2.6 s before its end); at 5 s it once did not.
     let config = short_run(8.0, Backend::Sqlite);
     let store = Store::open(&config).expect("SQLite needs no server");
-    assert_clean(&torture::run(&config, &store));
+    assert_clean(&run(&config, &store));
 }
 
 /// On the server `LEASEHOLD_POSTGRES_URL` names, if any (then without restarts), else on one the
@@ -84,7 +80,7 @@ fn a_short_torture_run_on_postgres_passes_every_check() {
     let Some(store) = Store::open(&config) else {
         return; // skipped, the reason printed
     };
-    let summary = torture::run(&config, &store);
+    let summary = run(&config, &store);
     assert_clean(&summary);
     let restarts = if config.url.is_some() { 0 } else { 2 };
     assert_eq!(summary.server_restarts, restarts, "{}", summary.describe());

@@ -17,7 +17,7 @@
 //!
 //! Run it with `cargo run --release --example torture -- --seconds 20 --processes 4 --json`;
 //! `--seconds 600` is the soak run. The process exits with status 1 if any check failed.
-//! `tests/torture.rs` runs a few seconds of it on every `cargo test`.
+//! Its tests (`tests.rs`, run by `cargo test`) run a few seconds of it.
 //!
 //! # On PostgreSQL
 //!
@@ -54,9 +54,8 @@ use leasehold::{
 };
 
 /// The test harness's throwaway PostgreSQL server.
-#[cfg(feature = "postgres")]
-#[path = "../tests/pg_support/mod.rs"]
-mod pg_support;
+#[cfg(all(feature = "postgres", feature = "testkit"))]
+use leasehold::testkit::postgres as pg_support;
 
 /// Set in a child's environment (to the folder the run works in); its absence means "parent".
 const CHILD_ENV: &str = "LEASEHOLD_TORTURE_CHILD";
@@ -201,7 +200,9 @@ impl Config {
         if config.url.is_some() && config.backend != Backend::Postgres {
             return Err("--url needs --backend postgres".into());
         }
-        if config.backend == Backend::Postgres && cfg!(not(feature = "postgres")) {
+        if config.backend == Backend::Postgres
+            && cfg!(not(all(feature = "postgres", feature = "testkit")))
+        {
             return Err("--backend postgres needs a build with `--features postgres`".into());
         }
         Ok(config)
@@ -560,9 +561,9 @@ impl Place {
     async fn manager(&self, builder: LockManagerBuilder) -> Result<LockManager, LockError> {
         match self {
             Place::File(path) => builder.open(path),
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Place::Postgres { url, schema } => builder.schema(schema).connect(url).await,
-            #[cfg(not(feature = "postgres"))]
+            #[cfg(not(all(feature = "postgres", feature = "testkit")))]
             Place::Postgres { .. } => Err(LockError::InvalidConfig(
                 "PostgreSQL needs a build with `--features postgres`".into(),
             )),
@@ -605,11 +606,11 @@ fn clock_skew(backend: Backend, id: usize) -> i64 {
 
 /// A run's database as the parent sees it: where the locks are, and the faults it allows.
 pub struct Store {
-    #[cfg(feature = "postgres")]
+    #[cfg(all(feature = "postgres", feature = "testkit"))]
     postgres: Option<PgStore>,
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "testkit"))]
 struct PgStore {
     server: pg_support::Server,
     url: String,
@@ -622,10 +623,10 @@ impl Store {
     pub fn open(config: &Config) -> Option<Store> {
         match config.backend {
             Backend::Sqlite => Some(Store {
-                #[cfg(feature = "postgres")]
+                #[cfg(all(feature = "postgres", feature = "testkit"))]
                 postgres: None,
             }),
-            #[cfg(feature = "postgres")]
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
             Backend::Postgres => {
                 let server = match &config.url {
                     Some(url) => pg_support::existing(url.clone()),
@@ -641,7 +642,7 @@ impl Store {
                     }),
                 })
             }
-            #[cfg(not(feature = "postgres"))]
+            #[cfg(not(all(feature = "postgres", feature = "testkit")))]
             Backend::Postgres => {
                 eprintln!("PostgreSQL needs a build with `--features postgres`");
                 None
@@ -650,7 +651,7 @@ impl Store {
     }
 
     fn place(&self, folder: &Path) -> Place {
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         if let Some(pg) = &self.postgres {
             return Place::Postgres {
                 url: pg.url.clone(),
@@ -662,15 +663,15 @@ impl Store {
 
     /// Whether connections can be cut: on PostgreSQL.
     fn cuts_connections(&self) -> bool {
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         return self.postgres.is_some();
-        #[cfg(not(feature = "postgres"))]
+        #[cfg(not(all(feature = "postgres", feature = "testkit")))]
         false
     }
 
     /// Cuts every connection shown as `name`; returns how many there were.
     fn cut_connections(&self, name: &str) -> usize {
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         if let Some(pg) = &self.postgres {
             return pg
                 .server
@@ -682,18 +683,18 @@ impl Store {
 
     /// Whether the server can be restarted: one this run started.
     fn restarts(&self) -> bool {
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         return self
             .postgres
             .as_ref()
             .is_some_and(|pg| pg.server.dir().is_some());
-        #[cfg(not(feature = "postgres"))]
+        #[cfg(not(all(feature = "postgres", feature = "testkit")))]
         false
     }
 
     /// `pg_ctl restart -m fast`, or `-m immediate` (a crash) when `immediate`.
     fn restart(&self, immediate: bool) {
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         if let Some(pg) = &self.postgres {
             pg.server.restart(if immediate {
                 pg_support::Shutdown::Immediate
@@ -706,7 +707,7 @@ impl Store {
 
     /// Every lock row left, live or not (the ticket counter is not one).
     fn count_rows(&self, folder: &Path) -> Result<u64, Box<dyn std::error::Error>> {
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         if let Some(pg) = &self.postgres {
             let count = pg
                 .server
@@ -724,7 +725,7 @@ impl Store {
     /// the store made it and who made it, so that a violation can be explained from the store's
     /// point of view (`history`).
     fn keep_history(&self, folder: &Path) -> Result<(), Box<dyn std::error::Error>> {
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         if let Some(pg) = &self.postgres {
             let s = format!("\"{}\"", pg.schema);
             pg.server.sql(&format!(
@@ -781,7 +782,7 @@ impl Store {
         to: u64,
     ) -> Result<String, Box<dyn std::error::Error>> {
         let header = "at (store's clock, unix µs)\top\tticket\towner\theld\texpires_at\tleft (µs)";
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         if let Some(pg) = &self.postgres {
             let rows = pg.server.sql(&format!(
                 "SELECT at, op || ' (txid ' || txid || ', ' || app || ')', ticket, owner, held,
@@ -817,7 +818,7 @@ impl Store {
     /// After a run that passed: drops the run's schema from a server this run did not start
     /// (its own server goes away with it).
     fn forget(&self) {
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
         if let Some(pg) = self
             .postgres
             .as_ref()
@@ -1987,3 +1988,6 @@ fn final_count(
     drop(cleaner);
     store.count_rows(folder)
 }
+
+#[cfg(test)]
+mod tests;

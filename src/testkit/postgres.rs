@@ -1,13 +1,14 @@
 //! A real, throwaway PostgreSQL server for the tests that need one.
 //!
-//! ```ignore
-//! mod pg_support;
+//! ```no_run
+//! use leasehold::testkit::postgres;
 //!
 //! #[test]
 //! fn something_against_postgres() {
-//!     let Some(pg) = pg_support::server() else { return }; // skipped, reason printed
-//!     let schema = pg_support::schema("something_against_postgres");
+//!     let Some(pg) = postgres::server() else { return }; // skipped, reason printed
+//!     let schema = postgres::schema("something_against_postgres");
 //!     // connect to pg.url() (or pg.conninfo()) and use `schema`
+//! #   let _ = (pg, schema);
 //! }
 //! ```
 //!
@@ -106,6 +107,7 @@ const PORT_ATTEMPTS: usize = 5;
 /// Whether a server speaks TLS.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tls {
+    /// Plain connections only.
     Off,
     /// `ssl = on` with a CA and a server certificate (for `localhost` and 127.0.0.1) made for the
     /// run; TCP connections without TLS are rejected.
@@ -134,7 +136,9 @@ impl Shutdown {
 /// output.
 #[derive(Debug)]
 pub struct Secret {
+    /// The role's name.
     pub user: String,
+    /// Its password.
     pub password: String,
     /// A URL over TCP that contains the password.
     pub url: String,
