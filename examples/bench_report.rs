@@ -1239,7 +1239,7 @@ mod pg {
     use postgres::{Client, NoTls};
 
     /// The report on the server of `url`, or on a throwaway one started for the run (as the
-    /// tests start theirs, see tests/pg_support/mod.rs).
+    /// tests start theirs: `leasehold::testkit::postgres`).
     pub(super) fn report(plan: &Plan, url: Option<&str>) -> Result<Report, Error> {
         let mut report = Report::new("postgres", plan.rounds);
         let server = match url {

@@ -24,7 +24,7 @@
 //! `--backend postgres` (built with `--features postgres`) keeps the locks in a fresh schema of a
 //! PostgreSQL server: the one `--url URL` names (a libpq URL or connection string), or else a
 //! throwaway server this run starts and stops itself, from the server programs on the machine
-//! (the test harness's code, `tests/pg_support`). On top of the kills and pauses it
+//! (the tests' harness, `leasehold::testkit::postgres`). On top of the kills and pauses it
 //!
 //! - cuts random children's connections (`pg_terminate_backend`; not with `--no-cuts`);
 //! - restarts the server twice, once with `pg_ctl restart -m fast` and once with `-m immediate`
