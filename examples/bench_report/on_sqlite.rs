@@ -1,0 +1,76 @@
+//! The report on SQLite: the lock manager on files in a temporary directory, beside a raw
+//! write transaction and an OS file lock.
+
+use super::*;
+
+/// Where a measurement's lock managers keep their rows: one database per name, the same one
+/// for the same name.
+pub(crate) type Open<'a> = &'a dyn Fn(&str, LockManagerBuilder) -> Result<LockManager, Error>;
+
+pub(crate) fn sqlite_report(plan: &Plan) -> Result<Report, Error> {
+    let mut report = Report::new("sqlite", plan.rounds);
+    let dir = tempfile::tempdir()?;
+    let opened = RefCell::new(Vec::new());
+    let open = |name: &str, builder: LockManagerBuilder| -> Result<LockManager, Error> {
+        let locks = builder.open(dir.path().join(format!("{name}.db")))?;
+        opened.borrow_mut().push(locks.clone());
+        Ok(locks)
+    };
+    let conn = sqlite::open(dir.path().join("raw.db"))?;
+    conn.execute(
+        "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;
+         PRAGMA busy_timeout = 5000;
+         CREATE TABLE t (id INTEGER PRIMARY KEY, key TEXT NOT NULL);",
+    )?;
+    // The storage floor: one write transaction with the `sqlite` crate and the lock manager's
+    // pragmas (its page size included: a commit's cost follows the bytes of the pages it
+    // writes).
+    let raw: Floor<'_> = (
+        "raw_txn_us",
+        Box::new(|| {
+            conn.execute(
+                "BEGIN IMMEDIATE; INSERT INTO t (key) VALUES ('k'); DELETE FROM t; COMMIT;",
+            )?;
+            Ok(())
+        }),
+    );
+    let mut measures = vec![cycle_against_floor(
+        open("uncontended", LockManager::builder())?,
+        vec![raw],
+        plan.per_round(10_000, 2_000),
+    )];
+    measures.extend(scale_measures(plan, &open));
+    measures.push(handoff_in_process(plan, &open)?);
+    for kind in ["lock", "flock"] {
+        let target = dir.path().join(format!("cross-{kind}.db"));
+        let target = target
+            .to_str()
+            .ok_or("a temporary path that is not UTF-8")?;
+        measures.push(handoff_cross_process(
+            if kind == "lock" {
+                "handoff_cross_process_p50_us"
+            } else {
+                "flock_handoff_cross_process_p50_us"
+            },
+            Ends::same(kind, target, ""),
+            dir.path().to_owned(),
+            plan.per_round(300, 60),
+        ));
+    }
+    measures.extend(common_measures(plan, &open)?);
+    run_rounds(&mut report, &mut measures, plan.rounds);
+    drop(measures);
+    shut_down(&opened.borrow())?;
+    sqlite_targets(&mut report);
+    Ok(report)
+}
+
+/// Stops every manager, so that nothing is left renewing or waiting.
+pub(crate) fn shut_down(opened: &[LockManager]) -> Result<(), Error> {
+    block_on(async {
+        for locks in opened {
+            locks.shutdown().await?;
+        }
+        Ok(())
+    })
+}
