@@ -7,6 +7,9 @@
 //! (and `futures`' waker). Their `Event` is then a small stand-in on loom's mutex: event-listener
 //! wakes its listeners under a lock of its own that loom cannot see, and a switch of model threads
 //! there hangs the model. The lock manager keeps the standard types.
+//!
+//! The cfg is `leasehold_loom`, not the customary `loom`: that one would reach every crate in the
+//! build and would break smol's timer driver.
 
 #[cfg(not(leasehold_loom))]
 pub(crate) use event_listener::{Event, EventListener};

@@ -18,7 +18,7 @@ pub(crate) fn common_measures<'a>(plan: &Plan, open: Open<'a>) -> Result<Vec<Mea
         Ok(vec![contended_ops_per_s(&contended, seconds)?])
     }));
     // The same cycle on the memory backend: what the worker and the caller's path cost with
-    // storage that takes well under a microsecond (the rows are ordered maps).
+    // storage that is a few operations on ordered maps.
     let in_memory = LockManager::open_in_memory()?;
     let reps = plan.per_round(10_000, 2_000);
     measures.push(measure(&["memory_cycle_us"], move || {

@@ -166,7 +166,8 @@ impl Report {
              holds 10,000 other keys;\n  uncontended_cycle_1k_waiting_us: while it holds 1,000, \
              each waited for by a second manager on the same database.\n\
              memory_cycle_us: the uncontended cycle on the memory backend (open_in_memory): the \
-             worker and\n  the caller's path, with storage that costs well under a microsecond.",
+             worker and\n  the caller's path, with storage that is a few operations on ordered \
+             maps.",
             self.rounds,
             WIDE * 100.0
         );

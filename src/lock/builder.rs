@@ -283,7 +283,8 @@ impl LockManagerBuilder {
         let path = path.as_ref();
         if path.as_os_str().is_empty() || path.as_os_str() == ":memory:" {
             return Err(LockError::InvalidConfig(format!(
-                "{path:?} names no database file: SQLite would open a private database that no                  other process sees; give a file's path, or use open_in_memory for a private one"
+                "{path:?} names no database file: SQLite would open a private database that no \
+                 other process sees; give a file's path, or use open_in_memory for a private one"
             )));
         }
         self.start(path)
@@ -394,6 +395,8 @@ impl LockManagerBuilder {
     /// the server's clock (`clock_timestamp()`), never by this process's [`Clock`], which only
     /// schedules heartbeats; fencing tokens come from a sequence and increase in grant order on
     /// each key.
+    ///
+    #[doc = include_str!("connect.md")]
     ///
     /// # Errors
     ///

@@ -21,9 +21,10 @@ use super::{EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, S
 use crate::lock::time::from_micros;
 
 /// Shared/exclusive lease locks keyed by strings, kept in one SQLite file so that several
-/// processes on one machine coordinate through it, or (feature `postgres`,
-/// `LockManager::connect`) in one PostgreSQL schema, for processes on several
-/// machines.
+/// processes on one machine coordinate through it ([`open`](LockManager::open)), in one
+/// PostgreSQL schema for processes on several machines (feature `postgres`,
+/// `LockManager::connect`), or in this process's memory
+/// ([`open_in_memory`](LockManager::open_in_memory), [`MemoryStore`](crate::MemoryStore)).
 ///
 /// One `LockManager` is one owner (normally one per process). Clones share the owner; two
 /// `open` calls are two owners. Every acquisition is a [`Scoped`] future: attach an
@@ -35,7 +36,9 @@ use crate::lock::time::from_micros;
 /// Every acquisition is cancel safe: interrupted, it deletes its waiting row (and any row a
 /// peer promoted for it) before it returns; dropped, it does the same in the background (through
 /// the storage worker, so a later call on this manager already sees it gone). A granted lock is
-/// never lost: if it cannot be handed to the caller, it is released.
+/// never lost: if it cannot be handed to the caller, it is released. `many` never holds part of
+/// its set; `many_queued` deletes all its rows together. [`Guard::release`] sends the release
+/// before its first await, and dropping a guard releases it.
 ///
 /// Dropping the last handle (clones, guards and pending acquisitions all hold one) deletes this
 /// owner's remaining rows and closes the database, and waits for that: a single transaction,
@@ -60,6 +63,8 @@ use crate::lock::time::from_micros;
 /// # Ok::<(), leasehold::LockError>(())
 /// # }).unwrap();
 /// ```
+///
+#[doc = include_str!("manager.md")]
 #[derive(Clone)]
 pub struct LockManager {
     pub(super) shared: Arc<Shared>,
