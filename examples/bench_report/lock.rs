@@ -275,7 +275,8 @@ pub(crate) fn handoff_cross_process<'a>(
             .arg(&child_events)
             .args([&rounds.to_string(), &ends.detail])
             .spawn()?;
-        let ours = ping_pong(ends.kind, &ends.ours, &ends.detail, rounds);
+        let meeting = Meeting::of(&child_events, false);
+        let ours = ping_pong(ends.kind, &ends.ours, &ends.detail, rounds, &meeting);
         let status = wait_with_deadline(&mut child, Duration::from_secs(120))?;
         let ours = ours?;
         if !status.success() {
@@ -293,6 +294,40 @@ pub(crate) fn handoff_cross_process<'a>(
         }
         Ok(vec![median(&mut samples)])
     })
+}
+
+/// Where the two sides of a handoff meet before the first round, each once its lock is open, so
+/// that neither plays its rounds alone while the other is still starting (a busy machine can take
+/// longer to start a process than a quick run's rounds last).
+pub(crate) struct Meeting {
+    mine: PathBuf,
+    theirs: PathBuf,
+}
+
+impl Meeting {
+    /// The child's side (`child`) or the parent's, named after the child's events file.
+    pub(crate) fn of(events: &Path, child: bool) -> Meeting {
+        let side = |name: &str| events.with_extension(format!("{name}.ready"));
+        let (mine, theirs) = if child {
+            (side("child"), side("parent"))
+        } else {
+            (side("parent"), side("child"))
+        };
+        Meeting { mine, theirs }
+    }
+
+    /// Says this side is ready, and waits (up to a minute) for the other.
+    fn meet(&self) -> Result<(), Error> {
+        File::create(&self.mine)?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !self.theirs.exists() {
+            if Instant::now() > deadline {
+                return Err("the other side of the handoff did not start within a minute".into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -314,6 +349,7 @@ pub(crate) fn ping_pong(
     target: &str,
     detail: &str,
     rounds: usize,
+    meeting: &Meeting,
 ) -> Result<Vec<Event>, Error> {
     let mut events = Vec::with_capacity(2 * rounds);
     let hold = Duration::from_millis(2);
@@ -327,6 +363,7 @@ pub(crate) fn ping_pong(
         _ => None,
     };
     if let Some(locks) = locks {
+        meeting.meet()?;
         block_on(async {
             for _ in 0..rounds {
                 let guard = locks.exclusive("ball", "ping-pong").await?;
@@ -347,6 +384,7 @@ pub(crate) fn ping_pong(
                 .truncate(false)
                 .write(true)
                 .open(target)?;
+            meeting.meet()?;
             for _ in 0..rounds {
                 fs4::FileExt::lock(&file)?;
                 events.push(Event::Granted(unix_micros()));
@@ -361,6 +399,7 @@ pub(crate) fn ping_pong(
             let mut client = postgres::Client::connect(target, postgres::NoTls)?;
             let lock = client.prepare("SELECT pg_advisory_lock(hashtext($1))")?;
             let unlock = client.prepare("SELECT pg_advisory_unlock(hashtext($1))")?;
+            meeting.meet()?;
             for _ in 0..rounds {
                 client.execute(&lock, &[&detail])?;
                 events.push(Event::Granted(unix_micros()));
@@ -422,7 +461,8 @@ pub(crate) fn child(args: &[String]) -> Result<(), Error> {
     let [kind, target, out, rounds, detail] = args else {
         return Err("usage: --child KIND TARGET OUT ROUNDS DETAIL".into());
     };
-    let events = ping_pong(kind, target, detail, rounds.parse()?)?;
+    let meeting = Meeting::of(Path::new(out), true);
+    let events = ping_pong(kind, target, detail, rounds.parse()?, &meeting)?;
     let mut file = File::create(PathBuf::from(out))?;
     for event in events {
         match event {
