@@ -24,9 +24,10 @@
 //!
 //! **A lease lock manager** built from those parts ([`LockManager`]): shared/exclusive locks keyed
 //! by strings, kept as rows in one SQLite file so that several processes on one machine
-//! coordinate, with a FIFO queue and writer preference, leases renewed by heartbeats, all-or-
-//! nothing acquisition of several keys, fencing tokens, and cancellation that never leaves a row
-//! behind.
+//! coordinate (or, with the `postgres` feature, in PostgreSQL for processes on several machines,
+//! or in this process's memory: [`MemoryStore`]), with a FIFO queue and writer preference, leases
+//! renewed by heartbeats, all-or-nothing acquisition of several keys, fencing tokens, and
+//! cancellation that never leaves a row behind.
 //!
 //! Every future works under any executor (`futures::executor::block_on`, smol, tokio) with no
 //! runtime feature switched on. Background work goes through a [`Spawner`]; see below for which.
@@ -46,7 +47,10 @@
 //!
 //! The library starts these threads:
 //!
-//! - one storage thread per [`LockManager`], which owns its SQLite connection;
+//! - one storage thread per [`LockManager`], which owns its connection to the store (and the
+//!   whole store, for one in memory); beside it, on a SQLite file, a doorbell thread (on unix:
+//!   other processes ring it to wake this manager's waiters), and on PostgreSQL a listener
+//!   thread (its own connection, which `LISTEN`s);
 //! - smol's global executor threads (one unless `SMOL_THREADS` says otherwise), only when some
 //!   work falls to smol's executor: the default spawner without the `tokio` feature or outside a
 //!   tokio runtime, or an explicit [`SmolSpawner`];
