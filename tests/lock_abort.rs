@@ -1,6 +1,7 @@
 //! Interruption and cancellation of acquisitions on the real manager, at random points.
 //!
-//! Random workloads run concurrently on two owners sharing a file: acquisitions of one key,
+//! Random workloads run concurrently on two owners sharing a store (a SQLite file and a store in
+//! memory in every case; PostgreSQL too in the seeded variant): acquisitions of one key,
 //! `many_queued` and `many`, some interrupted after a random delay, some dropped when they lose a
 //! race against a timer. Whatever the moment: an interrupted acquisition returns
 //! `LockError::Interrupted` with the caller's own reason (the same `Arc`), and by then no row of
@@ -280,7 +281,9 @@ proptest! {
         common::on_every_executor(|| {
             let plans = plans.clone();
             async move {
-                interrupted_workload(Store::sqlite(), plans).await;
+                for store in Store::local() {
+                    interrupted_workload(store, plans.clone()).await;
+                }
             }
         });
     }
@@ -290,14 +293,16 @@ proptest! {
         common::on_every_executor(|| {
             let plans = plans.clone();
             async move {
-                dropped_workload(Store::sqlite(), plans).await;
+                for store in Store::local() {
+                    dropped_workload(store, plans.clone()).await;
+                }
             }
         });
     }
 }
 
 /// A seeded variant with larger workloads, so that interruptions meet a busy storage worker;
-/// on every store (the random ones above run on SQLite only, to keep the run short).
+/// on every store (the random ones above run on SQLite and in memory, to keep the run short).
 #[test]
 fn interruptions_under_load_leave_nothing_behind() {
     for store in Store::all() {

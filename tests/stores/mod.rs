@@ -34,6 +34,17 @@ impl Store {
         Store::Sqlite { _dir: dir, path }
     }
 
+    /// A new store in this process's memory.
+    pub fn memory() -> Store {
+        Store::Memory(MemoryStore::new())
+    }
+
+    /// The stores that live in this process or its file system, each new: SQLite and memory
+    /// (what a property test can afford in every case).
+    pub fn local() -> [Store; 2] {
+        [Store::sqlite(), Store::memory()]
+    }
+
     /// A new schema on the test server, named after the running test; `None` (the reason
     /// printed) when there is no server.
     #[cfg(all(feature = "postgres", feature = "testkit"))]
@@ -66,14 +77,10 @@ impl Store {
         let postgres = Store::postgres();
         #[cfg(not(all(feature = "postgres", feature = "testkit")))]
         let postgres = None;
-        [
-            Some(Store::sqlite()),
-            Some(Store::Memory(MemoryStore::new())),
-            postgres,
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
+        [Some(Store::sqlite()), Some(Store::memory()), postgres]
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// A new store of the same kind as `store`.
@@ -228,7 +235,7 @@ where
     Fut: Future<Output = ()> + Send + 'static,
 {
     eprintln!("=== in memory");
-    crate::common::on_every_executor(|| scenario(Store::Memory(MemoryStore::new())));
+    crate::common::on_every_executor(|| scenario(Store::memory()));
     on_every_database(scenario);
 }
 
