@@ -107,36 +107,42 @@ impl Register {
         }
     }
 
-    /// Runs `change` on the state under the file lock. The lock is tried, not waited for, so that
-    /// a paused process holding it never blocks this process's executor (and its heartbeats).
+    /// Runs `change` on the state under the register's file lock. The lock is tried, not waited
+    /// for, so that a paused process holding it never blocks this process's executor (and its
+    /// heartbeats). The lock is a file of its own beside the register, and the new state is
+    /// written to a temporary file and renamed over the register, so that a process killed in
+    /// the middle leaves the old state or the new one, never a torn one (a truncated register
+    /// once looked like another holder's write to a reader that held the lock rightly).
     pub(crate) async fn update<T>(
         &self,
         change: impl FnOnce(&mut RegisterState) -> T,
     ) -> std::io::Result<T> {
-        let mut file = fs::OpenOptions::new()
-            .read(true)
+        let lock = fs::OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(false)
-            .open(&self.path)?;
+            .open(self.path.with_extension("lock"))?;
         loop {
-            match fs4::FileExt::try_lock(&file) {
+            match fs4::FileExt::try_lock(&lock) {
                 Ok(()) => break,
                 Err(fs4::TryLockError::WouldBlock) => sleep(Duration::from_millis(1)).await,
                 Err(fs4::TryLockError::Error(error)) => return Err(error),
             }
         }
         let outcome = (|| {
-            let text = std::io::read_to_string(&mut file)?;
+            let text = match fs::read_to_string(&self.path) {
+                Ok(text) => text,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => String::new(),
+                Err(error) => return Err(error),
+            };
             let mut state = RegisterState::parse(&text);
             let value = change(&mut state);
-            let rendered = state.render();
-            file.set_len(0)?;
-            std::io::Seek::rewind(&mut file)?;
-            file.write_all(rendered.as_bytes())?;
+            let part = self.path.with_extension("part");
+            fs::write(&part, state.render())?;
+            fs::rename(&part, &self.path)?;
             Ok(value)
         })();
-        let _ = fs4::FileExt::unlock(&file);
+        let _ = fs4::FileExt::unlock(&lock);
         outcome
     }
 
