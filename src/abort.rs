@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
 // loom's under `--cfg leasehold_loom`, for the model tests (`Arc` stays std's: loom's has no
 // `Weak`).
 use crate::sync::{lock, AtomicBool, AtomicU64, Event, EventListener, Mutex, Ordering};
@@ -542,7 +542,8 @@ impl AbortSignal {
     }
 
     /// A signal that aborts with a [`TimedOut`] reason once `after` has passed (real time,
-    /// measured from this call on the monotonic clock).
+    /// measured from this call on the monotonic clock; inside a simulation, feature `testkit`,
+    /// on the simulation's clock).
     ///
     /// No task runs for it: a look at the signal once the time has come finds it aborted, and
     /// whoever awaits it (or a [`Scoped`](crate::Scoped) it is attached to) sleeps until then
@@ -562,7 +563,7 @@ impl AbortSignal {
     /// # });
     /// ```
     pub fn timeout(after: Duration) -> Self {
-        AbortSignal::timeout_on(Arc::new(SystemClock), after)
+        AbortSignal::timeout_on(crate::clock::ambient(), after)
     }
 
     /// A signal that aborts with a [`TimedOut`] reason once `after` has passed on `clock`,

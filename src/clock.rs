@@ -68,6 +68,16 @@ pub trait Clock: Send + Sync + 'static {
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()>;
 }
 
+/// The clock for work that was given none: inside a simulation (feature `testkit`), the
+/// simulation's; otherwise the system's.
+pub(crate) fn ambient() -> Arc<dyn Clock> {
+    #[cfg(feature = "testkit")]
+    if let Some(clock) = crate::testkit::sim::current_clock() {
+        return clock;
+    }
+    Arc::new(SystemClock)
+}
+
 /// Real time: `SystemTime` for `now`, `Instant` for `monotonic`, the `async-io` timer for
 /// `sleep` (it runs its own driver thread, so it works under any executor, and waits on
 /// monotonic time).
@@ -218,8 +228,23 @@ impl TestClock {
 
     /// How many sleeps are waiting for time to move: lets a test wait until a task has reached
     /// its sleep before it advances the clock.
+    ///
+    /// It counts every sleep on this clock, the library's own among them: a lock manager built
+    /// with this clock sleeps between heartbeats and polls, and a timeout that someone awaits
+    /// sleeps until its deadline. Inside a simulation (feature `testkit`) there is no need to
+    /// count: its clock moves by itself to the next deadline when nothing else can run.
     pub fn sleepers(&self) -> usize {
         lock(&self.inner).sleepers.len()
+    }
+
+    /// The monotonic time of the earliest pending sleep, if any.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn next_deadline(&self) -> Option<Duration> {
+        lock(&self.inner)
+            .sleepers
+            .keys()
+            .next()
+            .map(|(deadline, _)| *deadline)
     }
 }
 

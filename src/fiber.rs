@@ -216,8 +216,8 @@ impl Future for AsFiber {
 }
 
 impl<T> Prepared<T> {
-    pub(crate) fn start(self, spawner: &Arc<dyn Spawner>) -> Fiber<T> {
-        spawner.spawn(self.task);
+    pub(crate) fn start(self, spawner: &Arc<dyn Spawner>, what: &'static str) -> Fiber<T> {
+        crate::spawn::spawn_as(&**spawner, what, self.task);
         Fiber {
             shared: self.shared,
         }
@@ -321,15 +321,20 @@ where
     T: Send + 'static,
     Fut: Future<Output = T> + Send + 'static,
 {
-    fork_daemon_on(future, &current_spawner())
+    fork_daemon_on(future, &current_spawner(), "daemon fiber")
 }
 
-/// [`fork_daemon`] on a given spawner.
-pub(crate) fn fork_daemon_on<T, Fut>(future: Fut, spawner: &Arc<dyn Spawner>) -> Fiber<T>
+/// [`fork_daemon`] on a given spawner; `what` names the task to a simulation (see
+/// `spawn::spawn_as`).
+pub(crate) fn fork_daemon_on<T, Fut>(
+    future: Fut,
+    spawner: &Arc<dyn Spawner>,
+    what: &'static str,
+) -> Fiber<T>
 where
     T: Send + 'static,
     Fut: Future<Output = T> + Send + 'static,
 {
     let (prepared, _, _) = prepare(future, spawner);
-    prepared.start(spawner)
+    prepared.start(spawner, what)
 }

@@ -14,7 +14,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
 
 #[derive(Clone, Debug)]
 enum Kind {
@@ -249,8 +249,9 @@ impl Schedule {
         self.combine(other, Kind::Intersect)
     }
 
-    /// Sleeps and reads time on `clock` (default: [`SystemClock`]), on its monotonic time line
-    /// ([`Clock::monotonic`]), so that a step of the wall clock changes no decision.
+    /// Sleeps and reads time on `clock` (default: [`SystemClock`](crate::SystemClock), or inside a
+    /// simulation its clock), on its monotonic time line ([`Clock::monotonic`]), so that a step of
+    /// the wall clock changes no decision.
     ///
     /// # Examples
     ///
@@ -284,9 +285,7 @@ impl Schedule {
     }
 
     fn clock(&self) -> Arc<dyn Clock> {
-        self.clock
-            .clone()
-            .unwrap_or_else(|| Arc::new(SystemClock) as Arc<dyn Clock>)
+        self.clock.clone().unwrap_or_else(crate::clock::ambient)
     }
 
     /// Runs `attempt`; on `Err` asks the schedule, sleeps, runs again. `recurs(3)` means 4
@@ -676,9 +675,14 @@ fn scale(delay: Duration, factor: f64) -> Duration {
 }
 
 /// A uniform draw in `[0, 1)`, from a per-thread generator seeded by the standard library's
-/// random hash keys (so no random-number crate is needed for jitter).
+/// random hash keys (so no random-number crate is needed for jitter); inside a simulation
+/// (feature `testkit`), from the simulation's seed, so that a run replays.
 fn jitter_draw() -> f64 {
     use std::cell::Cell;
+    #[cfg(feature = "testkit")]
+    if let Some(draw) = crate::testkit::sim::current_draw() {
+        return draw;
+    }
     thread_local! {
         static STATE: Cell<u64> = Cell::new({
             let mut hasher = RandomState::new().build_hasher();

@@ -103,6 +103,7 @@ pub(super) fn ensure_daemon(shared: &Arc<Shared>, began: Duration) {
     drop(fork_daemon_on(
         daemon(Arc::downgrade(shared), running, began),
         &spawner,
+        "lock heartbeat",
     ));
 }
 

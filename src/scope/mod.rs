@@ -62,8 +62,8 @@ use futures::future::{BoxFuture, FusedFuture};
 use futures::FutureExt;
 
 use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
-use crate::clock::{Clock, SystemClock};
-use crate::spawn::{default_spawner, Spawner};
+use crate::clock::Clock;
+use crate::spawn::{default_spawner, spawn_as, Spawner};
 // loom's (and the model's stand-in event) under `--cfg leasehold_loom`, for the model tests.
 use crate::sync::{lock, wait_for, CompleteOnDrop, Completion, Event, EventListener, Mutex};
 
@@ -303,7 +303,11 @@ impl Scope {
             let status = state.status.clone().unwrap_or(ExitStatus::Success);
             drop(state);
             let run = run_finalizer(finalizer, status).map(Result::err);
-            self.inner.spawner.spawn(unattended(Box::pin(run)));
+            spawn_as(
+                &*self.inner.spawner,
+                "finalizer added after the close",
+                unattended(Box::pin(run)),
+            );
         } else {
             state.finalizers.push(finalizer);
         }
@@ -366,7 +370,7 @@ impl Scope {
             });
             drop(state);
         }
-        fiber.start(&self.inner.spawner)
+        fiber.start(&self.inner.spawner, "fiber")
     }
 
     /// Runs `work` in the background now, and makes this scope's close wait for it.
@@ -382,10 +386,14 @@ impl Scope {
         }
         drop(state);
         let guard = CompleteOnDrop(done);
-        self.inner.spawner.spawn(Box::pin(async move {
-            work.await;
-            drop(guard);
-        }));
+        spawn_as(
+            &*self.inner.spawner,
+            "tracked work",
+            Box::pin(async move {
+                work.await;
+                drop(guard);
+            }),
+        );
     }
 
     /// Closes the scope: interrupts and awaits its fibers, then runs its finalizers LIFO.
@@ -548,7 +556,7 @@ impl Scope {
             let mut state = lock(&self.inner.state);
             if state.done {
                 drop(state);
-                self.inner.spawner.spawn(unattended(close));
+                spawn_as(&*self.inner.spawner, "handed-off close", unattended(close));
             } else {
                 state.nested.push(close);
             }
@@ -596,7 +604,11 @@ impl Drop for ScopeInner {
             orphan_state.nested = std::mem::take(&mut state.nested);
         }
         let close = orphan.close_owned(ExitStatus::Interrupted(AbortReason::new(Dropped)));
-        self.spawner.spawn(unattended(close));
+        spawn_as(
+            &*self.spawner,
+            "close of a dropped scope",
+            unattended(close),
+        );
     }
 }
 
@@ -769,11 +781,15 @@ impl Drop for Closing {
         if let Some(work) = self.work.take() {
             // Still wrapped, so that the rest of the close keeps its ambient parent and its
             // "closing here" mark.
-            self.scope.inner.spawner.spawn(unattended(Box::pin(Closing {
-                work: Some(work),
-                scope: self.scope.clone(),
-                handed_off: true,
-            })));
+            spawn_as(
+                &*self.scope.inner.spawner,
+                "handed-off close",
+                unattended(Box::pin(Closing {
+                    work: Some(work),
+                    scope: self.scope.clone(),
+                    handed_off: true,
+                })),
+            );
         }
     }
 }

@@ -190,7 +190,8 @@ impl<T, E> Scoped<T, E> {
     }
 
     /// Interrupts with a [`TimedOut`](crate::TimedOut) reason unless it has resolved once
-    /// `after` has passed (real time), counted from its first poll.
+    /// `after` has passed (real time; inside a simulation, feature `testkit`, the simulation's
+    /// time), counted from its first poll.
     ///
     /// The clean-up runs as for any interruption, and the `Scoped` resolves only after it.
     /// Several timeouts and signals may be attached: the first to fire gives the reason.
@@ -209,7 +210,7 @@ impl<T, E> Scoped<T, E> {
     /// # });
     /// ```
     pub fn timeout(self, after: Duration) -> Self {
-        self.timeout_on(Arc::new(SystemClock), after)
+        self.timeout_on(crate::clock::ambient(), after)
     }
 
     /// [`timeout`](Scoped::timeout) measured on `clock`'s monotonic time line: with a
@@ -470,7 +471,11 @@ impl<T, E> Drop for ScopedInner<T, E> {
         };
         match &self.parent {
             Some(parent) => parent.adopt_close(close),
-            None => self.scope().spawner().spawn(unattended(close)),
+            None => crate::spawn::spawn_as(
+                &*self.scope().spawner(),
+                "handed-off close of a dropped Scoped",
+                unattended(close),
+            ),
         }
     }
 }

@@ -1,0 +1,292 @@
+//! The simulation kit's executor (`leasehold::testkit::Sim`): seeded and replayable order,
+//! virtual time that jumps, and runs that cannot finish reported, not hung.
+
+#![cfg(feature = "testkit")]
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::channel::oneshot;
+use leasehold::testkit::{Sim, SimConfig, SimError};
+use leasehold::{fork_daemon, Clock, Interrupted, Schedule, Scoped, TimedOut};
+
+/// A task that yields once and is woken again (unlike `pending!`, which is never woken).
+async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            std::task::Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        }
+    })
+    .await
+}
+
+/// `tasks` tasks that each log their number, yield, and log again, run to the end.
+fn run_order(sim: &mut Sim, tasks: usize) -> Vec<usize> {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let spawner = sim.spawner();
+    for task in 0..tasks {
+        let log = log.clone();
+        spawner.spawn(Box::pin(async move {
+            log.lock().unwrap().push(task);
+            yield_once().await;
+            log.lock().unwrap().push(task);
+        }));
+    }
+    sim.block_on(async {}).expect("the tasks finish");
+    let log = log.lock().unwrap().clone();
+    log
+}
+
+#[test]
+fn fifo_polls_ready_tasks_in_the_order_they_became_ready() {
+    let order = run_order(&mut Sim::fifo(), 3);
+    // The root (ready first, done at once), then 0, 1, 2, then each again after its yield.
+    assert_eq!(order, [0, 1, 2, 0, 1, 2]);
+}
+
+#[test]
+fn a_seed_draws_an_order_and_the_same_seed_draws_it_again() {
+    let orders: Vec<Vec<usize>> = (0..20)
+        .map(|seed| run_order(&mut Sim::new(seed), 4))
+        .collect();
+    for (seed, order) in orders.iter().enumerate() {
+        assert_eq!(order.len(), 8);
+        assert_eq!(
+            *order,
+            run_order(&mut Sim::new(seed as u64), 4),
+            "seed {seed}"
+        );
+    }
+    let distinct: std::collections::BTreeSet<&Vec<usize>> = orders.iter().collect();
+    assert!(
+        distinct.len() > 5,
+        "20 seeds drew only {} orders",
+        distinct.len()
+    );
+}
+
+#[test]
+fn a_replayed_trace_makes_the_same_choices() {
+    for seed in 0..10 {
+        let mut sim = Sim::new(seed);
+        let order = run_order(&mut sim, 5);
+        let trace = sim.trace();
+        let mut replay = Sim::replay(&trace).expect("a trace it printed");
+        assert_eq!(
+            run_order(&mut replay, 5),
+            order,
+            "seed {seed}, trace {trace}"
+        );
+        assert_eq!(replay.trace(), trace);
+        assert_eq!(replay.seed(), seed);
+    }
+}
+
+#[test]
+fn a_trace_that_does_not_fit_the_run_is_refused() {
+    assert!(matches!(
+        Sim::replay("not a trace"),
+        Err(SimError::BadTrace(_))
+    ));
+    // Two tasks ready at the first step, but the trace chooses the ninth.
+    let mut sim = Sim::replay("sim1:0:0,9").unwrap();
+    let spawner = sim.spawner();
+    for _ in 0..2 {
+        spawner.spawn(Box::pin(async {}));
+    }
+    match sim.block_on(async {}) {
+        Err(SimError::BadTrace(why)) => assert!(why.contains("task 9 of"), "{why}"),
+        other => panic!("expected a bad trace, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_thirty_second_timeout_passes_without_waiting() {
+    let mut sim = Sim::new(1);
+    let started = Instant::now();
+    let slow =
+        Scoped::<(), Interrupted>::new(|_| std::future::pending()).timeout(Duration::from_secs(30));
+    let error = sim.block_on(slow).unwrap().unwrap_err();
+    assert!(error.reason().downcast_ref::<TimedOut>().is_some());
+    // Virtual time moved exactly to the deadline, and real time hardly at all (generously).
+    assert_eq!(sim.clock().monotonic(), Duration::from_secs(30));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn time_jumps_to_each_deadline_in_turn_and_never_past_it() {
+    let mut sim = Sim::new(3);
+    let clock = sim.clock();
+    let woke = Arc::new(Mutex::new(Vec::new()));
+    let spawner = sim.spawner();
+    for secs in [5u64, 1, 3] {
+        let (clock, woke) = (clock.clone(), woke.clone());
+        spawner.spawn(Box::pin(async move {
+            clock.sleep(Duration::from_secs(secs)).await;
+            woke.lock().unwrap().push((secs, clock.monotonic()));
+        }));
+    }
+    sim.block_on(async {}).unwrap();
+    let woke = woke.lock().unwrap().clone();
+    assert_eq!(
+        woke,
+        [1, 3, 5].map(|s| (s, Duration::from_secs(s))),
+        "each woke at its own deadline"
+    );
+}
+
+#[test]
+fn a_future_that_can_never_resolve_is_a_deadlock_naming_what_waits() {
+    let mut sim = Sim::new(4);
+    let (_keep, never) = oneshot::channel::<()>();
+    let error = sim
+        .block_on(async move {
+            let fiber = fork_daemon(async move { never.await.ok() });
+            fiber.join().await
+        })
+        .unwrap_err();
+    match &error {
+        SimError::Deadlock { pending, .. } => {
+            assert!(pending[0].contains("block_on"), "{pending:?}");
+            assert!(
+                pending.iter().any(|p| p.contains("daemon fiber")),
+                "{pending:?}"
+            );
+        }
+        other => panic!("expected a deadlock, got {other:?}"),
+    }
+    let text = error.to_string();
+    assert!(
+        text.contains("seed 4") && text.contains("sim1:4:"),
+        "{text}"
+    );
+}
+
+#[test]
+fn background_work_left_waiting_after_the_future_resolved_is_a_leak() {
+    let mut sim = Sim::new(5);
+    let (keep, never) = oneshot::channel::<()>();
+    let error = sim
+        .block_on(async move {
+            drop(fork_daemon(async move { never.await.ok() }));
+            "resolved"
+        })
+        .unwrap_err();
+    drop(keep);
+    match error {
+        SimError::Leaked { tasks, .. } => {
+            assert_eq!(tasks.len(), 1, "{tasks:?}");
+            assert!(tasks[0].starts_with("daemon fiber"), "{tasks:?}");
+        }
+        other => panic!("expected a leak, got {other:?}"),
+    }
+}
+
+#[test]
+fn background_work_that_ends_is_waited_for() {
+    let mut sim = Sim::new(6);
+    let done = Arc::new(Mutex::new(false));
+    let flag = done.clone();
+    let clock = sim.clock();
+    let value = sim
+        .block_on(async move {
+            drop(fork_daemon(async move {
+                clock.sleep(Duration::from_secs(60)).await;
+                *flag.lock().unwrap() = true;
+            }));
+            7
+        })
+        .unwrap();
+    assert_eq!(value, 7);
+    assert!(
+        *done.lock().unwrap(),
+        "the daemon ran to its end before block_on returned"
+    );
+}
+
+#[test]
+fn a_task_that_never_ends_stops_at_the_step_limit() {
+    let mut config = SimConfig::default();
+    config.max_steps = 1_000;
+    let mut sim = Sim::with_config(config);
+    let error = sim
+        .block_on(async {
+            loop {
+                yield_once().await;
+            }
+        })
+        .unwrap_err();
+    assert!(matches!(error, SimError::StepLimit { .. }), "{error:?}");
+}
+
+#[test]
+fn fibers_and_handed_off_clean_up_run_inside_the_simulation() {
+    let mut sim = Sim::new(8);
+    let here = std::thread::current().id();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (fiber_saw, finalizer_saw) = (seen.clone(), seen.clone());
+    let work = Scoped::<(), Interrupted>::new(move |scope| async move {
+        let fiber = scope.fork(async move {
+            fiber_saw.lock().unwrap().push(std::thread::current().id());
+        });
+        fiber.join().await;
+        scope.add_finalizer(move |_| async move {
+            finalizer_saw
+                .lock()
+                .unwrap()
+                .push(std::thread::current().id());
+        });
+        std::future::pending::<()>().await;
+        Ok(())
+    });
+    // Dropped after a few steps, unfinished: its close is handed to the simulation's spawner.
+    let outcome = sim.block_on(async move {
+        let mut work = Box::pin(work);
+        for _ in 0..3 {
+            let _ = futures::poll!(work.as_mut());
+            yield_once().await;
+        }
+        drop(work);
+    });
+    outcome.unwrap();
+    assert_eq!(*seen.lock().unwrap(), [here, here]);
+}
+
+#[test]
+fn jitter_draws_from_the_simulations_seed() {
+    let delays = |seed: u64| {
+        let _sim = Sim::new(seed);
+        let mut run = Schedule::spaced(Duration::from_secs(1))
+            .jittered()
+            .start(Duration::ZERO);
+        (0..5).map(|_| run.next(Duration::ZERO)).collect::<Vec<_>>()
+    };
+    assert_eq!(delays(9), delays(9));
+    assert_ne!(delays(9), delays(10));
+}
+
+#[test]
+fn a_spawn_from_a_drop_is_accepted_and_run() {
+    struct SpawnsOnDrop(Arc<dyn leasehold::Spawner>, Arc<Mutex<bool>>);
+    impl Drop for SpawnsOnDrop {
+        fn drop(&mut self) {
+            let flag = self.1.clone();
+            self.0
+                .spawn(Box::pin(async move { *flag.lock().unwrap() = true }));
+        }
+    }
+    let mut sim = Sim::new(11);
+    let ran = Arc::new(Mutex::new(false));
+    let spawns = SpawnsOnDrop(sim.spawner(), ran.clone());
+    sim.block_on(async move { drop(spawns) }).unwrap();
+    assert!(*ran.lock().unwrap());
+}
