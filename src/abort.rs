@@ -430,7 +430,21 @@ impl AbortController {
     /// Takes text (`&str`, `String`) or an [`AbortReason`]; for an error type of your own, use
     /// [`abort_with`](AbortController::abort_with).
     pub fn abort(&self, reason: impl Into<AbortReason>) -> bool {
-        self.inner.abort(reason.into())
+        self.aborted_with(reason.into())
+    }
+
+    /// Aborts with `reason`, recording it in a simulation's events (feature `testkit`).
+    fn aborted_with(&self, reason: AbortReason) -> bool {
+        #[cfg(feature = "testkit")]
+        let recorded = reason.clone();
+        let aborted = self.inner.abort(reason);
+        #[cfg(feature = "testkit")]
+        if aborted {
+            crate::testkit::sim::record(crate::testkit::Event::InterruptRequested {
+                reason: recorded,
+            });
+        }
+        aborted
     }
 
     /// Aborts with an error of your own as the reason; the first reason wins. Returns whether
@@ -466,7 +480,7 @@ impl AbortController {
     /// # });
     /// ```
     pub fn abort_with<E: Error + Send + Sync + 'static>(&self, error: E) -> bool {
-        self.inner.abort(AbortReason::new(error))
+        self.aborted_with(AbortReason::new(error))
     }
 
     /// A second handle on the same controller, for the crate's own bookkeeping.

@@ -324,6 +324,38 @@ where
     fork_daemon_on(future, &current_spawner(), "daemon fiber")
 }
 
+/// `future`, recording its fork (into `scope`: 0 for none) and its exit in the current
+/// simulation's events.
+#[cfg(feature = "testkit")]
+pub(crate) fn recorded<T>(
+    future: impl Future<Output = T> + Send + 'static,
+    scope: u64,
+) -> impl Future<Output = T> + Send + 'static {
+    use crate::testkit::sim::{new_id, record};
+    use crate::testkit::Event;
+    /// Records the exit when dropped: after the work ended, or was dropped by an interruption.
+    struct Exits(u64);
+    impl Drop for Exits {
+        fn drop(&mut self) {
+            if self.0 != 0 {
+                record(Event::FiberExited { fiber: self.0 });
+            }
+        }
+    }
+    let fiber = new_id();
+    if fiber != 0 {
+        record(Event::FiberForked {
+            fiber,
+            scope: (scope != 0).then_some(scope),
+        });
+    }
+    let exits = Exits(fiber);
+    async move {
+        let _exits = exits;
+        future.await
+    }
+}
+
 /// [`fork_daemon`] on a given spawner; `what` names the task to a simulation (see
 /// `spawn::spawn_as`).
 pub(crate) fn fork_daemon_on<T, Fut>(
@@ -335,6 +367,8 @@ where
     T: Send + 'static,
     Fut: Future<Output = T> + Send + 'static,
 {
+    #[cfg(feature = "testkit")]
+    let future = recorded(future, 0);
     let (prepared, _, _) = prepare(future, spawner);
     prepared.start(spawner, what)
 }

@@ -290,3 +290,118 @@ fn a_spawn_from_a_drop_is_accepted_and_run() {
     sim.block_on(async move { drop(spawns) }).unwrap();
     assert!(*ran.lock().unwrap());
 }
+
+#[test]
+fn a_runs_events_show_its_scopes_finalizers_and_fibers_and_pass_the_oracle() {
+    use leasehold::testkit::{check_cleanup, Event};
+    use leasehold::{AbortController, ExitStatus};
+
+    let mut sim = Sim::new(12);
+    let stop = AbortController::new();
+    let reason = leasehold::AbortReason::new(TimedOut);
+    let outer = Scoped::<(), Interrupted>::new(|scope| async move {
+        scope.add_finalizer(|_| async {});
+        let inner = Scoped::<(), Interrupted>::new(|scope| async move {
+            scope.add_finalizer(|_| async {});
+            scope.add_finalizer(|_| async {});
+            drop(scope.fork(std::future::pending::<()>()));
+            std::future::pending().await
+        });
+        inner.await
+    })
+    .with_signal(&stop.signal());
+    let clock = sim.clock();
+    let given = reason.clone();
+    let result = sim.block_on(async move {
+        let mut outer = Box::pin(outer);
+        // Let it open both scopes, then interrupt it with our reason.
+        let _ = futures::poll!(outer.as_mut());
+        clock.sleep(Duration::from_millis(1)).await;
+        stop.abort(given);
+        outer.await
+    });
+    let error = result.unwrap().unwrap_err();
+    assert!(error.reason().ptr_eq(&reason), "the caller's reason object");
+    let events = sim.events();
+    check_cleanup(&events).unwrap();
+
+    let opened: Vec<(u64, Option<u64>, bool)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::ScopeOpened {
+                scope,
+                parent,
+                in_root,
+                ..
+            } => Some((*scope, *parent, *in_root)),
+            _ => None,
+        })
+        .collect();
+    // The outer scope, the inner one nested in it, and the fiber's own (a fiber is a scope of
+    // its own, not nested in the one it was forked into, and not the root's).
+    assert_eq!(opened.len(), 3, "{events:#?}");
+    assert_eq!(
+        opened[1].1,
+        Some(opened[0].0),
+        "the inner scope is nested in the outer"
+    );
+    assert!(opened[0].2 && opened[1].2);
+    assert_eq!((opened[2].1, opened[2].2), (None, false));
+    let count = |f: fn(&Event) -> bool| events.iter().filter(|e| f(e)).count();
+    assert_eq!(count(|e| matches!(e, Event::FinalizerAdded { .. })), 3);
+    assert_eq!(count(|e| matches!(e, Event::FinalizerEnded { .. })), 3);
+    assert_eq!(count(|e| matches!(e, Event::FiberForked { .. })), 1);
+    assert_eq!(count(|e| matches!(e, Event::FiberExited { .. })), 1);
+    assert!(events
+        .iter()
+        .any(|e| matches!(e, Event::InterruptRequested { reason: r } if r.ptr_eq(&reason))));
+    // Every finalizer was told the interruption, with the caller's reason object.
+    for event in &events {
+        if let Event::FinalizerStarted { status, .. } = event {
+            match status {
+                ExitStatus::Interrupted(told) => assert!(told.ptr_eq(&reason)),
+                other => panic!("told {other:?}"),
+            }
+        }
+    }
+    assert!(
+        matches!(events.last(), Some(Event::RootResolved)),
+        "{events:#?}"
+    );
+}
+
+#[test]
+fn no_events_are_recorded_outside_a_simulation() {
+    // Made and run with no Sim alive on this thread: nothing to record into, nothing recorded
+    // later into a simulation made afterwards.
+    let work = Scoped::<(), Interrupted>::new(|scope| async move {
+        scope.add_finalizer(|_| async {});
+        Ok(())
+    });
+    futures::executor::block_on(work).unwrap();
+    let sim = Sim::new(13);
+    assert!(sim.events().is_empty());
+}
+
+#[test]
+fn a_leak_replays_exactly_from_its_trace() {
+    let run = |sim: &mut Sim| {
+        let (keep, never) = oneshot::channel::<()>();
+        let spawner = sim.spawner();
+        for _ in 0..3 {
+            spawner.spawn(Box::pin(yield_once()));
+        }
+        let error = sim
+            .block_on(async move {
+                drop(fork_daemon(async move { never.await.ok() }));
+                yield_once().await;
+            })
+            .unwrap_err();
+        drop(keep);
+        error
+    };
+    let error = run(&mut Sim::new(14));
+    assert!(matches!(error, SimError::Leaked { .. }));
+    let again = run(&mut Sim::replay(error.trace()).unwrap());
+    assert_eq!(again, error);
+}

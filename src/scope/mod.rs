@@ -204,6 +204,9 @@ struct ScopeInner {
     state: Mutex<ScopeState>,
     closed: Event,
     spawner: Arc<dyn Spawner>,
+    /// Its id in the current simulation's events (0: not recorded).
+    #[cfg(feature = "testkit")]
+    id: u64,
 }
 
 /// A region that owns finalizers and fibers; closing it interrupts and awaits the fibers, then
@@ -255,6 +258,14 @@ impl Scope {
     /// assert!(!scope.is_closed());
     /// ```
     pub fn with_spawner(spawner: Arc<dyn Spawner>) -> Self {
+        Scope::open(spawner, None)
+    }
+
+    /// A new scope nested in `parent` (for the events of a simulation; otherwise the same as
+    /// `with_spawner`).
+    pub(crate) fn open(spawner: Arc<dyn Spawner>, parent: Option<&Scope>) -> Self {
+        #[cfg(not(feature = "testkit"))]
+        let _ = parent;
         Scope {
             inner: Arc::new(ScopeInner {
                 state: Mutex::new(ScopeState {
@@ -269,6 +280,8 @@ impl Scope {
                 }),
                 closed: Event::new(),
                 spawner,
+                #[cfg(feature = "testkit")]
+                id: crate::testkit::sim::scope_opened(parent.map_or(0, |p| p.inner.id)),
             }),
         }
     }
@@ -298,6 +311,8 @@ impl Scope {
     }
 
     fn push_finalizer(&self, finalizer: Finalizer) {
+        #[cfg(feature = "testkit")]
+        let finalizer = recorded_finalizer(self.inner.id, finalizer);
         let mut state = lock(&self.inner.state);
         if state.done {
             let status = state.status.clone().unwrap_or(ExitStatus::Success);
@@ -356,6 +371,8 @@ impl Scope {
         T: Send + 'static,
         Fut: Future<Output = T> + Send + 'static,
     {
+        #[cfg(feature = "testkit")]
+        let future = crate::fiber::recorded(future, self.inner.id);
         let (fiber, controller, done) = crate::fiber::prepare(future, &self.inner.spawner);
         let mut state = lock(&self.inner.state);
         if state.done {
@@ -668,6 +685,12 @@ async fn run_close(
             }
             Next::Finalizer(finalizer) => run_finalizer(finalizer, status.clone()).await.err(),
             Next::Done => {
+                #[cfg(feature = "testkit")]
+                if inner.id != 0 {
+                    crate::testkit::sim::record(crate::testkit::Event::ScopeClosed {
+                        scope: inner.id,
+                    });
+                }
                 inner.closed.notify(usize::MAX);
                 return first_panic;
             }
@@ -678,6 +701,45 @@ async fn run_close(
             (None, _) => {}
         }
     }
+}
+
+/// `finalizer`, recording its addition, start and end in the current simulation's events
+/// (nothing when the scope is not recorded).
+#[cfg(feature = "testkit")]
+fn recorded_finalizer(scope: u64, finalizer: Finalizer) -> Finalizer {
+    use crate::testkit::sim::{new_id, record};
+    use crate::testkit::Event;
+    if scope == 0 {
+        return finalizer;
+    }
+    let id = new_id();
+    if id == 0 {
+        return finalizer;
+    }
+    record(Event::FinalizerAdded {
+        scope,
+        finalizer: id,
+    });
+    /// Records the end when dropped: after the finalizer's future ended, panicked or was
+    /// dropped.
+    struct Ends(u64);
+    impl Drop for Ends {
+        fn drop(&mut self) {
+            record(Event::FinalizerEnded { finalizer: self.0 });
+        }
+    }
+    Box::new(move |status: ExitStatus| {
+        record(Event::FinalizerStarted {
+            finalizer: id,
+            status: status.clone(),
+        });
+        let ends = Ends(id);
+        let run = finalizer(status);
+        Box::pin(async move {
+            let _ends = ends;
+            run.await;
+        })
+    })
 }
 
 /// Runs one finalizer to completion; a panic is caught so that the others still run.

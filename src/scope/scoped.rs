@@ -340,7 +340,7 @@ impl<T: Send + 'static, E: Send + 'static> Future for Scoped<T, E> {
                         (None, Some(parent)) => parent.spawner(),
                         (None, None) => default_spawner(),
                     };
-                    let scope = Scope::with_spawner(spawner);
+                    let scope = Scope::open(spawner, this.parent.as_ref());
                     this.scope = Some(scope.clone());
                     let Phase::Init(body) = std::mem::replace(&mut this.phase, Phase::Done) else {
                         unreachable!("matched Init above")

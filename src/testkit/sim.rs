@@ -20,15 +20,17 @@
 //!    (`current_spawner`, `current_clock`, `current_draw`), so that nothing leaves it.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 
 use futures::future::BoxFuture;
 
+use super::events::Event;
 use crate::clock::{Clock, TestClock};
 use crate::spawn::Spawner;
 use crate::sync::lock;
@@ -308,6 +310,13 @@ struct Shared {
     state: Mutex<State>,
     /// Draws the simulation's randomness (not its choices).
     random: Mutex<Rng>,
+    /// What the structured core did (see `record`), and the ids it gave.
+    events: Mutex<Vec<Event>>,
+    next_event_id: AtomicU64,
+    /// The scopes that belong to the root (see `Event::ScopeOpened`).
+    root_scopes: Mutex<BTreeSet<u64>>,
+    /// Whether the root is being polled.
+    polling_root: AtomicBool,
 }
 
 #[derive(Default)]
@@ -438,6 +447,10 @@ impl Sim {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             random: Mutex::new(Rng::new(config.seed ^ 0x005e_ed0f_7a11)),
+            events: Mutex::new(Vec::new()),
+            next_event_id: AtomicU64::new(1),
+            root_scopes: Mutex::new(BTreeSet::new()),
+            polling_root: AtomicBool::new(false),
         });
         let clock = TestClock::new();
         let id = enter(&shared, &clock);
@@ -468,6 +481,14 @@ impl Sim {
     /// The seed this simulation was made with.
     pub fn seed(&self) -> u64 {
         self.trace.seed
+    }
+
+    /// What the structured core has done so far in this simulation, in order: scopes opened and
+    /// closed, finalizers added, started and ended, fibers forked and exited, interruptions
+    /// requested, the root resolved or dropped. [`check_cleanup`](super::check_cleanup) checks
+    /// them.
+    pub fn events(&self) -> Vec<Event> {
+        lock(&self.shared.events).clone()
     }
 
     /// The choices made so far, as [`replay`](Sim::replay) takes them.
@@ -551,10 +572,12 @@ impl Sim {
                     let Some(future) = root.as_mut() else {
                         continue;
                     };
-                    if let Poll::Ready(value) =
-                        future.as_mut().poll(&mut Context::from_waker(&root_waker))
-                    {
+                    self.shared.polling_root.store(true, Ordering::Relaxed);
+                    let polled = future.as_mut().poll(&mut Context::from_waker(&root_waker));
+                    self.shared.polling_root.store(false, Ordering::Relaxed);
+                    if let Poll::Ready(value) = polled {
                         output = Some(value);
+                        lock(&self.shared.events).push(Event::RootResolved);
                         // Dropped now, as an executor drops a finished future.
                         root = None;
                     }
@@ -649,7 +672,6 @@ thread_local! {
 }
 
 fn enter(shared: &Arc<Shared>, clock: &TestClock) -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
     CURRENT.with(|current| {
@@ -696,6 +718,53 @@ pub(crate) fn current_draw() -> Option<f64> {
         let bits = lock(&shared.random).next() >> 11;
         Some(bits as f64 / (1u64 << 53) as f64)
     })
+}
+
+/// A new id for a scope, finalizer or fiber of the current simulation, or 0 when this thread
+/// has none (then nothing is recorded).
+pub(crate) fn new_id() -> u64 {
+    with_current(|current| {
+        let shared = current.shared.upgrade()?;
+        Some(shared.next_event_id.fetch_add(1, Ordering::Relaxed))
+    })
+    .unwrap_or(0)
+}
+
+/// Records `event` in the current simulation, if this thread has one.
+pub(crate) fn record(event: Event) {
+    with_current(|current| {
+        let shared = current.shared.upgrade()?;
+        lock(&shared.events).push(event);
+        Some(())
+    });
+}
+
+/// Records a scope opened in `parent` (0: none); returns its id (0 when nothing is recorded).
+pub(crate) fn scope_opened(parent: u64) -> u64 {
+    with_current(|current| {
+        let shared = current.shared.upgrade()?;
+        let scope = shared.next_event_id.fetch_add(1, Ordering::Relaxed);
+        let parent = (parent != 0).then_some(parent);
+        let in_root = {
+            let mut root_scopes = lock(&shared.root_scopes);
+            let in_root = super::events::in_root(
+                &root_scopes,
+                parent,
+                shared.polling_root.load(Ordering::Relaxed),
+            );
+            if in_root {
+                root_scopes.insert(scope);
+            }
+            in_root
+        };
+        lock(&shared.events).push(Event::ScopeOpened {
+            scope,
+            parent,
+            in_root,
+        });
+        Some(scope)
+    })
+    .unwrap_or(0)
 }
 
 /// Names the tasks spawned while the returned guard lives (see `spawn::spawn_as`).
