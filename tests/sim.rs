@@ -405,3 +405,79 @@ fn a_leak_replays_exactly_from_its_trace() {
     let again = run(&mut Sim::replay(error.trace()).unwrap());
     assert_eq!(again, error);
 }
+
+/// A three-level scope tree with two fibers and six finalizers, each finalizer logging itself.
+fn tree() -> Scoped<u32, Interrupted> {
+    Scoped::new(|scope| async move {
+        for _ in 0..2 {
+            scope.add_finalizer(|_| yield_once());
+        }
+        let middle = Scoped::<u32, Interrupted>::new(|scope| async move {
+            scope.add_finalizer(|_| yield_once());
+            scope.add_finalizer(|_| async {});
+            let worker = scope.fork(async {
+                yield_once().await;
+                1
+            });
+            let inner = Scoped::<u32, Interrupted>::new(|scope| async move {
+                scope.add_finalizer(|_| yield_once());
+                scope.add_finalizer(|_| async {});
+                let fiber = scope.fork(async {
+                    yield_once().await;
+                    2
+                });
+                Ok(fiber.join().await.success().unwrap_or(0))
+            });
+            let inner = inner.await?;
+            Ok(inner + worker.join().await.success().unwrap_or(0))
+        });
+        middle.await
+    })
+}
+
+#[test]
+fn every_await_point_of_a_scope_tree_keeps_every_promise_stopped_either_way() {
+    use leasehold::testkit::{every_await_point, Stop};
+    for seed in 0..4 {
+        let mut config = SimConfig::default();
+        config.seed = seed;
+        config.check_determinism = true;
+        for stop in [Stop::Signal, Stop::Drop] {
+            let explored = every_await_point(config.clone(), stop, |_| tree())
+                .unwrap_or_else(|failure| panic!("{failure}"));
+            assert!(explored.points >= 8, "{explored:?}");
+        }
+    }
+}
+
+#[test]
+fn every_await_point_reports_a_leaked_fiber_with_a_trace_that_replays_it() {
+    use leasehold::testkit::{every_await_point, Stop};
+    let leaky = || {
+        Scoped::<(), Interrupted>::new(|scope| async move {
+            scope.add_finalizer(|_| async {
+                // A clean-up that starts work it never finishes.
+                drop(fork_daemon(std::future::pending::<()>()));
+            });
+            yield_once().await;
+            Ok(())
+        })
+    };
+    let failure = every_await_point(SimConfig::default(), Stop::Signal, |_| leaky()).unwrap_err();
+    assert!(failure.what.contains("leaked"), "{failure}");
+    assert!(failure.what.contains("daemon fiber"), "{failure}");
+    // The trace reproduces the run exactly: the same leak, at the same point.
+    let mut sim = Sim::replay(&failure.trace).unwrap();
+    let error = sim.block_on(leaky()).unwrap_err();
+    assert!(matches!(error, SimError::Leaked { .. }), "{error}");
+    assert_eq!(sim.trace(), failure.trace);
+}
+
+#[test]
+fn stop_at_checks_one_drawn_point() {
+    use leasehold::testkit::{stop_at, Stop};
+    for point in [0, 1, 5, 1_000] {
+        stop_at(SimConfig::default(), Stop::Signal, point, |_| tree())
+            .unwrap_or_else(|failure| panic!("{failure}"));
+    }
+}

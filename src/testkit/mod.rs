@@ -7,14 +7,21 @@
 //! - [`Sim::events`] and [`check_cleanup`]: what the structured core did in a run (scopes,
 //!   finalizers, fibers, interruptions), and the oracle that checks the clean-up promises over
 //!   it.
+//! - [`every_await_point`]: the same work stopped before each of its await points in turn, by
+//!   signal or by drop, each run checked for leaks and by `check_cleanup`.
+//! - [`strategy`]: proptest strategies for a seed, a way to stop and a point to stop before,
+//!   for property tests that check one case at a time with [`stop_at`].
 //! - [`postgres`] (unix): a real, throwaway PostgreSQL server, started from the server programs
 //!   on the machine (`pg_config --bindir`) for a test run and gone when it ends, as this
 //!   library's own PostgreSQL tests use it.
 
 mod events;
+mod explore;
 #[cfg(unix)]
 pub mod postgres;
 pub(crate) mod sim;
+pub mod strategy;
 
 pub use events::{check_cleanup, CleanupViolation, Event};
+pub use explore::{every_await_point, stop_at, Explored, Explorer, Failure, Stop};
 pub use sim::{Sim, SimConfig, SimError};

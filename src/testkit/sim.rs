@@ -507,8 +507,21 @@ impl Sim {
     /// [`SimError::BadTrace`] when a replayed trace names a choice the run did not have.
     /// The tasks left behind by a failed run stay in the simulation.
     pub fn block_on<F: Future>(&mut self, future: F) -> Result<F::Output, SimError> {
+        let output = self.run(future, &mut |_| false)?;
+        Ok(output.expect("a root that was not dropped resolved"))
+    }
+
+    /// [`block_on`](Sim::block_on), calling `before_step` with the number of each step before
+    /// it is taken; when it returns `true`, the root is dropped there (unfinished) and the run
+    /// goes on until its background work is done: `Ok(None)` then.
+    pub(crate) fn run<F: Future>(
+        &mut self,
+        future: F,
+        before_step: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<Option<F::Output>, SimError> {
         let mut root: Option<Pin<Box<F>>> = Some(Box::pin(future));
         let mut output = None;
+        let mut dropped = false;
         let root_waker = Waker::from(Arc::new(TaskWaker {
             id: ROOT,
             shared: Arc::downgrade(&self.shared),
@@ -525,8 +538,14 @@ impl Sim {
                 }
                 let tasks = self.shared.names();
                 return match output {
-                    Some(output) if tasks.is_empty() => Ok(output),
+                    Some(output) if tasks.is_empty() => Ok(Some(output)),
+                    None if dropped && tasks.is_empty() => Ok(None),
                     Some(_) => Err(SimError::Leaked {
+                        tasks,
+                        seed: self.seed(),
+                        trace: self.trace(),
+                    }),
+                    None if dropped => Err(SimError::Leaked {
                         tasks,
                         seed: self.seed(),
                         trace: self.trace(),
@@ -548,6 +567,12 @@ impl Sim {
                     seed: self.seed(),
                     trace: self.trace(),
                 });
+            }
+            if root.is_some() && before_step(steps) {
+                lock(&self.shared.events).push(Event::RootDropped);
+                // Dropped outside the state lock: its drop hands its clean-up to the spawner.
+                root = None;
+                dropped = true;
             }
             steps += 1;
             let choice = self.choose(ready)?;
