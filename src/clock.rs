@@ -68,9 +68,13 @@ pub trait Clock: Send + Sync + 'static {
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()>;
 }
 
-/// The clock for work that was given none: inside a simulation (feature `testkit`), the
+/// The clock for work that was given none: the one of the scope whose body is running here
+/// (`Scoped::with_clock`), if any; else inside a simulation (feature `testkit`), the
 /// simulation's; otherwise the system's.
 pub(crate) fn ambient() -> Arc<dyn Clock> {
+    if let Some(clock) = crate::scope::current_clock() {
+        return clock;
+    }
     #[cfg(feature = "testkit")]
     if let Some(clock) = crate::testkit::sim::current_clock() {
         return clock;

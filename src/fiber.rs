@@ -147,6 +147,7 @@ pub(crate) struct Prepared<T> {
 pub(crate) fn prepare<T, Fut>(
     future: Fut,
     spawner: &Arc<dyn Spawner>,
+    clock: Option<Arc<dyn crate::Clock>>,
 ) -> (Prepared<T>, AbortController, Arc<Completion>)
 where
     T: Send + 'static,
@@ -162,10 +163,13 @@ where
         done: done.clone(),
         controller: controller.share(),
     });
-    let unit = Scoped::<T, Interrupted>::new(move |_| async move { Ok(future.await) })
+    let mut unit = Scoped::<T, Interrupted>::new(move |_| async move { Ok(future.await) })
         .with_signal(&controller.signal())
         .with_spawner(spawner.clone())
         .detached();
+    if let Some(clock) = clock {
+        unit = unit.with_clock(clock);
+    }
     let task_shared = shared.clone();
     let id = Arc::as_ptr(&done) as usize;
     let task = Box::pin(async move {
@@ -369,6 +373,6 @@ where
 {
     #[cfg(feature = "testkit")]
     let future = recorded(future, 0);
-    let (prepared, _, _) = prepare(future, spawner);
+    let (prepared, _, _) = prepare(future, spawner, crate::scope::current_clock());
     prepared.start(spawner, what)
 }

@@ -215,3 +215,57 @@ fn a_test_clock_advanced_to_the_end_of_time_wakes_every_sleeper() {
     assert!(nap.now_or_never().is_some());
     assert_eq!(clock.monotonic(), Duration::MAX);
 }
+
+/// A `Scoped` given a clock passes it to what is nested in it and what it forks, and an explicit
+/// clock wins over it.
+#[test]
+fn a_scoped_clock_is_inherited_by_nested_scopes_and_fibers_and_an_explicit_one_wins() {
+    use leasehold::{AbortSignal, Interrupted, Scoped, TimedOut};
+    use std::sync::Mutex;
+
+    let inherited = TestClock::new();
+    let explicit = TestClock::new();
+    let signals = Arc::new(Mutex::new(Vec::new()));
+    let (seen, explicit_in) = (signals.clone(), explicit.clone());
+    let work = Scoped::<bool, Interrupted>::new(move |scope| async move {
+        let fiber = scope.fork(async move {
+            let mut seen = seen.lock().unwrap();
+            seen.push(AbortSignal::timeout(Duration::from_secs(10)));
+            seen.push(AbortSignal::timeout_on(
+                Arc::new(explicit_in),
+                Duration::from_secs(10),
+            ));
+        });
+        fiber.join().await;
+        let nested = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+            .timeout(Duration::from_secs(10))
+            .await;
+        Ok(nested
+            .unwrap_err()
+            .reason()
+            .downcast_ref::<TimedOut>()
+            .is_some())
+    })
+    .with_clock(Arc::new(inherited.clone()));
+    let running = std::thread::spawn(move || futures::executor::block_on(work));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // The fiber has made its signals, and the nested `Scoped` sleeps on the inherited clock.
+    while signals.lock().unwrap().len() < 2 || inherited.sleepers() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the work did not start within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    inherited.advance(Duration::from_secs(10));
+    let signals = signals.lock().unwrap().clone();
+    assert!(
+        signals[0].is_aborted(),
+        "the fiber's timeout ran on the inherited clock"
+    );
+    assert!(!signals[1].is_aborted(), "an explicit clock wins");
+    assert!(
+        running.join().unwrap().unwrap(),
+        "the nested timeout ran on the inherited clock"
+    );
+}

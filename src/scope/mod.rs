@@ -204,6 +204,8 @@ struct ScopeInner {
     state: Mutex<ScopeState>,
     closed: Event,
     spawner: Arc<dyn Spawner>,
+    /// The clock its work uses when given none (`Scoped::with_clock`, inherited).
+    clock: Option<Arc<dyn Clock>>,
     /// Its id in the current simulation's events (0: not recorded).
     #[cfg(feature = "testkit")]
     id: u64,
@@ -258,12 +260,16 @@ impl Scope {
     /// assert!(!scope.is_closed());
     /// ```
     pub fn with_spawner(spawner: Arc<dyn Spawner>) -> Self {
-        Scope::open(spawner, None)
+        Scope::open(spawner, None, None)
     }
 
-    /// A new scope nested in `parent` (for the events of a simulation; otherwise the same as
-    /// `with_spawner`).
-    pub(crate) fn open(spawner: Arc<dyn Spawner>, parent: Option<&Scope>) -> Self {
+    /// A new scope nested in `parent` (for the events of a simulation), whose work uses `clock`
+    /// when given none.
+    pub(crate) fn open(
+        spawner: Arc<dyn Spawner>,
+        parent: Option<&Scope>,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Self {
         #[cfg(not(feature = "testkit"))]
         let _ = parent;
         Scope {
@@ -280,6 +286,7 @@ impl Scope {
                 }),
                 closed: Event::new(),
                 spawner,
+                clock,
                 #[cfg(feature = "testkit")]
                 id: crate::testkit::sim::scope_opened(parent.map_or(0, |p| p.inner.id)),
             }),
@@ -373,7 +380,8 @@ impl Scope {
     {
         #[cfg(feature = "testkit")]
         let future = crate::fiber::recorded(future, self.inner.id);
-        let (fiber, controller, done) = crate::fiber::prepare(future, &self.inner.spawner);
+        let (fiber, controller, done) =
+            crate::fiber::prepare(future, &self.inner.spawner, self.clock());
         let mut state = lock(&self.inner.state);
         if state.done {
             let reason = status_reason(state.status.as_ref());
@@ -506,6 +514,11 @@ impl Scope {
 
     fn spawner(&self) -> Arc<dyn Spawner> {
         self.inner.spawner.clone()
+    }
+
+    /// The clock its work uses when given none, if it was given one.
+    pub(crate) fn clock(&self) -> Option<Arc<dyn Clock>> {
+        self.inner.clock.clone()
     }
 
     fn address(&self) -> usize {
@@ -889,6 +902,11 @@ fn with_ambient<R>(scope: &Scope, f: impl FnOnce() -> R) -> R {
 
 fn ambient() -> Option<Scope> {
     AMBIENT.with(|ambient| ambient.borrow().clone())
+}
+
+/// The clock of the scope whose body this thread is running, if it was given one.
+pub(crate) fn current_clock() -> Option<Arc<dyn Clock>> {
+    ambient().and_then(|scope| scope.clock())
 }
 
 /// Where background work started now belongs: on the spawner of the scope whose body this

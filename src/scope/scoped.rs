@@ -40,7 +40,9 @@ struct ScopedInner<T, E> {
     deadline: Option<BoxFuture<'static, ()>>,
     /// Timeouts not yet started: each becomes an attached signal on the first poll, so that it
     /// counts from when the work starts, not from when it was built.
-    timeouts: Vec<(Arc<dyn Clock>, Duration)>,
+    timeouts: Vec<(Option<Arc<dyn Clock>>, Duration)>,
+    /// `None`: the parent's clock, or the ambient one (`clock::ambient`).
+    clock: Option<Arc<dyn Clock>>,
     interrupted: fn(Interrupted) -> E,
     /// `None`: the parent's spawner, or the default one.
     spawner: Option<Arc<dyn Spawner>>,
@@ -117,6 +119,7 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
                 listener: None,
                 deadline: None,
                 timeouts: Vec::new(),
+                clock: None,
                 interrupted: E::from,
                 spawner: None,
                 inherit: true,
@@ -189,6 +192,38 @@ impl<T, E> Scoped<T, E> {
         self
     }
 
+    /// Timeouts, sleeps and schedules in this `Scoped` and everything nested in it (inner
+    /// `Scoped` futures, forked fibers) that were given no clock use `clock`, as they inherit
+    /// the spawner. Which clock work given none uses: the enclosing scope's (this), else inside
+    /// a simulation (feature `testkit`) the simulation's, else the system's. An explicit clock
+    /// (`timeout_on`, `Schedule::with_clock`) always wins. It has no effect on a `Scoped` that
+    /// has already been polled.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use futures::FutureExt;
+    /// use leasehold::{AbortSignal, Interrupted, Scoped, TestClock, TimedOut};
+    ///
+    /// let clock = TestClock::new();
+    /// let mut work = Scoped::<(), Interrupted>::new(|_| async {
+    ///     // No clock given: the enclosing scope's, the test clock.
+    ///     let reason = AbortSignal::timeout(Duration::from_secs(30)).aborted().await;
+    ///     assert!(reason.downcast_ref::<TimedOut>().is_some());
+    ///     Ok(())
+    /// })
+    /// .with_clock(Arc::new(clock.clone()));
+    /// assert!((&mut work).now_or_never().is_none());
+    /// clock.advance(Duration::from_secs(30));
+    /// assert!(work.now_or_never().unwrap().is_ok());
+    /// ```
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.inner.clock = Some(clock);
+        self
+    }
+
     /// Interrupts with a [`TimedOut`](crate::TimedOut) reason unless it has resolved once
     /// `after` has passed (real time; inside a simulation, feature `testkit`, the simulation's
     /// time), counted from its first poll.
@@ -209,8 +244,9 @@ impl<T, E> Scoped<T, E> {
     /// assert!(error.reason().downcast_ref::<TimedOut>().is_some());
     /// # });
     /// ```
-    pub fn timeout(self, after: Duration) -> Self {
-        self.timeout_on(crate::clock::ambient(), after)
+    pub fn timeout(mut self, after: Duration) -> Self {
+        self.inner.timeouts.push((None, after));
+        self
     }
 
     /// [`timeout`](Scoped::timeout) measured on `clock`'s monotonic time line: with a
@@ -236,7 +272,7 @@ impl<T, E> Scoped<T, E> {
     /// # });
     /// ```
     pub fn timeout_on(mut self, clock: Arc<dyn Clock>, after: Duration) -> Self {
-        self.inner.timeouts.push((clock, after));
+        self.inner.timeouts.push((Some(clock), after));
         self
     }
 }
@@ -325,22 +361,28 @@ impl<T: Send + 'static, E: Send + 'static> Future for Scoped<T, E> {
             }
             match &mut this.phase {
                 Phase::Init(_) => {
+                    if this.inherit {
+                        this.parent = ambient();
+                    }
+                    if this.clock.is_none() {
+                        this.clock = this.parent.as_ref().and_then(Scope::clock);
+                    }
                     for (clock, after) in std::mem::take(&mut this.timeouts) {
+                        let clock = clock
+                            .or_else(|| this.clock.clone())
+                            .unwrap_or_else(crate::clock::ambient);
                         this.attach(AbortSignal::timeout_on(clock, after));
                     }
                     if let Some(reason) = this.check_signals(cx) {
                         this.phase = Phase::Done;
                         return Poll::Ready(Err((this.interrupted)(Interrupted::new(reason))));
                     }
-                    if this.inherit {
-                        this.parent = ambient();
-                    }
                     let spawner = match (&this.spawner, &this.parent) {
                         (Some(spawner), _) => spawner.clone(),
                         (None, Some(parent)) => parent.spawner(),
                         (None, None) => default_spawner(),
                     };
-                    let scope = Scope::open(spawner, this.parent.as_ref());
+                    let scope = Scope::open(spawner, this.parent.as_ref(), this.clock.clone());
                     this.scope = Some(scope.clone());
                     let Phase::Init(body) = std::mem::replace(&mut this.phase, Phase::Done) else {
                         unreachable!("matched Init above")
