@@ -406,6 +406,25 @@ impl SignalInner {
 /// assert!(!controller.abort("second"));
 /// assert_eq!(signal.reason().unwrap().to_string(), "first");
 /// ```
+///
+/// Clones are handles on the same controller: aborting any aborts it, once. The reason object
+/// an abort made (to compare with [`AbortReason::ptr_eq`] later) is its signal's
+/// [`reason`](AbortSignal::reason):
+///
+/// ```
+/// use leasehold::{AbortController, Interrupted, Scoped};
+///
+/// # futures::executor::block_on(async {
+/// let controller = AbortController::new();
+/// let work = Scoped::<(), Interrupted>::new(|_| std::future::pending())
+///     .with_signal(&controller.signal());
+/// let elsewhere = controller.clone();
+/// elsewhere.abort("stop");
+/// let made = controller.signal().reason().unwrap();
+/// assert!(work.await.unwrap_err().reason().ptr_eq(&made));
+/// # });
+/// ```
+#[derive(Clone)]
 pub struct AbortController {
     inner: Arc<SignalInner>,
 }

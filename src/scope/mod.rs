@@ -373,6 +373,34 @@ impl Scope {
     /// assert!(ticker.join().await.is_interrupted());
     /// # });
     /// ```
+    ///
+    /// A fiber with finalizers of its own: fork a [`Scoped`]. Interrupted by the close, its
+    /// finalizers run (told the interruption) before the close goes on to the scope's own.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use leasehold::{ExitStatus, Interrupted, Scope, Scoped};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let log = Arc::new(Mutex::new(Vec::new()));
+    /// let scope = Scope::new();
+    /// let (in_fiber, (started, running)) = (log.clone(), futures::channel::oneshot::channel());
+    /// scope.fork(Scoped::<(), Interrupted>::new(move |fiber_scope| async move {
+    ///     fiber_scope.add_finalizer(move |status| async move {
+    ///         in_fiber.lock().unwrap().push(format!("fiber: {status}"));
+    ///     });
+    ///     let _ = started.send(());
+    ///     std::future::pending().await
+    /// }));
+    /// running.await.unwrap(); // (a fiber interrupted before it starts never runs its body)
+    /// let in_scope = log.clone();
+    /// scope.add_finalizer(move |_| async move { in_scope.lock().unwrap().push("scope".into()) });
+    /// scope.close(ExitStatus::Success).await;
+    /// let log = log.lock().unwrap();
+    /// assert!(log[0].starts_with("fiber: interrupted"), "{log:?}");
+    /// assert_eq!(log[1], "scope");
+    /// # });
+    /// ```
     pub fn fork<T, Fut>(&self, future: Fut) -> crate::Fiber<T>
     where
         T: Send + 'static,
