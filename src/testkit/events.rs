@@ -102,7 +102,7 @@ impl std::error::Error for CleanupViolation {}
 /// 3. a nested scope's finalizers have all ended before its parent's first finalizer starts;
 /// 4. every finalizer of a scope is told the same status (for an interruption, the same reason
 ///    object);
-/// 5. no finalizer of a scope that belongs to the root starts after the root resolved (a root
+/// 5. no finalizer of a scope that belongs to the root runs after the root resolved (a root
 ///    that was dropped may clean up after: its clean-up then finishes before `block_on`
 ///    returns, which the simulation's own leak check sees).
 ///
@@ -198,7 +198,15 @@ pub fn check_cleanup(events: &[Event]) -> Result<(), CleanupViolation> {
                     )));
                 };
                 entry.ended.push(at);
-                scopes.entry(entry.scope).or_default().last_end = Some(at);
+                let scope = scopes.entry(entry.scope).or_default();
+                scope.last_end = Some(at);
+                if resolved_at.is_some() && !dropped && scope.in_root {
+                    return Err(CleanupViolation::new(format!(
+                        "finalizer {finalizer} of scope {} was still running when the root \
+                         resolved (it ended at event {at})",
+                        entry.scope
+                    )));
+                }
             }
             Event::RootResolved => resolved_at = Some(at),
             Event::RootDropped => dropped = true,
@@ -430,6 +438,14 @@ mod tests {
         dropped.insert(10, RootDropped);
         dropped.insert(11, RootResolved);
         check_cleanup(&dropped).unwrap();
+    }
+
+    #[test]
+    fn a_finalizer_still_running_when_the_root_resolved_is_caught() {
+        let mut events = good();
+        let resolved = events.pop().unwrap();
+        events.insert(11, resolved);
+        assert!(violation(events).contains("still running when the root resolved"));
     }
 
     #[test]
