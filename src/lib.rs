@@ -78,6 +78,49 @@
 //!   background. Inside another `Scoped`, the parent's close waits for it, so nothing outlives
 //!   the enclosing scope.
 //!
+//! # Testing your own code
+//!
+//! With the `testkit` feature, `leasehold::testkit` has a simulation kit for property tests of abort
+//! ordering: a seeded executor on virtual time (`testkit::Sim`), the clean-up oracle
+//! (`testkit::check_cleanup`), and the work stopped before each of its steps
+//! (`testkit::every_await_point`) or before one that a proptest draws (`testkit::stop_at`):
+//!
+//! ```
+//! use leasehold::{Interrupted, Scoped, Semaphore};
+//!
+//! /// The code under test: holds a permit, forks an upload, cleans up after itself.
+//! fn upload(uploads: Semaphore) -> Scoped<u32, Interrupted> {
+//!     Scoped::new(move |scope| async move {
+//!         scope.adopt(uploads.acquire(1).await); // released when the scope closes
+//!         scope.add_finalizer(|_| async { /* delete the partial file */ });
+//!         let sent = scope.fork(async { 3 }); // interrupted and awaited by the close
+//!         Ok(sent.join().await.success().unwrap_or(0))
+//!     })
+//! }
+//!
+//! # #[cfg(feature = "testkit")] {
+//! use leasehold::testkit::{stop_at, strategy, SimConfig};
+//! use proptest::prelude::*;
+//!
+//! proptest! {
+//!     // In a test file: #[test]
+//!     fn upload_cleans_up_wherever_it_stops(
+//!         seed in strategy::seed(),
+//!         stop in strategy::stop(),
+//!         point in strategy::interrupt_at(),
+//!     ) {
+//!         let uploads = Semaphore::new(1);
+//!         let mut config = SimConfig::default();
+//!         config.seed = seed;
+//!         let result = stop_at(config, stop, point, |_| upload(uploads.clone()));
+//!         prop_assert!(result.is_ok(), "{}", result.unwrap_err());
+//!         prop_assert_eq!(uploads.available(), 1, "the permit came back");
+//!     }
+//! }
+//! # upload_cleans_up_wherever_it_stops();
+//! # }
+//! ```
+//!
 //! # When not to use it
 //!
 //! If your tasks share memory in one process and need no async clean-up, `async-lock` or tokio's
