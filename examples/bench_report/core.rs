@@ -145,3 +145,76 @@ pub(crate) fn semaphore_cycle_ns(reps: usize) -> Vec<f64> {
         vec![median(&mut a), median(&mut b), median(&mut c)]
     })
 }
+
+/// Polls per second of the simulation kit's executor: `tasks` tasks that each yield 1,000 times
+/// (woken at once), run by a seeded `Sim`.
+#[cfg(feature = "testkit")]
+pub(crate) fn sim_polls_per_s(tasks: usize) -> f64 {
+    const YIELDS: usize = 1_000;
+    let mut sim = leasehold::testkit::Sim::new(7);
+    let spawner = sim.spawner();
+    for _ in 0..tasks {
+        spawner.spawn(Box::pin(async {
+            for _ in 0..YIELDS {
+                yield_once().await;
+            }
+        }));
+    }
+    let started = Instant::now();
+    sim.block_on(async {}).expect("the tasks end");
+    (tasks * (YIELDS + 1) + 1) as f64 / started.elapsed().as_secs_f64()
+}
+
+/// The wall time, in milliseconds, of `every_await_point` (stopped by signal) over a
+/// three-level scope tree with two fibers and six finalizers.
+#[cfg(feature = "testkit")]
+pub(crate) fn every_await_point_ms() -> f64 {
+    use leasehold::testkit::{every_await_point, SimConfig, Stop};
+    let tree = || {
+        Scoped::<u32, Interrupted>::new(|scope| async move {
+            for _ in 0..2 {
+                scope.add_finalizer(|_| yield_once());
+            }
+            let middle = Scoped::<u32, Interrupted>::new(|scope| async move {
+                scope.add_finalizer(|_| yield_once());
+                scope.add_finalizer(|_| async {});
+                let worker = scope.fork(async {
+                    yield_once().await;
+                    1
+                });
+                let inner = Scoped::<u32, Interrupted>::new(|scope| async move {
+                    scope.add_finalizer(|_| yield_once());
+                    scope.add_finalizer(|_| async {});
+                    let fiber = scope.fork(async {
+                        yield_once().await;
+                        2
+                    });
+                    Ok(fiber.join().await.success().unwrap_or(0))
+                });
+                let inner = inner.await?;
+                Ok(inner + worker.join().await.success().unwrap_or(0))
+            });
+            middle.await
+        })
+    };
+    let started = Instant::now();
+    let explored = every_await_point(SimConfig::default(), Stop::Signal, |_| tree())
+        .expect("the tree keeps every promise");
+    black_box(explored);
+    started.elapsed().as_secs_f64() * 1e3
+}
+
+/// Yields once, woken at once.
+#[cfg(feature = "testkit")]
+async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if std::mem::replace(&mut yielded, true) {
+            std::task::Poll::Ready(())
+        } else {
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        }
+    })
+    .await
+}

@@ -44,6 +44,16 @@ pub(crate) fn common_measures<'a>(plan: &Plan, open: Open<'a>) -> Result<Vec<Mea
         ],
         move || Ok(semaphore_cycle_ns(reps)),
     ));
+    #[cfg(feature = "testkit")]
+    {
+        let tasks = plan.per_round(500, 100);
+        measures.push(measure(&["sim_polls_per_s"], move || {
+            Ok(vec![sim_polls_per_s(tasks)])
+        }));
+        measures.push(measure(&["every_await_point_ms"], || {
+            Ok(vec![every_await_point_ms()])
+        }));
+    }
     Ok(measures)
 }
 

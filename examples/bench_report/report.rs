@@ -300,6 +300,20 @@ pub(crate) fn shared_targets(
         semaphore <= 1.5 * async_lock,
         &["async_lock_semaphore_cycle_ns"],
     );
+    if report.rounds_of("sim_polls_per_s").is_empty() {
+        report.notes.push(
+            "sim_polls_per_s, every_await_point_ms: the simulation kit, measured with --features \
+             testkit."
+                .into(),
+        );
+    } else {
+        let (polls, explore) = (
+            report.get("sim_polls_per_s"),
+            report.get("every_await_point_ms"),
+        );
+        report.target("sim_polls_per_s", ">= 1000000".into(), polls >= 1e6, &[]);
+        report.target("every_await_point_ms", "<= 50".into(), explore <= 50.0, &[]);
+    }
 }
 
 /// Issue 14's targets for SQLite.
