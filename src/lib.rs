@@ -80,8 +80,8 @@
 //!
 //! # Testing your own code
 //!
-//! With the `testkit` feature, `leasehold::testkit` has a simulation kit for property tests of abort
-//! ordering: a seeded executor on virtual time (`testkit::Sim`), the clean-up oracle
+//! With the `testkit` feature, `leasehold::testkit` has a simulation kit for property tests of
+//! abort ordering: a seeded executor on virtual time (`testkit::Sim`), the clean-up oracle
 //! (`testkit::check_cleanup`), and the work stopped before each of its steps
 //! (`testkit::every_await_point`) or before one that a proptest draws (`testkit::stop_at`):
 //!

@@ -268,10 +268,10 @@ proptest! {
         root in tree(),
         stop in strategy::stop(),
         point in strategy::interrupt_at(),
-        seed in strategy::seed(),
+        schedule in strategy::schedule(),
     ) {
         let mut config = SimConfig::default();
-        config.seed = seed;
+        config.schedule = Some(schedule);
         let result = stop_at(config, stop, point, |sim| {
             let clock: Arc<dyn Clock> = Arc::new(sim.clock());
             let nothing: Arc<dyn Fn(usize) + Send + Sync> = Arc::new(|_| {});

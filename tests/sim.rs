@@ -481,3 +481,51 @@ fn stop_at_checks_one_drawn_point() {
             .unwrap_or_else(|failure| panic!("{failure}"));
     }
 }
+
+#[test]
+fn a_drawn_schedule_is_followed_and_an_empty_one_is_arrival_order() {
+    let with = |schedule: Vec<u32>| {
+        let mut config = SimConfig::default();
+        config.schedule = Some(schedule);
+        let mut sim = Sim::with_config(config);
+        let order = run_order(&mut sim, 3);
+        (order, sim.trace())
+    };
+    let (fifo, _) = with(Vec::new());
+    assert_eq!(fifo, run_order(&mut Sim::fifo(), 3));
+    // Each choice is taken modulo the ready count: 7 of 4 ready is the fourth.
+    let (order, trace) = with(vec![7, 1, 9]);
+    assert_ne!(order, fifo);
+    assert!(trace.starts_with("sim1:0:3,1,"), "{trace}");
+    assert_eq!(run_order(&mut Sim::replay(&trace).unwrap(), 3), order);
+}
+
+#[test]
+fn an_interruption_is_recorded_when_requested_and_when_delivered() {
+    use leasehold::testkit::Event;
+    use leasehold::AbortController;
+    let mut sim = Sim::new(15);
+    let stop = AbortController::new();
+    let work =
+        Scoped::<(), Interrupted>::new(|_| std::future::pending()).with_signal(&stop.signal());
+    let clock = sim.clock();
+    let given = leasehold::AbortReason::new(TimedOut);
+    let reason = given.clone();
+    sim.block_on(async move {
+        let mut work = Box::pin(work);
+        let _ = futures::poll!(work.as_mut());
+        clock.sleep(Duration::from_millis(1)).await;
+        stop.abort(given);
+        work.await
+    })
+    .unwrap()
+    .unwrap_err();
+    let events = sim.events();
+    let requested = events
+        .iter()
+        .position(|e| matches!(e, Event::InterruptRequested { reason: r } if r.ptr_eq(&reason)));
+    let delivered = events.iter().position(
+        |e| matches!(e, Event::InterruptDelivered { scope: Some(_), reason: r } if r.ptr_eq(&reason)),
+    );
+    assert!(requested.is_some() && requested < delivered, "{events:#?}");
+}

@@ -544,6 +544,12 @@ impl Scope {
         self.inner.spawner.clone()
     }
 
+    /// Its id in the current simulation's events (0: not recorded).
+    #[cfg(feature = "testkit")]
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
+    }
+
     /// The clock its work uses when given none, if it was given one.
     pub(crate) fn clock(&self) -> Option<Arc<dyn Clock>> {
         self.inner.clock.clone()

@@ -291,6 +291,15 @@ impl<T, E> ScopedInner<T, E> {
 
     /// The reason of the first attached signal to abort; otherwise arranges to be woken when one
     /// does.
+    /// Records the delivery of an interruption to this `Scoped`'s body in a simulation's events.
+    #[cfg(feature = "testkit")]
+    fn delivered(&self, reason: &AbortReason) {
+        crate::testkit::sim::record(crate::testkit::Event::InterruptDelivered {
+            scope: self.scope.as_ref().map(Scope::id).filter(|&id| id != 0),
+            reason: reason.clone(),
+        });
+    }
+
     fn check_signals(&mut self, cx: &mut Context<'_>) -> Option<AbortReason> {
         let signal = self.signal.as_ref()?;
         loop {
@@ -355,6 +364,8 @@ impl<T: Send + 'static, E: Send + 'static> Future for Scoped<T, E> {
         loop {
             if matches!(this.phase, Phase::Running(_)) {
                 if let Some(reason) = this.check_signals(cx) {
+                    #[cfg(feature = "testkit")]
+                    this.delivered(&reason);
                     this.unwind(reason);
                     continue;
                 }
@@ -374,6 +385,11 @@ impl<T: Send + 'static, E: Send + 'static> Future for Scoped<T, E> {
                         this.attach(AbortSignal::timeout_on(clock, after));
                     }
                     if let Some(reason) = this.check_signals(cx) {
+                        #[cfg(feature = "testkit")]
+                        crate::testkit::sim::record(crate::testkit::Event::InterruptDelivered {
+                            scope: None,
+                            reason: reason.clone(),
+                        });
                         this.phase = Phase::Done;
                         return Poll::Ready(Err((this.interrupted)(Interrupted::new(reason))));
                     }

@@ -67,6 +67,14 @@ pub enum Event {
         /// The reason, the caller's object.
         reason: AbortReason,
     },
+    /// A `Scoped` saw its signal aborted and began to unwind with this reason: in `scope`, or
+    /// (`None`) before its body ever ran.
+    InterruptDelivered {
+        /// The scope of the `Scoped` that was interrupted.
+        scope: Option<u64>,
+        /// The reason it unwinds with.
+        reason: AbortReason,
+    },
     /// The future given to `block_on` resolved.
     RootResolved,
     /// The future given to `block_on` was dropped unfinished.

@@ -62,6 +62,10 @@ pub struct SimConfig {
     pub max_steps: u64,
     /// Run each case twice and fail when the two runs differ (where the kit runs cases for you).
     pub check_determinism: bool,
+    /// Choices to make instead of drawing them from the seed: at each step the ready task at
+    /// this index (modulo how many are ready), then arrival order once they run out. What
+    /// `strategy::schedule` draws, so that a failing case shrinks toward arrival order.
+    pub schedule: Option<Vec<u32>>,
 }
 
 impl Default for SimConfig {
@@ -71,6 +75,7 @@ impl Default for SimConfig {
             seed: 0,
             max_steps: 1_000_000,
             check_determinism: false,
+            schedule: None,
         }
     }
 }
@@ -196,6 +201,8 @@ enum Choices {
     Fifo,
     /// As a trace says; 0 once it has run out.
     Replay { choices: Vec<u32>, next: usize },
+    /// As a drawn schedule says, each modulo the ready count; 0 once it has run out.
+    Schedule { choices: Vec<u32>, next: usize },
 }
 
 /// A run's trace: its seed and the choices it made, as `replay` reads it back.
@@ -454,10 +461,14 @@ impl Sim {
         });
         let clock = TestClock::new();
         let id = enter(&shared, &clock);
+        let choices = match config.schedule {
+            Some(choices) => Choices::Schedule { choices, next: 0 },
+            None => Choices::Seeded(Rng::new(config.seed)),
+        };
         Sim {
             shared,
             clock,
-            choices: Choices::Seeded(Rng::new(config.seed)),
+            choices,
             trace: Trace {
                 seed: config.seed,
                 choices: Vec::new(),
@@ -649,6 +660,11 @@ impl Sim {
                         *next
                     )));
                 }
+                choice
+            }
+            Choices::Schedule { choices, next } => {
+                let choice = choices.get(*next).copied().unwrap_or(0) % ready;
+                *next += 1;
                 choice
             }
         };
