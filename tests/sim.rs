@@ -3,27 +3,15 @@
 
 #![cfg(feature = "testkit")]
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::yield_now;
 use futures::channel::oneshot;
 use leasehold::testkit::{Sim, SimConfig, SimError};
 use leasehold::{fork_daemon, Clock, Interrupted, Schedule, Scoped, TimedOut};
-
-/// A task that yields once and is woken again (unlike `pending!`, which is never woken).
-async fn yield_once() {
-    let mut yielded = false;
-    std::future::poll_fn(|cx| {
-        if yielded {
-            std::task::Poll::Ready(())
-        } else {
-            yielded = true;
-            cx.waker().wake_by_ref();
-            std::task::Poll::Pending
-        }
-    })
-    .await
-}
 
 /// `tasks` tasks that each log their number, yield, and log again, run to the end.
 fn run_order(sim: &mut Sim, tasks: usize) -> Vec<usize> {
@@ -33,7 +21,7 @@ fn run_order(sim: &mut Sim, tasks: usize) -> Vec<usize> {
         let log = log.clone();
         spawner.spawn(Box::pin(async move {
             log.lock().unwrap().push(task);
-            yield_once().await;
+            yield_now().await;
             log.lock().unwrap().push(task);
         }));
     }
@@ -221,7 +209,7 @@ fn a_task_that_never_ends_stops_at_the_step_limit() {
     let error = sim
         .block_on(async {
             loop {
-                yield_once().await;
+                yield_now().await;
             }
         })
         .unwrap_err();
@@ -253,7 +241,7 @@ fn fibers_and_handed_off_clean_up_run_inside_the_simulation() {
         let mut work = Box::pin(work);
         for _ in 0..3 {
             let _ = futures::poll!(work.as_mut());
-            yield_once().await;
+            yield_now().await;
         }
         drop(work);
     });
@@ -389,12 +377,12 @@ fn a_leak_replays_exactly_from_its_trace() {
         let (keep, never) = oneshot::channel::<()>();
         let spawner = sim.spawner();
         for _ in 0..3 {
-            spawner.spawn(Box::pin(yield_once()));
+            spawner.spawn(Box::pin(yield_now()));
         }
         let error = sim
             .block_on(async move {
                 drop(fork_daemon(async move { never.await.ok() }));
-                yield_once().await;
+                yield_now().await;
             })
             .unwrap_err();
         drop(keep);
@@ -410,20 +398,20 @@ fn a_leak_replays_exactly_from_its_trace() {
 fn tree() -> Scoped<u32, Interrupted> {
     Scoped::new(|scope| async move {
         for _ in 0..2 {
-            scope.add_finalizer(|_| yield_once());
+            scope.add_finalizer(|_| yield_now());
         }
         let middle = Scoped::<u32, Interrupted>::new(|scope| async move {
-            scope.add_finalizer(|_| yield_once());
+            scope.add_finalizer(|_| yield_now());
             scope.add_finalizer(|_| async {});
             let worker = scope.fork(async {
-                yield_once().await;
+                yield_now().await;
                 1
             });
             let inner = Scoped::<u32, Interrupted>::new(|scope| async move {
-                scope.add_finalizer(|_| yield_once());
+                scope.add_finalizer(|_| yield_now());
                 scope.add_finalizer(|_| async {});
                 let fiber = scope.fork(async {
-                    yield_once().await;
+                    yield_now().await;
                     2
                 });
                 Ok(fiber.join().await.success().unwrap_or(0))
@@ -459,7 +447,7 @@ fn every_await_point_reports_a_leaked_fiber_with_a_trace_that_replays_it() {
                 // A clean-up that starts work it never finishes.
                 drop(fork_daemon(std::future::pending::<()>()));
             });
-            yield_once().await;
+            yield_now().await;
             Ok(())
         })
     };
