@@ -284,6 +284,9 @@ impl Trace {
 /// timeouts that were given no spawner or clock use the simulation's, and jitter draws from
 /// its seed, so the library's own background work stays inside it.
 ///
+/// A `Sim` belongs to the thread that made it (it is not `Send`): that is where it is current,
+/// and where `block_on` polls.
+///
 /// Work that waits on a thread outside the simulation (a lock manager opened with `open`, real
 /// I/O) cannot be seen: time may jump while that thread works, and such runs are not
 /// deterministic.
@@ -310,6 +313,8 @@ pub struct Sim {
     max_steps: u64,
     /// This simulation's place on its thread's stack of current simulations.
     id: u64,
+    /// It is current on the thread that made it, and runs there: not `Send`.
+    _here: std::marker::PhantomData<std::rc::Rc<()>>,
 }
 
 /// What the simulation's spawner and wakers reach.
@@ -475,6 +480,7 @@ impl Sim {
             },
             max_steps: config.max_steps,
             id,
+            _here: std::marker::PhantomData,
         }
     }
 
@@ -608,9 +614,17 @@ impl Sim {
                     let Some(future) = root.as_mut() else {
                         continue;
                     };
+                    /// Clears the flag even if the root panics.
+                    struct Polling<'a>(&'a AtomicBool);
+                    impl Drop for Polling<'_> {
+                        fn drop(&mut self) {
+                            self.0.store(false, Ordering::Relaxed);
+                        }
+                    }
                     self.shared.polling_root.store(true, Ordering::Relaxed);
+                    let polling = Polling(&self.shared.polling_root);
                     let polled = future.as_mut().poll(&mut Context::from_waker(&root_waker));
-                    self.shared.polling_root.store(false, Ordering::Relaxed);
+                    drop(polling);
                     if let Poll::Ready(value) = polled {
                         output = Some(value);
                         lock(&self.shared.events).push(Event::RootResolved);
