@@ -3,11 +3,12 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use event_listener::Event;
+use futures::task::AtomicWaker;
+use std::sync::mpsc::Receiver;
 
 use crate::clock::{Clock, SystemClock};
 use crate::schedule::Schedule;
@@ -18,7 +19,7 @@ use super::handle::{Shared, WorkerThread};
 use super::state::held::Guards;
 use super::state::reply::Replies;
 use super::state::{Common, Counters};
-use super::worker::protocol::Command;
+use super::worker::protocol::{self, Command, CommandTx};
 use super::worker::siblings;
 use super::worker::RunWorker;
 use super::MemoryStore;
@@ -327,6 +328,82 @@ impl LockManagerBuilder {
         self.open_memory(store, Some(store.name()))
     }
 
+    /// Opens a new owner on `store`, a lock store inside a simulation (feature `testkit`), as
+    /// another process on its database: its storage worker runs as a task of the simulation
+    /// (the same worker, stepped: no thread, no real-time wait), its clock is the store's (the
+    /// simulation's), so its heartbeats, polls and busy retries run on virtual time, and its
+    /// connection meets the storage faults of `faults`. Call it inside the simulation's
+    /// `block_on`. The builder's clock and, if it was given one, its spawner are replaced by
+    /// the simulation's.
+    ///
+    /// See [`testkit::SimStore`](crate::testkit::SimStore) for killing and stopping managers,
+    /// and [`testkit::check_locks`](crate::testkit::check_locks) for judging what happened.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::InvalidConfig`] for impossible settings.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::testkit::{check_locks, FaultPlan, Sim, SimStore};
+    /// use leasehold::LockManager;
+    ///
+    /// let mut sim = Sim::new(3);
+    /// let store = SimStore::new(&sim);
+    /// sim.block_on({
+    ///     let store = store.clone();
+    ///     async move {
+    ///         // One transaction in five faulted: the worker retries, as it would in production.
+    ///         let locks = LockManager::builder().open_simulated(&store, FaultPlan::drawn(0.2))?;
+    ///         for _ in 0..10 {
+    ///             locks.exclusive("repo", "prune").await?.release().await?;
+    ///         }
+    ///         Ok::<(), leasehold::LockError>(())
+    ///     }
+    /// })
+    /// .unwrap()
+    /// .unwrap();
+    /// check_locks(&store.history()).unwrap();
+    /// ```
+    #[cfg(feature = "testkit")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
+    pub fn open_simulated(
+        mut self,
+        store: &crate::testkit::SimStore,
+        faults: crate::testkit::FaultPlan,
+    ) -> Result<LockManager, LockError> {
+        use crate::lock::worker::Worker;
+        use crate::testkit::locks::SimStorage;
+
+        let clock = store.clock();
+        self.clock = clock.clone();
+        self.spawner = Some(store.spawner());
+        let parts = self.prepare(Some(store.memory().name()))?;
+        let common = parts.common;
+        common.replies.never_yield();
+        let attached = store.attach(&common.owner, parts.waker.clone(), &faults);
+        let control = attached.control.clone();
+        let _ = common.sim.set(attached.clone());
+        let mut connection = memory::Memory::new(store.memory(), parts.opening.clock.clone());
+        if faults.mutated() == Some(crate::testkit::Mutation::RenewalRevivesLapsed) {
+            connection.revive_lapsed();
+        }
+        let storage = SimStorage::new(connection, faults, attached, clock, common.busy.clone());
+        let worker = Worker::new(storage, common.clone(), parts.commands);
+        crate::spawn::spawn_as(
+            &*store.spawner(),
+            "leasehold's simulated storage worker",
+            Box::pin(worker.run_simulated(parts.waker, control)),
+        );
+        Starting {
+            common,
+            tx: parts.tx,
+            worker: None,
+        }
+        .finish(Ok::<_, ()>(Ok(())))
+    }
+
     /// A manager on the memory `store`, known to this process's other managers as `name`
     /// (`None`: to none, a private store).
     fn open_memory(
@@ -455,13 +532,37 @@ impl LockManagerBuilder {
     /// Validates the settings and starts the storage thread, which runs `open`: it opens a
     /// backend's storage with what `Opening` says, says whether it could, and hands it to the
     /// worker (`Serve`).
-    ///
-    /// The backend is given a way to poke the worker (`Opening::poke`) that does not keep it
-    /// alive: the worker stops when every handle is gone.
     fn launch<F>(self, store: Option<String>, open: F) -> Result<Starting, LockError>
     where
         F: FnOnce(Opening, RunWorker) + Send + 'static,
     {
+        let parts = self.prepare(store)?;
+        let worker = RunWorker::new(parts.common.clone(), parts.commands);
+        let opening = parts.opening;
+        let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
+        let handle = std::thread::Builder::new()
+            .name("leasehold-storage".into())
+            .spawn(move || {
+                let _ended = ended_tx;
+                open(opening, worker);
+            })
+            .map_err(|e| {
+                StorageError::new("starting the storage thread", e.to_string()).caused_by(e)
+            })?;
+        let worker = Some(WorkerThread { handle, ended });
+        Ok(Starting {
+            common: parts.common,
+            tx: parts.tx,
+            worker,
+        })
+    }
+
+    /// Validates the settings and makes what a new manager's parts share, known to this
+    /// process's other managers on the same store as `store`, with its command channel.
+    ///
+    /// The backend is given a way to poke the worker (`Opening::poke`) that does not keep it
+    /// alive: the worker stops when every handle is gone.
+    pub(crate) fn prepare(self, store: Option<String>) -> Result<Parts, LockError> {
         self.validate()?;
         let common = Arc::new(Common {
             owner: new_owner_id(),
@@ -477,8 +578,10 @@ impl LockManagerBuilder {
             unqueued: AtomicUsize::new(0),
             store,
             replies: Replies::default(),
+            #[cfg(feature = "testkit")]
+            sim: Default::default(),
         });
-        let (tx, commands) = std::sync::mpsc::channel();
+        let (tx, commands, waker) = protocol::commands();
         let tx = Arc::new(tx);
         let opening = Opening {
             owner: common.owner.clone(),
@@ -487,20 +590,26 @@ impl LockManagerBuilder {
             clock: common.clock.clone(),
             poke: Arc::new(Arc::downgrade(&tx)),
         };
-        let worker = RunWorker::new(common.clone(), commands);
-        let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
-        let handle = std::thread::Builder::new()
-            .name("leasehold-storage".into())
-            .spawn(move || {
-                let _ended = ended_tx;
-                open(opening, worker);
-            })
-            .map_err(|e| {
-                StorageError::new("starting the storage thread", e.to_string()).caused_by(e)
-            })?;
-        let worker = WorkerThread { handle, ended };
-        Ok(Starting { common, tx, worker })
+        Ok(Parts {
+            common,
+            tx,
+            commands,
+            waker,
+            opening,
+        })
     }
+}
+
+/// What [`LockManagerBuilder::prepare`] makes: a manager's shared state, its command channel,
+/// and what its storage is opened with.
+pub(crate) struct Parts {
+    pub(crate) common: Arc<Common>,
+    pub(crate) tx: Arc<CommandTx>,
+    pub(crate) commands: Receiver<Command>,
+    /// Woken by every command sent, for a worker that awaits them rather than blocks.
+    #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+    pub(crate) waker: Arc<AtomicWaker>,
+    pub(crate) opening: Opening,
 }
 
 /// The default of [`LockManagerBuilder::busy_schedule`].
@@ -511,17 +620,20 @@ fn default_busy_schedule() -> Schedule {
         .up_to(Duration::from_secs(60))
 }
 
-/// A manager whose storage thread is opening its storage.
-struct Starting {
-    common: Arc<Common>,
-    tx: Arc<Sender<Command>>,
-    worker: WorkerThread,
+/// A manager whose storage thread (if it has one) is opening its storage.
+pub(crate) struct Starting {
+    pub(crate) common: Arc<Common>,
+    pub(crate) tx: Arc<CommandTx>,
+    pub(crate) worker: Option<WorkerThread>,
 }
 
 impl Starting {
     /// The manager, given what the storage thread said of opening its storage (an error to
     /// receive means it stopped without saying).
-    fn finish<E>(self, opened: Result<Result<(), LockError>, E>) -> Result<LockManager, LockError> {
+    pub(crate) fn finish<E>(
+        self,
+        opened: Result<Result<(), LockError>, E>,
+    ) -> Result<LockManager, LockError> {
         opened.map_err(|_| {
             StorageError::new("opening the database", "the storage thread stopped")
         })??;
@@ -529,7 +641,7 @@ impl Starting {
             tx: self.tx,
             common: self.common,
             next_request: AtomicU64::new(1),
-            worker: Mutex::new(Some(self.worker)),
+            worker: Mutex::new(self.worker),
         });
         siblings::register(&shared.tx, &shared.common);
         Ok(LockManager { shared })

@@ -159,6 +159,15 @@ impl Guard {
             Removed::NotAllLive => false,
             Removed::GoneAfterLostAnswer => entry.as_ref().is_some_and(|entry| !entry.is_lost()),
         };
+        #[cfg(feature = "testkit")]
+        if let Some(sim) = self.shared.common.sim.get() {
+            sim.record(crate::testkit::LockEvent::Released {
+                owner: self.shared.common.owner.clone(),
+                ticket: self.ticket,
+                held,
+                ran_out: entry.as_ref().is_none_or(GuardEntry::is_lost),
+            });
+        }
         if held {
             return Ok(());
         }

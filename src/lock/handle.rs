@@ -2,7 +2,6 @@
 //! made through it, and what the handle's parts share (`state`).
 
 use std::sync::atomic::AtomicU64;
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,7 +11,7 @@ use crate::sync::lock;
 
 use super::state::Common;
 use super::worker::protocol;
-use super::worker::protocol::{Acquired, Command, Grant, Removed, Wait, Write};
+use super::worker::protocol::{Acquired, Command, CommandTx, Grant, Removed, Wait, Write};
 use super::{LockError, LockRequest};
 use crate::lock::time::from_micros;
 
@@ -20,7 +19,7 @@ use crate::lock::time::from_micros;
 pub(crate) struct Shared {
     // In an `Arc` so that other managers can poke this one through a `Weak` without ever
     // holding (and so possibly dropping, and joining) the whole handle.
-    pub(super) tx: Arc<Sender<Command>>,
+    pub(super) tx: Arc<CommandTx>,
     pub(super) common: Arc<Common>,
     pub(super) next_request: AtomicU64,
     pub(super) worker: Mutex<Option<WorkerThread>>,
@@ -40,8 +39,10 @@ impl Drop for Shared {
     /// then). After that the worker finishes in the background, and whatever it could not
     /// delete expires with its lease: a drop on an executor's thread never holds it longer.
     fn drop(&mut self) {
-        let (disconnected, _) = std::sync::mpsc::channel();
-        drop(std::mem::replace(&mut self.tx, Arc::new(disconnected)));
+        drop(std::mem::replace(
+            &mut self.tx,
+            Arc::new(CommandTx::disconnected()),
+        ));
         let worker = lock(&self.worker).take();
         let Some(worker) = worker else { return };
         if worker.handle.thread().id() == std::thread::current().id() {

@@ -29,10 +29,10 @@
 //! The cycles left are those of one idea in two files: a backend's folder and its parts, the
 //! worker's run loop and its parts (one `Worker`, its methods split by concern).
 
-mod backend;
+pub(crate) mod backend;
 mod builder;
 mod error;
-mod grant;
+pub(crate) mod grant;
 mod guard;
 mod handle;
 mod heartbeat;
@@ -40,7 +40,7 @@ mod manager;
 mod state;
 mod time;
 mod types;
-mod worker;
+pub(crate) mod worker;
 
 pub use self::backend::memory::MemoryStore;
 pub use self::builder::LockManagerBuilder;

@@ -17,6 +17,7 @@
 
 mod events;
 mod explore;
+pub(crate) mod locks;
 #[cfg(unix)]
 pub mod postgres;
 pub(crate) mod sim;
@@ -24,4 +25,7 @@ pub mod strategy;
 
 pub use events::{check_cleanup, CleanupViolation, Event};
 pub use explore::{every_await_point, stop_at, Explored, Explorer, Failure, Stop};
+#[doc(hidden)]
+pub use locks::Mutation;
+pub use locks::{check_locks, Fault, FaultPlan, LockEvent, LockHistory, SimStore};
 pub use sim::{Sim, SimConfig, SimError};

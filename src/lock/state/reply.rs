@@ -73,6 +73,10 @@ pub(crate) struct Replies {
     typical: AtomicU32,
     /// Whether a call is yielding now: one at a time does.
     yielder: AtomicBool,
+    /// Whether calls never yield: where the worker is a task polled in turn with its callers
+    /// (a simulated manager), a yielding caller would only delay it, and would make the
+    /// simulation depend on real time.
+    never: AtomicBool,
 }
 
 impl Replies {
@@ -88,6 +92,12 @@ impl Replies {
             yielding: Yielding::NotYet,
             alone_since: None,
         }
+    }
+
+    /// From now on, calls wait to be woken without yielding.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn never_yield(&self) {
+        self.never.store(true, Relaxed);
     }
 
     /// The worker is about to block waiting for a command.
@@ -129,7 +139,7 @@ impl Replies {
     /// Whether a call may start yielding: unless another one yields now, and then it becomes
     /// the one that yields. Counts down the calls left to skip.
     fn may_yield(&self) -> bool {
-        if !has_a_cpu_to_spare() || self.yielder.load(Relaxed) {
+        if !has_a_cpu_to_spare() || self.never.load(Relaxed) || self.yielder.load(Relaxed) {
             return false;
         }
         self.skip

@@ -67,6 +67,7 @@ impl<S: Storage> Worker<S> {
                 self.lost_replies = true;
             }
             self.doubt_removals(&writes);
+            self.doubt_commit();
             if !self.storage.again() {
                 self.retry_alone(writes, error);
                 return Ok(());

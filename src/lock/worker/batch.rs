@@ -241,6 +241,7 @@ impl<S: Storage> Worker<S> {
                 }
             }
             self.doubt_removals(&writes);
+            self.doubt_commit();
             if !self.storage.again() {
                 self.retry_alone(writes, error);
                 return;

@@ -57,9 +57,9 @@ impl<S: Storage> Worker<S> {
     }
 
     /// How long until the waiting marker, still up with no waiter, is to be taken down.
-    pub(super) fn marker_left(&self) -> Option<Duration> {
+    pub(super) fn marker_left(&self, now: Duration) -> Option<Duration> {
         let since = self.idle_since.filter(|_| self.marked_waiting)?;
-        Some(MARKER_LINGER.saturating_sub(since.elapsed()))
+        Some(MARKER_LINGER.saturating_sub(now.saturating_sub(since)))
     }
 
     /// Tells storage whether this owner has waiters, when that changes.

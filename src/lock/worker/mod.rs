@@ -42,7 +42,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::clock::{Clock, SystemClock};
 use crate::lock::backend::{
@@ -197,7 +197,7 @@ pub(crate) struct Worker<S> {
     /// Whether storage was last told that this owner has waiters (`Storage::waiting`), and
     /// since when it has had none.
     marked_waiting: bool,
-    idle_since: Option<Instant>,
+    idle_since: Option<Duration>,
     /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
     /// deleted (if there) by the next transaction.
     doubtful: Vec<Written>,
@@ -257,10 +257,21 @@ impl<S: Storage> Worker<S> {
         &self.common.counters
     }
 
+    /// Whether this worker was broken on purpose so (a simulated manager's).
+    #[cfg(feature = "testkit")]
+    fn mutated(&self, mutation: crate::testkit::Mutation) -> bool {
+        self.common
+            .sim
+            .get()
+            .is_some_and(|sim| sim.mutation == Some(mutation))
+    }
+
     fn has_waiters(&self) -> bool {
         !self.waits.is_empty() || self.common.unqueued.load(Ordering::SeqCst) > 0
     }
 
+    /// Serves commands on this thread until the manager is gone: spins a while for the next
+    /// one (see `spin`), then blocks until it comes or the next look, beat or marker is due.
     pub(crate) fn run(mut self) {
         loop {
             let received = match self.spin() {
@@ -270,13 +281,7 @@ impl<S: Storage> Worker<S> {
                     // Blocks in real time for as long as the clock says is left, then reads the
                     // clock again: on the system clock that is the moment of the look, and a
                     // clock moved by hand (`TestClock`) is seen to move within one delay.
-                    let due = self
-                        .next_look()
-                        .into_iter()
-                        .chain(self.waits.next_beat())
-                        .min();
-                    let left = due.map(|at| at.saturating_sub(self.common.clock.monotonic()));
-                    let received = match left.into_iter().chain(self.marker_left()).min() {
+                    let received = match self.left() {
                         Some(left) => self.rx.recv_timeout(left),
                         None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
                     };
@@ -284,42 +289,135 @@ impl<S: Storage> Worker<S> {
                     received
                 }
             };
-            match received {
-                Ok(first) => {
-                    // Room for a busy moment's batch at once, rather than growing it command by
-                    // command.
-                    let mut batch = Vec::with_capacity(32);
-                    batch.push(first);
-                    while batch.len() < MAX_BATCH {
-                        match self.rx.try_recv() {
-                            Ok(command) => batch.push(command),
-                            Err(_) => break,
-                        }
-                    }
-                    if self.handle(batch) {
-                        return;
+            if self.step(received) {
+                return;
+            }
+        }
+    }
+
+    /// How long the worker may wait for a command before something of its own is due: the
+    /// change poll's next look, a waiting request's heartbeat, the waiting marker's end.
+    fn left(&mut self) -> Option<Duration> {
+        let due = self
+            .next_look()
+            .into_iter()
+            .chain(self.waits.next_beat())
+            .min();
+        let now = self.common.clock.monotonic();
+        let left = due.map(|at| at.saturating_sub(now));
+        left.into_iter().chain(self.marker_left(now)).min()
+    }
+
+    /// Handles what waiting brought (a command, with whatever else is queued behind it, or
+    /// nothing by the deadline), then whatever of the worker's own is due. True once the worker
+    /// is done: shut down, or every handle gone.
+    fn step(&mut self, received: Result<Command, RecvTimeoutError>) -> bool {
+        match received {
+            Ok(first) => {
+                // Room for a busy moment's batch at once, rather than growing it command by
+                // command.
+                let mut batch = Vec::with_capacity(32);
+                batch.push(first);
+                while batch.len() < MAX_BATCH {
+                    match self.rx.try_recv() {
+                        Ok(command) => batch.push(command),
+                        Err(_) => break,
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    self.close();
-                    return;
+                if self.handle(batch) {
+                    return true;
                 }
             }
-            self.start_due_beats();
-            if self.look_due() {
-                self.look_for_changes();
-                self.last_look = self.common.clock.monotonic();
-                self.next_look = self.look_after(self.last_look);
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                self.close();
+                return true;
             }
-            if self.common.unqueued.load(Ordering::SeqCst) > 0 {
+        }
+        self.start_due_beats();
+        if self.look_due() {
+            self.look_for_changes();
+            self.last_look = self.common.clock.monotonic();
+            self.next_look = self.look_after(self.last_look);
+        }
+        let now = self.common.clock.monotonic();
+        if self.common.unqueued.load(Ordering::SeqCst) > 0 {
+            self.idle_since = None;
+        } else if self.marked_waiting {
+            let since = *self.idle_since.get_or_insert(now);
+            if now.saturating_sub(since) >= MARKER_LINGER {
+                self.mark_waiting(false);
                 self.idle_since = None;
-            } else if self.marked_waiting {
-                let since = *self.idle_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= MARKER_LINGER {
-                    self.mark_waiting(false);
-                    self.idle_since = None;
+            }
+        }
+        false
+    }
+
+    /// Serves commands as a task of a simulation (feature `testkit`): the same steps as `run`,
+    /// awaiting the next command (woken through `waker` by every send) or the clock's deadline
+    /// instead of blocking, and never spinning. `control` stops it for a while, as a stopped
+    /// process, or kills it: it then ends at once, deleting nothing, as a killed process does.
+    #[cfg(feature = "testkit")]
+    pub(crate) async fn run_simulated(
+        mut self,
+        waker: Arc<futures::task::AtomicWaker>,
+        control: Arc<crate::testkit::locks::Control>,
+    ) {
+        use futures::future::{select, Either};
+        use std::task::Poll;
+        loop {
+            if control.killed() {
+                return;
+            }
+            if let Some(left) = control.stopped_for(self.common.clock.monotonic()) {
+                let sleep = self.common.clock.sleep(left);
+                // A kill during the stop ends it at once.
+                let killed = std::future::poll_fn(|cx| {
+                    waker.register(cx.waker());
+                    if control.killed() {
+                        Poll::Ready(())
+                    } else {
+                        Poll::Pending
+                    }
+                });
+                select(sleep, std::pin::pin!(killed)).await;
+                continue;
+            }
+            let left = self.left();
+            let (rx, waker, control) = (&mut self.rx, &waker, &control);
+            let next = std::future::poll_fn(move |cx| {
+                waker.register(cx.waker());
+                if control.killed() {
+                    return Poll::Ready(Err(RecvTimeoutError::Disconnected));
                 }
+                match rx.try_recv() {
+                    Ok(command) => Poll::Ready(Ok(command)),
+                    Err(TryRecvError::Disconnected) => {
+                        Poll::Ready(Err(RecvTimeoutError::Disconnected))
+                    }
+                    Err(TryRecvError::Empty) => Poll::Pending,
+                }
+            });
+            let received = match left {
+                Some(left) => {
+                    let sleep = self.common.clock.sleep(left);
+                    match select(std::pin::pin!(next), sleep).await {
+                        Either::Left((received, _)) => received,
+                        Either::Right(((), _)) => Err(RecvTimeoutError::Timeout),
+                    }
+                }
+                None => next.await,
+            };
+            if control.killed() {
+                return;
+            }
+            if self.step(received) {
+                if let Some(sim) = self.common.sim.get() {
+                    sim.record(crate::testkit::LockEvent::Ended {
+                        owner: self.common.owner.clone(),
+                    });
+                }
+                return;
             }
         }
     }
@@ -369,13 +467,18 @@ impl<S: Storage> Worker<S> {
     /// The manager is gone (every handle dropped): leave no row behind.
     fn close(&mut self) {
         let keys = self.own_keys();
-        let deleted = self.transaction(&keys, |worker, now| worker.delete_own_rows(now));
-        match deleted {
-            Ok(((), freed)) => self.after_commit(&freed),
-            Err(error) => tracing::warn!(
-                %error,
-                "could not delete this owner's rows on close; they expire with their lease"
-            ),
+        loop {
+            match self.transaction(&keys, |worker, now| worker.delete_own_rows(now)) {
+                Ok(((), freed)) => return self.after_commit(&freed),
+                // Busy for a moment, or a connection lost and found again: once more.
+                Err(_) if self.storage.again() => {}
+                Err(error) => {
+                    return tracing::warn!(
+                        %error,
+                        "could not delete this owner's rows on close; they expire with their lease"
+                    )
+                }
+            }
         }
     }
 }

@@ -2,12 +2,13 @@
 //! back. This is the interface between the public face (`manager.rs`, `guard.rs`,
 //! `heartbeat.rs`) and the worker; neither side needs to know more of the other.
 
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::{self, Receiver, SendError, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use event_listener::Event;
 use futures::channel::oneshot;
+use futures::task::AtomicWaker;
 
 use crate::abort::AbortSignal;
 use crate::lock::backend::Poke;
@@ -76,8 +77,57 @@ impl Command {
     }
 }
 
+/// The sending side of a worker's commands. A worker on a thread of its own blocks on the
+/// channel; one that runs as a task (a simulated manager's) awaits it, and every send, and the
+/// drop of the last sender, wakes it (`waker`).
+pub(crate) struct CommandTx {
+    /// `None` only while dropping: the channel disconnects before the waker is woken, so the
+    /// woken worker finds it disconnected.
+    tx: Option<Sender<Command>>,
+    waker: Arc<AtomicWaker>,
+}
+
+/// A channel of commands: the sender, the receiver, and the waker a task-run worker registers.
+pub(crate) fn commands() -> (CommandTx, Receiver<Command>, Arc<AtomicWaker>) {
+    let (tx, rx) = mpsc::channel();
+    let waker = Arc::new(AtomicWaker::new());
+    let sender = CommandTx {
+        tx: Some(tx),
+        waker: waker.clone(),
+    };
+    (sender, rx, waker)
+}
+
+impl CommandTx {
+    /// Sends `command`; an error once the worker is gone.
+    pub(crate) fn send(&self, command: Command) -> Result<(), SendError<Command>> {
+        let sent = match &self.tx {
+            Some(tx) => tx.send(command),
+            None => Err(SendError(command)),
+        };
+        self.waker.wake();
+        sent
+    }
+
+    /// A sender that reaches no worker: what a handle that shut down keeps.
+    pub(crate) fn disconnected() -> CommandTx {
+        let (tx, _) = mpsc::channel();
+        CommandTx {
+            tx: Some(tx),
+            waker: Arc::new(AtomicWaker::new()),
+        }
+    }
+}
+
+impl Drop for CommandTx {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        self.waker.wake();
+    }
+}
+
 /// The worker's side of a backend's `Poke`: a command sender that does not keep the worker.
-impl Poke for Weak<Sender<Command>> {
+impl Poke for Weak<CommandTx> {
     fn poke(&self) -> bool {
         self.upgrade()
             .is_some_and(|tx| tx.send(Command::Poke).is_ok())

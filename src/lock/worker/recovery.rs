@@ -8,11 +8,27 @@ impl<S: Storage> Worker<S> {
     /// The removals among `writes`, tried in a call or transaction that failed: perhaps after
     /// it committed.
     pub(super) fn doubt_removals(&mut self, writes: &[Write]) {
+        #[cfg(feature = "testkit")]
+        if self.mutated(crate::testkit::Mutation::RemovalForgottenAfterLostAnswer) {
+            return;
+        }
         for write in writes {
             if let Write::Remove { request, .. } = write {
                 self.removals_in_doubt.insert(*request);
             }
         }
+    }
+
+    /// After a write that failed, perhaps after it committed (its answer lost): what it freed
+    /// and promoted, if it did, was never told to this owner's waiters, and a retry that finds
+    /// the rows gone frees nothing more. So they are told to look again, as after a change of
+    /// unknown extent: callers waiting without a row try again at once, and the next look reads
+    /// every key the queued requests wait on (and finds those that the lost commit promoted).
+    pub(super) fn doubt_commit(&mut self) {
+        self.look_all = true;
+        self.poked = true;
+        self.waits.take_refused();
+        self.common.changed.notify(usize::MAX);
     }
 
     /// What the removal of `request` found, having deleted `deleted` of its rows.

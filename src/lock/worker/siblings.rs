@@ -5,10 +5,9 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::lock::worker::protocol::Command;
+use crate::lock::worker::protocol::{Command, CommandTx};
 use crate::lock::Common;
 use crate::sync::lock;
 
@@ -18,7 +17,7 @@ use crate::sync::lock;
 struct Sibling {
     store: String,
     owner: String,
-    tx: Weak<Sender<Command>>,
+    tx: Weak<CommandTx>,
     common: Weak<Common>,
 }
 
@@ -26,7 +25,7 @@ static SIBLINGS: Mutex<Vec<Sibling>> = Mutex::new(Vec::new());
 
 /// Makes a new manager (its command sender `tx`, its `common`) known to the other managers of
 /// this process on its store; kept without keeping it alive.
-pub(crate) fn register(tx: &Arc<Sender<Command>>, common: &Arc<Common>) {
+pub(crate) fn register(tx: &Arc<CommandTx>, common: &Arc<Common>) {
     let Some(store) = common.store.clone() else {
         return;
     };
@@ -46,7 +45,7 @@ pub(crate) fn poke(common: &Common, owners: &BTreeSet<String>) {
     let Some(store) = &common.store else {
         return;
     };
-    let targets: Vec<(Arc<Sender<Command>>, Arc<Common>)> = lock(&SIBLINGS)
+    let targets: Vec<(Arc<CommandTx>, Arc<Common>)> = lock(&SIBLINGS)
         .iter()
         .filter(|s| &s.store == store && s.owner != common.owner)
         .filter_map(|s| Some((s.tx.upgrade()?, s.common.upgrade()?)))

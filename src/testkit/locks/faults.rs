@@ -1,0 +1,513 @@
+//! Storage faults (`FaultPlan`), and the connection of a simulated manager (`SimStorage`): the
+//! memory backend's, with the faults applied where the real backends fail, and every committed
+//! change recorded in the store's history.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::Clock;
+use crate::lock::backend::memory::Memory;
+use crate::lock::backend::{
+    Capabilities, Changes, DecidesAtOnce, Deleted, OwnedRequest, Result, Row, Storage,
+};
+use crate::lock::grant::RowView;
+use crate::lock::{LockRequest, Mode, StorageError};
+use crate::schedule::{Schedule, ScheduleRun};
+
+use super::history::LockEvent;
+use super::{Attached, StoreClock};
+
+/// One storage fault, as [`FaultPlan::with`] lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// The transaction is refused at its start: another process writes (SQLite's
+    /// `SQLITE_BUSY`, a lock wait that timed out). Retried on the busy schedule.
+    Busy,
+    /// The commit fails and nothing of the transaction takes effect.
+    CommitFails,
+    /// The commit takes effect, but its answer is lost (a connection cut as the server
+    /// answered): the worker cannot tell whether it committed.
+    AnswerLost,
+    /// The connection is lost before the transaction: it fails, and what other managers
+    /// announced meanwhile is not known (as after a reconnection).
+    ConnectionLost,
+    /// The call takes this long (virtual time passes while it runs).
+    Latency(Duration),
+    /// The store's wall clock (the one leases are judged by) steps forward by this much.
+    ClockForward(Duration),
+    /// The store's wall clock steps back by this much.
+    ClockBack(Duration),
+}
+
+/// Which storage faults a simulated manager meets ([`open_simulated`]): drawn from the
+/// simulation's seed at a rate, listed by transaction, or both. The default is none.
+///
+/// Faults are applied where the real backends fail: a transaction refused as busy or over a
+/// lost connection at its start, a commit that fails or whose answer is lost at its end,
+/// latency on every call, and the wall clock stepped between transactions. So the worker's
+/// retries, its recovery from a lost answer and its fresh look after a reconnection run as
+/// they do in production.
+///
+/// [`open_simulated`]: crate::LockManagerBuilder::open_simulated
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold::testkit::{Fault, FaultPlan};
+///
+/// // About one transaction in ten faulted, up to 2 ms on every call, steps of up to a second.
+/// let drawn = FaultPlan::drawn(0.1)
+///     .latency(Duration::from_millis(2))
+///     .clock_steps(Duration::from_secs(1));
+/// // Or exactly these: the second transaction's answer lost, the third refused as busy.
+/// let listed = FaultPlan::none().with(1, Fault::AnswerLost).with(2, Fault::Busy);
+/// # let _ = (drawn, listed);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct FaultPlan {
+    rate: f64,
+    latency: Duration,
+    clock_steps: Duration,
+    listed: BTreeMap<u64, Vec<Fault>>,
+    mutation: Option<Mutation>,
+}
+
+/// Deliberately broken copies of the lock manager, for showing that a property test finds
+/// them. Not for use.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mutation {
+    /// Decisions do not see held exclusive rows.
+    GrantIgnoresEarlierExclusive,
+    /// A renewal renews lapsed rows too.
+    RenewalRevivesLapsed,
+    /// The worker forgets that a removal whose answer was lost may have deleted its rows.
+    RemovalForgottenAfterLostAnswer,
+}
+
+impl FaultPlan {
+    /// No faults.
+    pub fn none() -> FaultPlan {
+        FaultPlan::default()
+    }
+
+    /// Every kind of transaction fault (busy, a failed commit, a lost answer, a lost
+    /// connection), each transaction meeting one with probability `rate` (in `[0, 1]`; out of
+    /// range, it is clamped), drawn from the simulation's seed.
+    pub fn drawn(rate: f64) -> FaultPlan {
+        let rate = if rate.is_nan() {
+            0.0
+        } else {
+            rate.clamp(0.0, 1.0)
+        };
+        FaultPlan {
+            rate,
+            ..FaultPlan::default()
+        }
+    }
+
+    /// Every call takes up to `up_to` (drawn uniformly from the seed) of virtual time.
+    pub fn latency(mut self, up_to: Duration) -> FaultPlan {
+        self.latency = up_to;
+        self
+    }
+
+    /// With the plan's rate, the store's wall clock steps forward or back by up to `up_to`
+    /// before a transaction. The clock is the store's, as a machine's is: every manager on the
+    /// store sees the step.
+    pub fn clock_steps(mut self, up_to: Duration) -> FaultPlan {
+        self.clock_steps = up_to;
+        self
+    }
+
+    /// `fault` at this manager's transaction number `transaction` (from 0), besides any drawn.
+    pub fn with(mut self, transaction: u64, fault: Fault) -> FaultPlan {
+        self.listed.entry(transaction).or_default().push(fault);
+        self
+    }
+
+    #[doc(hidden)]
+    pub fn mutation(mut self, mutation: Mutation) -> FaultPlan {
+        self.mutation = Some(mutation);
+        self
+    }
+
+    pub(crate) fn mutated(&self) -> Option<Mutation> {
+        self.mutation
+    }
+}
+
+/// A uniform draw in `[0, 1)` from the simulation's randomness; none outside one.
+fn draw() -> Option<f64> {
+    crate::testkit::sim::current_draw()
+}
+
+/// The connection of a simulated manager: the memory backend's, with faults.
+pub(crate) struct SimStorage {
+    inner: Memory,
+    plan: FaultPlan,
+    attached: Arc<Attached>,
+    clock: Arc<StoreClock>,
+    busy: Schedule,
+    /// The busy schedule's run, while injected failures are retried.
+    retrying: Option<ScheduleRun>,
+    /// Whether the last failure was injected (a passing one, retried).
+    failed: bool,
+    /// The faults due at this transaction's commit.
+    at_commit: Option<Fault>,
+    /// Whether the next look must report that anything may have changed (a reconnection).
+    reconnected: bool,
+    transactions: u64,
+    /// The open transaction's changes, recorded when it commits, and its time.
+    pending: Vec<LockEvent>,
+    began_at: i64,
+}
+
+impl SimStorage {
+    pub(crate) fn new(
+        inner: Memory,
+        plan: FaultPlan,
+        attached: Arc<Attached>,
+        clock: Arc<StoreClock>,
+        busy: Schedule,
+    ) -> SimStorage {
+        SimStorage {
+            inner,
+            plan,
+            attached,
+            clock,
+            busy,
+            retrying: None,
+            failed: false,
+            at_commit: None,
+            reconnected: false,
+            transactions: 0,
+            pending: Vec::new(),
+            began_at: 0,
+        }
+    }
+
+    fn owner(&self) -> String {
+        self.attached.owner.clone()
+    }
+
+    /// Virtual time passes as a call runs, if the plan says so.
+    fn call(&mut self) {
+        if self.plan.latency.is_zero() {
+            return;
+        }
+        if let Some(u) = draw() {
+            self.clock.advance(self.plan.latency.mul_f64(u));
+        }
+    }
+
+    fn note(&self, fault: Fault) {
+        self.attached.record(LockEvent::Fault {
+            owner: self.owner(),
+            fault: format!("{fault:?}"),
+        });
+    }
+
+    /// The faults of this transaction: listed for its number, and drawn.
+    fn faults_now(&mut self) -> Vec<Fault> {
+        let mut faults = self
+            .plan
+            .listed
+            .remove(&self.transactions)
+            .unwrap_or_default();
+        self.transactions += 1;
+        if self.plan.rate > 0.0 {
+            if let Some(u) = draw() {
+                if u < self.plan.rate {
+                    let kinds = if self.plan.clock_steps.is_zero() {
+                        4
+                    } else {
+                        5
+                    };
+                    let pick = draw().unwrap_or(0.0);
+                    let fault = match (pick * kinds as f64) as usize {
+                        0 => Fault::Busy,
+                        1 => Fault::CommitFails,
+                        2 => Fault::AnswerLost,
+                        3 => Fault::ConnectionLost,
+                        _ => {
+                            let by = self.plan.clock_steps.mul_f64(draw().unwrap_or(0.0));
+                            if draw().unwrap_or(0.0) < 0.5 {
+                                Fault::ClockForward(by)
+                            } else {
+                                Fault::ClockBack(by)
+                            }
+                        }
+                    };
+                    faults.push(fault);
+                }
+            }
+        }
+        faults
+    }
+
+    fn injected(&mut self, doing: &str, why: &str) -> crate::lock::LockError {
+        self.failed = true;
+        StorageError::new(doing, format!("injected by the fault plan: {why}"))
+            .transient(true)
+            .into()
+    }
+
+    fn flush(&mut self) {
+        for event in self.pending.drain(..) {
+            self.attached.record(event);
+        }
+    }
+
+    fn mutated(&self, mutation: Mutation) -> bool {
+        self.plan.mutation == Some(mutation)
+    }
+}
+
+impl Storage for SimStorage {
+    fn now(&self) -> i64 {
+        self.inner.now()
+    }
+
+    fn ahead_of(&self, clock: &dyn Clock) -> i64 {
+        self.inner.ahead_of(clock)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn changes(&mut self) -> Result<Changes> {
+        self.call();
+        if std::mem::take(&mut self.reconnected) {
+            // Whatever the log says: what was announced while the connection was down is lost.
+            let _ = self.inner.changes();
+            return Ok(Changes::Unknown);
+        }
+        self.inner.changes()
+    }
+
+    fn begin(&mut self, keys: &[String]) -> Result<i64> {
+        self.call();
+        self.pending.clear();
+        self.at_commit = None;
+        for fault in self.faults_now() {
+            self.note(fault);
+            match fault {
+                Fault::Busy => return Err(self.injected("starting a transaction", "busy")),
+                Fault::ConnectionLost => {
+                    self.reconnected = true;
+                    return Err(self.injected("starting a transaction", "connection lost"));
+                }
+                Fault::CommitFails | Fault::AnswerLost => self.at_commit = Some(fault),
+                Fault::Latency(by) => self.clock.advance(by),
+                Fault::ClockForward(by) => self.clock.step(micros_of(by)),
+                Fault::ClockBack(by) => self.clock.step(-micros_of(by)),
+            }
+        }
+        let now = self.inner.begin(keys)?;
+        self.began_at = now;
+        Ok(now)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        self.call();
+        match self.at_commit.take() {
+            Some(Fault::CommitFails) => {
+                self.inner.rollback();
+                self.pending.clear();
+                Err(self.injected("committing", "the commit failed"))
+            }
+            Some(_) => {
+                self.inner.commit()?;
+                self.flush();
+                Err(self.injected("committing", "the commit's answer was lost"))
+            }
+            None => {
+                self.inner.commit()?;
+                self.flush();
+                self.retrying = None;
+                self.failed = false;
+                Ok(())
+            }
+        }
+    }
+
+    fn announce(
+        &mut self,
+        freed: &[String],
+        promoted: &[String],
+        owners: &BTreeSet<String>,
+    ) -> Result<()> {
+        self.inner.announce(freed, promoted, owners)
+    }
+
+    fn rollback(&mut self) {
+        self.pending.clear();
+        self.inner.rollback();
+    }
+
+    /// An injected failure passes: wait the busy schedule's next delay (virtual time), and
+    /// try again, until the schedule gives up.
+    fn again(&mut self) -> bool {
+        if !std::mem::take(&mut self.failed) {
+            return false;
+        }
+        let now = self.clock.monotonic();
+        let busy = &self.busy;
+        let run = self.retrying.get_or_insert_with(|| busy.start(now));
+        match run.next(now) {
+            Some(delay) => {
+                self.clock.advance(delay);
+                true
+            }
+            None => {
+                self.retrying = None;
+                false
+            }
+        }
+    }
+
+    fn wake_others(&mut self) {
+        self.inner.wake_others();
+    }
+
+    fn waiting(&mut self, waiting: bool) {
+        self.inner.waiting(waiting);
+    }
+
+    fn watching(&mut self, owner: &str, keys: &[String], now: i64, lease: i64) -> Result<()> {
+        self.inner.watching(owner, keys, now, lease)
+    }
+
+    fn rows_on_keys(&mut self, keys: &[String], now: i64, into: &mut Vec<RowView>) -> Result<()> {
+        let before = into.len();
+        self.inner.rows_on_keys(keys, now, into)?;
+        if self.mutated(Mutation::GrantIgnoresEarlierExclusive) {
+            let mut n = 0;
+            into.retain(|row| {
+                n += 1;
+                n <= before || !(row.held && row.mode == Mode::Exclusive)
+            });
+        }
+        Ok(())
+    }
+
+    fn next_ticket(&mut self) -> Result<u64> {
+        self.inner.next_ticket()
+    }
+
+    fn insert_request(
+        &mut self,
+        owner: &str,
+        ticket: u64,
+        requests: &[LockRequest],
+        held: bool,
+        now: i64,
+        expires_at: i64,
+    ) -> Result<()> {
+        self.inner
+            .insert_request(owner, ticket, requests, held, now, expires_at)?;
+        self.pending.push(LockEvent::Requested {
+            owner: owner.to_owned(),
+            ticket,
+            keys: requests.iter().map(|r| (r.key.clone(), r.mode)).collect(),
+            held,
+            at: now,
+            expires_at,
+        });
+        Ok(())
+    }
+
+    fn promote(&mut self, keys: &[String], ticket: u64, now: i64) -> Result<()> {
+        self.inner.promote(keys, ticket, now)?;
+        self.pending.push(LockEvent::Promoted {
+            ticket,
+            keys: keys.to_vec(),
+            at: now,
+        });
+        Ok(())
+    }
+
+    fn delete_request(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        now: i64,
+    ) -> Result<Deleted> {
+        let deleted = self.inner.delete_request(owner, keys, ticket, now)?;
+        self.pending.push(LockEvent::Removed {
+            owner: owner.to_owned(),
+            ticket,
+            keys: keys.to_vec(),
+            at: now,
+        });
+        Ok(deleted)
+    }
+
+    fn delete_owner(&mut self, owner: &str) -> Result<usize> {
+        let deleted = self.inner.delete_owner(owner)?;
+        self.pending.push(LockEvent::RemovedAll {
+            owner: owner.to_owned(),
+            at: self.began_at,
+        });
+        Ok(deleted)
+    }
+
+    fn delete_expired(&mut self, keys: &[String], now: i64) -> Result<usize> {
+        let deleted = self.inner.delete_expired(keys, now)?;
+        self.pending.push(LockEvent::Swept {
+            keys: Some(keys.to_vec()),
+            at: now,
+        });
+        Ok(deleted)
+    }
+
+    fn sweep(&mut self, now: i64) -> Result<()> {
+        self.inner.sweep(now)?;
+        self.pending.push(LockEvent::Swept {
+            keys: None,
+            at: now,
+        });
+        Ok(())
+    }
+
+    fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>> {
+        let renewed = self.inner.renew(owner, now, expires_at)?;
+        self.pending.push(LockEvent::Renewed {
+            owner: owner.to_owned(),
+            tickets: renewed.iter().map(|r| r.ticket).collect(),
+            at: now,
+            expires_at,
+        });
+        Ok(renewed)
+    }
+
+    fn at_once(&mut self) -> Option<&mut dyn DecidesAtOnce> {
+        None
+    }
+
+    fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>> {
+        self.call();
+        self.inner.requests_of(owner)
+    }
+
+    fn live_rows(&mut self, key: Option<&str>, now: i64) -> Result<Vec<Row>> {
+        self.call();
+        self.inner.live_rows(key, now)
+    }
+
+    fn is_held(&mut self, key: &str, now: i64) -> Result<bool> {
+        self.call();
+        self.inner.is_held(key, now)
+    }
+}
+
+fn micros_of(duration: Duration) -> i64 {
+    i64::try_from(duration.as_micros()).unwrap_or(i64::MAX)
+}

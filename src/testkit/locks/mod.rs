@@ -1,0 +1,278 @@
+//! The lock manager inside a simulation: a store that several simulated managers share
+//! (`SimStore`), each a process of its own, whose worker is a task of the simulation; faults
+//! (`faults.rs`); and what the store saw, with the oracle over it (`history.rs`).
+
+mod faults;
+mod history;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::task::AtomicWaker;
+
+use crate::clock::{Clock, TestClock};
+use crate::lock::MemoryStore;
+use crate::spawn::Spawner;
+use crate::sync::lock;
+use crate::testkit::Sim;
+use crate::LockManager;
+
+pub(crate) use faults::SimStorage;
+pub use faults::{Fault, FaultPlan, Mutation};
+pub use history::{check_locks, LockEvent, LockHistory};
+
+/// A lock store inside a simulation ([`Sim`]), that several managers share as processes share a
+/// database: each opened on it with
+/// [`open_simulated`](crate::LockManagerBuilder::open_simulated) is an owner of its own, whose
+/// storage worker is a task of the simulation (no thread, no real-time wait), whose clock is the
+/// simulation's, and whose connection meets the faults of its [`FaultPlan`]. The store records
+/// what it saw ([`history`](SimStore::history)) for [`check_locks`] to judge.
+///
+/// A test can [`kill`](SimStore::kill) a manager (its worker ends without deleting anything,
+/// as a process killed with `SIGKILL`: its rows stay until their lease runs out) or
+/// [`stop`](SimStore::stop) one for a while (its worker is not polled, as a process stopped
+/// with `SIGSTOP`: its heartbeats go unanswered, and its leases may run out meanwhile).
+///
+/// Cheap to clone: clones are the same store.
+///
+/// # Examples
+///
+/// Two processes; the holder is killed, and the waiter gets the lock once the lease runs out,
+/// on virtual time:
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold::testkit::{check_locks, FaultPlan, Sim, SimStore};
+/// use leasehold::{Clock, LockManager};
+///
+/// let mut sim = Sim::new(1);
+/// let store = SimStore::new(&sim);
+/// let clock = sim.clock();
+/// let waited = sim.block_on({
+///     let store = store.clone();
+///     async move {
+///         let lease = Duration::from_secs(30);
+///         let open = || LockManager::builder().lease(lease).open_simulated(&store, FaultPlan::none());
+///         let (first, second) = (open()?, open()?);
+///         let held = first.exclusive("repo", "prune").await?;
+///         store.kill(&first);
+///         let start = clock.monotonic();
+///         let next = second.exclusive("repo", "gc").await?;
+///         assert!(held.fencing_token() < next.fencing_token());
+///         next.release().await?;
+///         Ok::<_, leasehold::LockError>(clock.monotonic() - start)
+///     }
+/// })
+/// .unwrap()
+/// .unwrap();
+/// assert!(waited <= Duration::from_secs(31));
+/// check_locks(&store.history()).unwrap();
+/// ```
+///
+/// [`Sim`]: crate::testkit::Sim
+#[derive(Clone)]
+pub struct SimStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    memory: MemoryStore,
+    clock: Arc<StoreClock>,
+    spawner: Arc<dyn Spawner>,
+    history: Arc<Mutex<Vec<LockEvent>>>,
+    /// The managers opened on it, by owner.
+    managers: Mutex<BTreeMap<String, Arc<Control>>>,
+}
+
+impl SimStore {
+    /// A new, empty store inside `sim`.
+    pub fn new(sim: &Sim) -> SimStore {
+        SimStore {
+            inner: Arc::new(Inner {
+                memory: MemoryStore::new(),
+                clock: Arc::new(StoreClock {
+                    sim: sim.clock(),
+                    offset: AtomicI64::new(0),
+                }),
+                spawner: sim.spawner(),
+                history: Arc::default(),
+                managers: Mutex::default(),
+            }),
+        }
+    }
+
+    /// Everything the store saw so far, in order.
+    pub fn history(&self) -> LockHistory {
+        LockHistory {
+            events: lock(&self.inner.history).clone(),
+        }
+    }
+
+    /// Kills `manager`, as `SIGKILL` kills a process: its worker ends at once, deleting
+    /// nothing, and its callers see [`LockError::Shutdown`](crate::LockError::Shutdown). Its
+    /// rows stay until their lease runs out. Nothing happens to a manager not opened on this
+    /// store.
+    pub fn kill(&self, manager: &LockManager) {
+        if let Some(control) = self.control(manager) {
+            if !control.killed.swap(true, Ordering::SeqCst) {
+                self.record(LockEvent::Killed {
+                    owner: manager.owner_id().to_owned(),
+                });
+            }
+            control.waker.wake();
+        }
+    }
+
+    /// Stops `manager` for `duration` of virtual time, as `SIGSTOP` and, later, `SIGCONT` would:
+    /// its worker handles nothing meanwhile (its callers' commands and its heartbeats wait), and
+    /// then goes on with whatever queued up. Nothing happens to a manager not opened on this
+    /// store.
+    pub fn stop(&self, manager: &LockManager, duration: Duration) {
+        if let Some(control) = self.control(manager) {
+            let until = self.inner.clock.monotonic().saturating_add(duration);
+            let mut stopped = lock(&control.stopped_until);
+            *stopped = Some(stopped.map_or(until, |before| before.max(until)));
+            drop(stopped);
+            self.record(LockEvent::Stopped {
+                owner: manager.owner_id().to_owned(),
+                duration,
+            });
+            control.waker.wake();
+        }
+    }
+
+    fn control(&self, manager: &LockManager) -> Option<Arc<Control>> {
+        lock(&self.inner.managers).get(manager.owner_id()).cloned()
+    }
+
+    fn record(&self, event: LockEvent) {
+        lock(&self.inner.history).push(event);
+    }
+
+    /// The memory store underneath.
+    pub(crate) fn memory(&self) -> &MemoryStore {
+        &self.inner.memory
+    }
+
+    /// The store's clock: the simulation's, with the wall-clock steps of every fault plan.
+    pub(crate) fn clock(&self) -> Arc<StoreClock> {
+        self.inner.clock.clone()
+    }
+
+    pub(crate) fn spawner(&self) -> Arc<dyn Spawner> {
+        self.inner.spawner.clone()
+    }
+
+    /// What a new manager of owner `owner`, with its worker's `waker`, records through, and
+    /// what stops or kills it.
+    pub(crate) fn attach(
+        &self,
+        owner: &str,
+        waker: Arc<AtomicWaker>,
+        plan: &FaultPlan,
+    ) -> Arc<Attached> {
+        let control = Arc::new(Control {
+            killed: AtomicBool::new(false),
+            stopped_until: Mutex::new(None),
+            waker,
+        });
+        let mut managers = lock(&self.inner.managers);
+        managers.retain(|_, control| !control.killed.load(Ordering::SeqCst));
+        managers.insert(owner.to_owned(), control.clone());
+        Arc::new(Attached {
+            owner: owner.to_owned(),
+            history: self.inner.history.clone(),
+            control,
+            mutation: plan.mutated(),
+        })
+    }
+}
+
+impl fmt::Debug for SimStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimStore")
+            .field("memory", &self.inner.memory)
+            .field("events", &lock(&self.inner.history).len())
+            .finish()
+    }
+}
+
+/// The clock of a simulated store: the simulation's, whose wall time faults may step
+/// (`Fault::ClockForward`, `Fault::ClockBack`) while its monotonic time goes on.
+pub(crate) struct StoreClock {
+    sim: TestClock,
+    /// Microseconds added to the simulation's wall time.
+    offset: AtomicI64,
+}
+
+impl StoreClock {
+    pub(crate) fn advance(&self, by: Duration) {
+        self.sim.advance(by);
+    }
+
+    pub(crate) fn step(&self, by: i64) {
+        self.offset.fetch_add(by, Ordering::SeqCst);
+    }
+}
+
+impl Clock for StoreClock {
+    fn now(&self) -> Duration {
+        let now = i128::try_from(self.sim.now().as_micros()).unwrap_or(i128::MAX);
+        let stepped = now + i128::from(self.offset.load(Ordering::SeqCst));
+        Duration::from_micros(u64::try_from(stepped.max(0)).unwrap_or(u64::MAX))
+    }
+
+    fn monotonic(&self) -> Duration {
+        self.sim.monotonic()
+    }
+
+    fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
+        self.sim.sleep(duration)
+    }
+}
+
+/// How a simulated manager is killed or stopped (`SimStore::kill`, `SimStore::stop`); its
+/// worker looks before each step (`Worker::run_simulated`).
+pub(crate) struct Control {
+    killed: AtomicBool,
+    stopped_until: Mutex<Option<Duration>>,
+    /// The worker's: woken to see a kill or a stop at once.
+    waker: Arc<AtomicWaker>,
+}
+
+impl Control {
+    pub(crate) fn killed(&self) -> bool {
+        self.killed.load(Ordering::SeqCst)
+    }
+
+    /// How long the worker is still stopped for at `now` (the monotonic time), if it is.
+    pub(crate) fn stopped_for(&self, now: Duration) -> Option<Duration> {
+        let mut stopped = lock(&self.stopped_until);
+        match *stopped {
+            Some(until) if until > now => Some(until - now),
+            _ => {
+                *stopped = None;
+                None
+            }
+        }
+    }
+}
+
+/// What a simulated manager keeps of its store (`Common::sim`): where to record, and how it
+/// was broken on purpose, if it was.
+pub(crate) struct Attached {
+    pub(crate) owner: String,
+    history: Arc<Mutex<Vec<LockEvent>>>,
+    pub(crate) control: Arc<Control>,
+    pub(crate) mutation: Option<Mutation>,
+}
+
+impl Attached {
+    pub(crate) fn record(&self, event: LockEvent) {
+        lock(&self.history).push(event);
+    }
+}
