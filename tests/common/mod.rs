@@ -71,16 +71,45 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let deadline = Instant::now() + limit;
+    let clock = test_clock();
+    let deadline = clock.monotonic() + limit;
     while !condition().await {
-        assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
-        SystemClock.sleep(Duration::from_millis(1)).await;
+        assert!(clock.monotonic() < deadline, "not within {limit:?}: {what}");
+        clock.sleep(Duration::from_millis(1)).await;
     }
+}
+
+thread_local! {
+    /// The clock of the simulation this thread runs, if it runs one (`in_simulation`).
+    static SIMULATED: std::cell::RefCell<Option<std::sync::Arc<dyn Clock>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The clock the test helpers wait on: the simulation's inside `in_simulation`, where time is
+/// virtual; otherwise the system's.
+pub fn test_clock() -> std::sync::Arc<dyn Clock> {
+    SIMULATED
+        .with(|clock| clock.borrow().clone())
+        .unwrap_or_else(|| std::sync::Arc::new(SystemClock))
+}
+
+/// Runs `run` with the helpers (`within`, `bounded`) waiting on `clock`, a simulation's.
+#[allow(dead_code)]
+pub fn in_simulation<T>(clock: std::sync::Arc<dyn Clock>, run: impl FnOnce() -> T) -> T {
+    SIMULATED.with(|current| *current.borrow_mut() = Some(clock));
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            SIMULATED.with(|current| *current.borrow_mut() = None);
+        }
+    }
+    let _reset = Reset;
+    run()
 }
 
 /// `future`'s output, or a panic naming `what` if it takes longer than `limit`.
 pub async fn bounded<T>(limit: Duration, what: &str, future: impl Future<Output = T>) -> T {
-    let timer = SystemClock.sleep(limit);
+    let timer = test_clock().sleep(limit);
     futures::select! {
         value = futures::FutureExt::fuse(future) => value,
         _ = futures::FutureExt::fuse(timer) => panic!("not within {limit:?}: {what}"),

@@ -19,6 +19,10 @@ pub enum Store {
         path: PathBuf,
     },
     Memory(MemoryStore),
+    /// A store inside a simulation: its managers' workers are tasks of the simulation, on its
+    /// virtual time, and meet no faults.
+    #[cfg(feature = "testkit")]
+    Simulated(leasehold::testkit::SimStore),
     #[cfg(all(feature = "postgres", feature = "testkit"))]
     Postgres {
         url: String,
@@ -88,6 +92,8 @@ impl Store {
         match store {
             Store::Sqlite { .. } => Store::sqlite(),
             Store::Memory(_) => Store::Memory(MemoryStore::new()),
+            #[cfg(feature = "testkit")]
+            Store::Simulated(_) => panic!("a simulated store is made with its simulation"),
             #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { .. } => Store::postgres().expect("the server was there before"),
         }
@@ -98,6 +104,8 @@ impl Store {
         match self {
             Store::Sqlite { .. } => "SQLite",
             Store::Memory(_) => "memory",
+            #[cfg(feature = "testkit")]
+            Store::Simulated(_) => "simulated",
             #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { .. } => "PostgreSQL",
         }
@@ -113,6 +121,10 @@ impl Store {
         match self {
             Store::Sqlite { path, .. } => builder.open(path).expect("open the database"),
             Store::Memory(store) => builder.open_in(store).expect("open the memory store"),
+            #[cfg(feature = "testkit")]
+            Store::Simulated(store) => builder
+                .open_simulated(store, leasehold::testkit::FaultPlan::none())
+                .expect("open the simulated store"),
             #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { url, schema } => builder
                 .schema(schema)
@@ -150,6 +162,8 @@ impl Store {
                 statement.read::<i64, _>(0).expect("a number")
             }
             Store::Memory(_) => panic!("no SQL on a memory store: use on_every_database"),
+            #[cfg(feature = "testkit")]
+            Store::Simulated(_) => panic!("no SQL on a simulated store: use on_every_database"),
             #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { schema, .. } => pg_support::server()
                 .expect("the server was there before")
@@ -186,6 +200,8 @@ impl Store {
         match self {
             Store::Sqlite { path, .. } => Stall::Sqlite(crate::common::WriteLock::take(path)),
             Store::Memory(_) => panic!("a memory store cannot be stalled: use on_every_database"),
+            #[cfg(feature = "testkit")]
+            Store::Simulated(_) => panic!("a simulated store cannot be stalled"),
             #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { url, schema } => {
                 let (url, owner) = (url.clone(), owner.to_owned());
@@ -236,7 +252,29 @@ where
 {
     eprintln!("=== in memory");
     crate::common::on_every_executor(|| scenario(Store::memory()));
+    in_a_simulation(&scenario);
     on_every_database(scenario);
+}
+
+/// Runs `scenario` once on a simulated store (feature `testkit`), inside its simulation: the
+/// same lock manager, its worker stepped as a task on virtual time.
+pub fn in_a_simulation<F, Fut>(scenario: &F)
+where
+    F: Fn(Store) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    #[cfg(feature = "testkit")]
+    {
+        eprintln!("=== in a simulation");
+        let mut sim = leasehold::testkit::Sim::new(1);
+        let store = Store::Simulated(leasehold::testkit::SimStore::new(&sim));
+        let clock: std::sync::Arc<dyn leasehold::Clock> = std::sync::Arc::new(sim.clock());
+        let run = scenario(store);
+        crate::common::in_simulation(clock, || sim.block_on(run))
+            .unwrap_or_else(|error| panic!("the simulation failed: {error}"));
+    }
+    #[cfg(not(feature = "testkit"))]
+    let _ = scenario;
 }
 
 /// `on_every_store` on the stores that are databases, whose rows a test can read and hold past
