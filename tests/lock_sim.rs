@@ -358,7 +358,7 @@ fn without_owner_ids(text: &str, owners: &[String]) -> String {
         })
 }
 
-/// How many workloads a run checks.
+/// How many workloads a run checks (`LEASEHOLD_SIM_CASES`, default 200).
 fn cases() -> u64 {
     std::env::var("LEASEHOLD_SIM_CASES")
         .ok()
@@ -479,10 +479,16 @@ fn a_release_whose_answer_was_lost_still_lets_a_waiter_of_the_same_manager_throu
     }
 }
 
+/// Runs the one workload of `LEASEHOLD_SIM_SEED`, for a failure found by the others (with
+/// `LEASEHOLD_SIM_EVENTS` to see more of its history):
+/// `LEASEHOLD_SIM_SEED=768 cargo test --all-features --test lock_sim -- --ignored one_seed`.
 #[test]
-#[ignore]
-fn debug_seed() {
-    let seed = std::env::var("SEED").unwrap().parse().unwrap();
+#[ignore = "replays the workload of LEASEHOLD_SIM_SEED"]
+fn one_seed() {
+    let seed = std::env::var("LEASEHOLD_SIM_SEED")
+        .ok()
+        .and_then(|seed| seed.parse().ok())
+        .expect("LEASEHOLD_SIM_SEED, a number");
     if let Err(why) = run(seed, None) {
         panic!("{why}");
     }

@@ -204,6 +204,28 @@ pub(crate) fn every_await_point_ms() -> f64 {
     started.elapsed().as_secs_f64() * 1e3
 }
 
+/// Simulated lock cycles per second: an exclusive acquire and release of a free key by a
+/// manager opened on a simulated store (`open_simulated`, no faults), `cycles` of them inside
+/// one simulation, timed from the simulation's start to its end in real time.
+#[cfg(feature = "testkit")]
+pub(crate) fn sim_lock_cycles_per_s(cycles: usize) -> f64 {
+    use leasehold::testkit::{FaultPlan, Sim, SimStore};
+    let mut sim = Sim::new(7);
+    let store = SimStore::new(&sim);
+    let started = Instant::now();
+    sim.block_on(async move {
+        let locks = leasehold::LockManager::builder()
+            .open_simulated(&store, FaultPlan::none())
+            .expect("a simulated manager");
+        for _ in 0..cycles {
+            let guard = locks.exclusive("bench", "cycle").await.expect("granted");
+            guard.release().await.expect("released");
+        }
+    })
+    .expect("the simulation ends");
+    cycles as f64 / started.elapsed().as_secs_f64()
+}
+
 /// Yields once, woken at once.
 #[cfg(feature = "testkit")]
 async fn yield_once() {

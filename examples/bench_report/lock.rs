@@ -53,6 +53,10 @@ pub(crate) fn common_measures<'a>(plan: &Plan, open: Open<'a>) -> Result<Vec<Mea
         measures.push(measure(&["every_await_point_ms"], || {
             Ok(vec![every_await_point_ms()])
         }));
+        let cycles = plan.per_round(20_000, 5_000);
+        measures.push(measure(&["sim_lock_cycles_per_s"], move || {
+            Ok(vec![sim_lock_cycles_per_s(cycles)])
+        }));
     }
     Ok(measures)
 }

@@ -302,8 +302,8 @@ pub(crate) fn shared_targets(
     );
     if report.rounds_of("sim_polls_per_s").is_empty() {
         report.notes.push(
-            "sim_polls_per_s, every_await_point_ms: the simulation kit, measured with --features \
-             testkit."
+            "sim_polls_per_s, every_await_point_ms, sim_lock_cycles_per_s: the simulation kit, \
+             measured with --features testkit."
                 .into(),
         );
     } else {

@@ -1,4 +1,6 @@
-//! The storage worker: one OS thread per manager that owns its storage (see `storage.rs`).
+//! The storage worker: one OS thread per manager that owns its storage (see `storage.rs`), or,
+//! for a manager inside a simulation (`open_simulated`), one task of the simulation that runs
+//! the same steps (`step`), awaiting the next command or deadline instead of blocking for it.
 //!
 //! Callers send `Command`s (see `protocol.rs`) and await a reply (see `reply.rs`); no storage call
 //! happens on a caller's executor thread.

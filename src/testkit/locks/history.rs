@@ -458,3 +458,108 @@ pub fn check_locks(history: &LockHistory) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn granted(owner: &str, ticket: u64, key: &str, mode: Mode, at: i64) -> LockEvent {
+        LockEvent::Requested {
+            owner: owner.into(),
+            ticket,
+            keys: vec![(key.into(), mode)],
+            held: true,
+            at,
+            expires_at: at + 100,
+        }
+    }
+
+    fn history(events: Vec<LockEvent>) -> LockHistory {
+        LockHistory { events }
+    }
+
+    #[test]
+    fn two_exclusive_holders_are_an_overlap_only_while_both_leases_are_live() {
+        let live = history(vec![
+            granted("a", 1, "k", Mode::Exclusive, 0),
+            granted("b", 2, "k", Mode::Exclusive, 50),
+        ]);
+        assert!(check_locks(&live)
+            .unwrap_err()
+            .contains("grant rule forbids"));
+        let lapsed = history(vec![
+            granted("a", 1, "k", Mode::Exclusive, 0),
+            granted("b", 2, "k", Mode::Exclusive, 100),
+        ]);
+        assert_eq!(check_locks(&lapsed), Ok(()));
+        let shared = history(vec![
+            granted("a", 1, "k", Mode::Shared, 0),
+            granted("b", 2, "k", Mode::Shared, 50),
+        ]);
+        assert_eq!(check_locks(&shared), Ok(()));
+    }
+
+    #[test]
+    fn a_renewal_of_a_lapsed_row_and_an_untold_loss_are_found() {
+        let renewed = |at| {
+            history(vec![
+                granted("a", 1, "k", Mode::Exclusive, 0),
+                LockEvent::Renewed {
+                    owner: "a".into(),
+                    tickets: vec![1],
+                    at,
+                    expires_at: at + 100,
+                },
+            ])
+        };
+        assert_eq!(check_locks(&renewed(99)), Ok(()));
+        assert!(check_locks(&renewed(100)).unwrap_err().contains("revived"));
+        let released = |at, held, ran_out| {
+            history(vec![
+                granted("a", 1, "k", Mode::Exclusive, 0),
+                LockEvent::Removed {
+                    owner: "a".into(),
+                    ticket: 1,
+                    keys: vec!["k".into()],
+                    at,
+                },
+                LockEvent::Released {
+                    owner: "a".into(),
+                    ticket: 1,
+                    held,
+                    ran_out,
+                },
+            ])
+        };
+        assert_eq!(check_locks(&released(50, true, false)), Ok(()));
+        assert_eq!(check_locks(&released(150, false, true)), Ok(()));
+        assert!(
+            check_locks(&released(150, true, false)).is_err(),
+            "a loss untold"
+        );
+        assert!(
+            check_locks(&released(50, false, false)).is_err(),
+            "a loss made up"
+        );
+        assert_eq!(
+            check_locks(&released(50, false, true)),
+            Ok(()),
+            "its own lease ran out"
+        );
+    }
+
+    #[test]
+    fn rows_left_once_every_owner_ended_are_found_unless_their_owner_was_killed() {
+        let left = |killed: bool| {
+            let mut events = vec![granted("a", 1, "k", Mode::Exclusive, 0)];
+            events.push(if killed {
+                LockEvent::Killed { owner: "a".into() }
+            } else {
+                LockEvent::Ended { owner: "a".into() }
+            });
+            history(events)
+        };
+        assert!(check_locks(&left(false)).unwrap_err().contains("is left"));
+        assert_eq!(check_locks(&left(true)), Ok(()));
+    }
+}
