@@ -23,7 +23,10 @@
 //! lock, whether it was granted at once or from the queue. The pure rule is unit-tested in
 //! `src/lock/grant.rs`; this is the manager built around it.
 //!
-//! The same runs on a store in memory (`MemoryStore`), and with the `postgres` feature on a
+//! The same runs, many thousands of times, on a simulated store (feature `testkit`): the memory
+//! backend's managers stepped by a seeded simulation (`testkit::Sim`) on virtual time, where an
+//! owner expires by being killed, time moves as the steps sleep, and settling takes no real
+//! time; a failure prints the trace that replays it. And with the `postgres` feature on a
 //! PostgreSQL server too (`pg_support`), without the steps that move time: there the server's
 //! clock judges leases, and owners beat in real time.
 
@@ -35,7 +38,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{entries, join_within, rows_of, temp_db};
 use futures::executor::block_on;
@@ -184,8 +187,10 @@ impl Owner {
 enum Store {
     /// A SQLite file; each owner has a `TestClock`, which the test moves.
     Sqlite(std::path::PathBuf),
-    /// A store in memory; each owner has a `TestClock`, which the test moves.
-    Memory(leasehold::MemoryStore),
+    /// A store inside a simulation (`open_simulated`): every owner reads the simulation's
+    /// clock, which moves as the steps sleep on it, and an owner expires by being killed.
+    #[cfg(feature = "testkit")]
+    Simulated(leasehold::testkit::SimStore),
     /// A schema on a PostgreSQL server, whose clock judges leases: no step moves time there,
     /// and the owners heartbeat in real time.
     #[cfg(all(feature = "postgres", feature = "testkit"))]
@@ -211,13 +216,12 @@ impl Store {
                     .expect("open a manager");
                 (locks, Arc::new(clock.clone()), Some(clock))
             }
-            Store::Memory(store) => {
-                let clock = clock.unwrap_or_default();
+            #[cfg(feature = "testkit")]
+            Store::Simulated(store) => {
                 let locks = builder
-                    .clock(Arc::new(clock.clone()))
-                    .open_in(store)
+                    .open_simulated(store, leasehold::testkit::FaultPlan::none())
                     .expect("open a manager");
-                (locks, Arc::new(clock.clone()), Some(clock))
+                (locks, common::test_clock(), None)
             }
             #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { url, schema } => {
@@ -231,12 +235,24 @@ impl Store {
         }
     }
 
+    /// Whether the store is inside a simulation: time moves by sleeping on its clock, and
+    /// every owner's heartbeats run as they fall due.
+    fn simulated(&self) -> bool {
+        #[cfg(feature = "testkit")]
+        if let Store::Simulated(_) = self {
+            return true;
+        }
+        false
+    }
+
     /// How much of its lease a held row of a live owner keeps, at least, once settled: a lease
     /// less one heartbeat where the test moves time (one late beat never loses a lock); less
     /// two in real time, where a beat may also be late by however busy the machine is.
     fn margin(&self) -> Duration {
         match self {
-            Store::Sqlite(_) | Store::Memory(_) => LEASE - HEARTBEAT,
+            Store::Sqlite(_) => LEASE - HEARTBEAT,
+            #[cfg(feature = "testkit")]
+            Store::Simulated(_) => LEASE - HEARTBEAT,
             #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { .. } => LEASE - 2 * HEARTBEAT,
         }
@@ -924,6 +940,14 @@ impl World {
             .partition(|r| r.owner == owner);
         self.requests = alive;
         self.graveyard.extend(dead);
+        #[cfg(feature = "testkit")]
+        if let Store::Simulated(store) = &self.store {
+            // Killed: it never renews again, and the others' heartbeats run as the lease
+            // passes.
+            store.kill(&self.owners[owner].locks);
+            self.owners[owner].clock.sleep(LEASE).await;
+            return;
+        }
 
         let ticks = (LEASE.as_millis() / HEARTBEAT.as_millis()) as usize;
         for tick in 1..=ticks {
@@ -954,6 +978,10 @@ impl World {
     /// clocks move, and after, when the beats they woke have renewed. A queued request's
     /// heartbeat is forked once it has waited a quarter of a heartbeat.
     async fn heartbeats_asleep(&self) {
+        if self.store.simulated() {
+            // The simulation runs every beat that falls due as its clock moves.
+            return;
+        }
         for o in (0..self.owners.len()).filter(|&o| !self.owners[o].frozen) {
             let now = self.owners[o].clock.now();
             let waiting = self
@@ -979,6 +1007,10 @@ impl World {
     /// then run, and grants made next fall between beats.
     async fn advance(&mut self, by: Duration) {
         self.log.push(format!("advance {by:?}"));
+        if self.store.simulated() {
+            self.owners[0].clock.sleep(by).await;
+            return;
+        }
         self.heartbeats_asleep().await;
         for o in self.owners.iter().filter(|o| !o.frozen) {
             o.test_clock().advance(by);
@@ -1017,7 +1049,9 @@ impl World {
     /// Waits until the system is quiescent and matches the model; checks every snapshot on the
     /// way for safety.
     async fn settle(&mut self) {
-        let deadline = Instant::now() + SETTLE;
+        // On the simulation's clock inside one, where waiting takes no real time.
+        let clock = common::test_clock();
+        let deadline = clock.monotonic() + SETTLE;
         loop {
             // Read before the snapshot: an acquisition that had returned then must hold in it.
             let finished: Vec<bool> = self.requests.iter().map(Request::is_finished).collect();
@@ -1029,14 +1063,17 @@ impl World {
                     self.absorb(&rows, &by_request).await;
                     return;
                 }
-                Err(why) if Instant::now() > deadline => {
+                Err(why) if clock.monotonic() > deadline => {
                     self.fail(&format!("not settled within {SETTLE:?}: {why}"), &rows)
                 }
-                Err(_) => {
-                    smol::Timer::after(Duration::from_millis(1)).await;
-                }
+                Err(_) => clock.sleep(Duration::from_millis(1)).await,
             }
         }
+    }
+
+    /// Whether `row` is of a request of an expired owner's.
+    fn in_graveyard(&self, row: &LockEntry) -> bool {
+        self.graveyard.iter().any(|r| r.name == row.operation)
     }
 
     /// Safety, true of every snapshot. Returns, per request index, its rows' ticket and whether
@@ -1052,6 +1089,9 @@ impl World {
         for row in rows {
             match index.get(row.operation.as_str()) {
                 Some(&r) => grouped.entry(r).or_default().push(row),
+                // A killed owner's waiting request, promoted by another owner once what it
+                // waited behind ran out: granted with a whole lease, which runs out unused.
+                None if self.store.simulated() && self.in_graveyard(row) => {}
                 None => self.fail(
                     &format!(
                         "a row of {}, which is released, interrupted or of an expired owner",
@@ -1227,6 +1267,10 @@ impl World {
         while !self.requests.is_empty() {
             self.release(0).await;
         }
+        if self.store.simulated() && !self.graveyard.is_empty() {
+            // Killed owners' rows, promoted perhaps after the kill, run out within a lease.
+            common::test_clock().sleep(LEASE).await;
+        }
         let left = entries(self.observer()).await;
         if !left.is_empty() {
             self.fail("rows left after everyone let go", &left);
@@ -1240,7 +1284,11 @@ impl World {
             }
         }
         for owner in &self.owners {
-            owner.locks.shutdown().await.expect("shutdown");
+            // A killed owner (an expired one, in a simulation) is shut down already.
+            let killed = owner.frozen && self.store.simulated();
+            if !killed {
+                owner.locks.shutdown().await.expect("shutdown");
+            }
         }
         let (fresh, _, _) = self.store.open(None).await;
         let left = entries(&fresh).await;
@@ -1252,7 +1300,7 @@ impl World {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 256,
+        cases: 64,
         failure_persistence: None,
         max_shrink_time: 60_000,
         ..ProptestConfig::default()
@@ -1274,21 +1322,70 @@ proptest! {
             drop(dir);
         });
     }
+}
 
+/// How many cases the simulated model runs (`LEASEHOLD_MODEL_CASES`, default 8,192).
+#[cfg(feature = "testkit")]
+fn simulated_cases() -> u32 {
+    std::env::var("LEASEHOLD_MODEL_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(8192)
+}
+
+/// Runs `ops` on a simulated store inside a simulation of `seed`; a failure panics with the
+/// trace that replays it.
+#[cfg(feature = "testkit")]
+fn run_simulated(seed: u64, owners: usize, keys: usize, ops: Vec<Op>) {
+    use leasehold::testkit::{Sim, SimStore};
+    let mut sim = Sim::new(seed);
+    let store = SimStore::new(&sim);
+    let clock: Arc<dyn Clock> = Arc::new(sim.clock());
+    let run = async move {
+        let mut world = World::open(Store::Simulated(store), owners, keys).await;
+        for op in &ops {
+            world.step(op).await;
+        }
+        world.finish().await;
+    };
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        common::in_simulation(clock, || sim.block_on(run))
+    }));
+    let replay = || format!("seed {seed}; replay with Sim::replay({:?})", sim.trace());
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => panic!("the simulation failed: {error}"),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default();
+            panic!("{what}\n{}", replay())
+        }
+    }
+}
+
+#[cfg(feature = "testkit")]
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: simulated_cases(),
+        failure_persistence: None,
+        max_shrink_time: 60_000,
+        ..ProptestConfig::default()
+    })]
+
+    /// The model on a simulated store: the memory backend's manager stepped by a seeded
+    /// simulation on virtual time, so that settling, expiries and heartbeats take no real time,
+    /// and every interleaving of its workers and callers is the seed's.
     #[test]
-    fn the_manager_in_memory_grants_what_the_rule_says(
+    fn the_manager_in_a_simulation_grants_what_the_rule_says(
+        seed in any::<u64>(),
         owners in 2..=3usize,
         keys in 2..=3usize,
         ops in proptest::collection::vec(op(), 1..=30),
     ) {
-        block_on(async {
-            let store = Store::Memory(leasehold::MemoryStore::new());
-            let mut world = World::open(store, owners, keys).await;
-            for op in &ops {
-                world.step(op).await;
-            }
-            world.finish().await;
-        });
+        run_simulated(seed, owners, keys, ops);
     }
 }
 
@@ -1330,4 +1427,42 @@ proptest! {
             world.finish().await;
         });
     }
+}
+
+/// A `many` refused on a key that a `many_queued` of the same manager also waits on is woken
+/// when the holder's lease runs out (found by the simulated model; see `watch.rs`).
+#[cfg(feature = "testkit")]
+#[test]
+fn a_refused_many_beside_a_queued_request_of_its_manager_is_woken_by_a_lapse() {
+    let ops = vec![
+        Op::TryAcquire {
+            owner: 1,
+            key: 1,
+            exclusive: false,
+        },
+        Op::Acquire {
+            owner: 0,
+            key: 0,
+            exclusive: true,
+        },
+        Op::Many {
+            owner: 1,
+            first: (2, false),
+            second: (2, false),
+            queued: false,
+        },
+        Op::Acquire {
+            owner: 0,
+            key: 2,
+            exclusive: true,
+        },
+        Op::Many {
+            owner: 1,
+            first: (2, false),
+            second: (1, true),
+            queued: true,
+        },
+        Op::Expire { owner: 0 },
+    ];
+    run_simulated(0, 2, 3, ops);
 }

@@ -21,6 +21,7 @@ use leasehold::testkit::{
     check_cleanup, check_locks, Fault, FaultPlan, LockEvent, Mutation, Sim, SimConfig, SimStore,
 };
 use leasehold::{Clock, LockError, LockManager, LockRequest, Mode, Scoped};
+use proptest::prelude::*;
 
 const LEASE: Duration = Duration::from_secs(3);
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -294,15 +295,17 @@ fn run(seed: u64, mutation: Option<Mutation>) -> Result<Run, String> {
                     _ => None,
                 })
                 .collect();
-            let alive = managers
-                .iter()
-                .find(|m| !killed.iter().any(|k| k == m.owner_id()));
-            if let Some(locks) = alive {
+            // Each manager asked about its own rows: its commands are handled in order, so a
+            // guard dropped by a task (its removal sent, not awaited) is gone by then.
+            for locks in &managers {
+                if killed.iter().any(|k| k == locks.owner_id()) {
+                    continue;
+                }
                 let left: Vec<_> = locks
                     .inspect(None)
                     .await?
                     .into_iter()
-                    .filter(|entry| !killed.contains(&entry.owner))
+                    .filter(|entry| entry.owner == locks.owner_id())
                     .collect();
                 if !left.is_empty() {
                     return Ok(Err(format!("rows left once every task ended: {left:?}")));
@@ -358,25 +361,42 @@ fn without_owner_ids(text: &str, owners: &[String]) -> String {
         })
 }
 
-/// How many workloads a run checks (`LEASEHOLD_SIM_CASES`, default 200).
+/// How many workloads a run checks (`LEASEHOLD_SIM_CASES`, default 1,000).
 fn cases() -> u64 {
     std::env::var("LEASEHOLD_SIM_CASES")
         .ok()
         .and_then(|cases| cases.parse().ok())
-        .unwrap_or(200)
+        .unwrap_or(1000)
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: cases() as u32,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// The standing search: workloads of seeds drawn anew each run (a failure prints its seed,
+    /// which `one_seed` replays).
+    #[test]
+    fn random_workloads_with_kills_stops_and_faults_keep_every_promise(seed in any::<u64>()) {
+        let run = run(seed, None);
+        prop_assert!(run.is_ok(), "{}", run.unwrap_err());
+    }
+}
+
+/// The same over the first seeds, every run: they take locks, and keep every promise.
 #[test]
-fn random_workloads_with_kills_stops_and_faults_keep_every_promise() {
+fn the_first_workloads_keep_every_promise() {
     let mut grants = 0;
-    for seed in 0..cases() {
+    for seed in 0..cases() / 4 {
         match run(seed, None) {
             Ok(run) => grants += run.grants,
             Err(why) => panic!("{why}"),
         }
     }
     assert!(
-        grants > cases() as usize,
+        grants > (cases() / 4) as usize,
         "the workloads took locks: {grants} grants"
     );
 }
@@ -421,6 +441,22 @@ fn a_removal_forgotten_after_a_lost_answer_is_found() {
         Mutation::RemovalForgottenAfterLostAnswer,
         "said the lease was lost",
     );
+}
+
+/// The seeds on which the search found bugs, kept as they were found (while the workload
+/// generator stays as it is, each replays the same run): 1399, a `many` waiter of the same
+/// manager never woken after a release whose answer was lost; 768, shared grants out of ticket
+/// order (allowed: only conflicting grants are ordered); 5104, a check of this test's own that
+/// raced a dropped guard's removal; 21344, a waiting request judged gone by a look, queued
+/// again, while the wall clock stepped back made its old row live again: renewed for ever,
+/// ahead of the request itself.
+#[test]
+fn the_seeds_that_found_bugs_pass() {
+    for seed in [768, 1399, 5104, 21344] {
+        if let Err(why) = run(seed, None) {
+            panic!("{why}");
+        }
+    }
 }
 
 /// A failure replays: a seed gives the same history, event for event, every time.

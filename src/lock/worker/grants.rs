@@ -48,9 +48,6 @@ impl<S: Storage> Worker<S> {
             }
         }
         self.settle(promoted, &gone);
-        for ticket in gone {
-            self.requests.retain(|_, written| written.ticket != ticket);
-        }
     }
 
     /// Ends the waits found `promoted` (by another manager, with this owner's lease: until when
@@ -62,6 +59,19 @@ impl<S: Storage> Worker<S> {
         for &ticket in gone {
             if let Some(slot) = self.waits.remove(ticket) {
                 slot.set(SlotState::Expired);
+            }
+            // Its caller queues again under the same request id. Were its rows judged gone
+            // wrongly (the clock judging leases stepped back since, and they are live again),
+            // they would be renewed with this owner's others for ever, ahead of the new
+            // request: so the next transaction deletes them, if they are there.
+            let found: Vec<u64> = (self.requests.iter())
+                .filter(|(_, written)| written.ticket == ticket)
+                .map(|(&request, _)| request)
+                .collect();
+            for request in found {
+                if let Some(written) = self.requests.remove(&request) {
+                    self.doubtful.push(written);
+                }
             }
         }
     }

@@ -211,11 +211,15 @@ impl Waits {
         let mut refused_due = false;
         let mut stale = Vec::new();
         for (_, key) in self.by_time.range(..(now.saturating_add(1), String::new())) {
-            if self.by_key.contains_key(key) {
+            // A key may be both: a queued request waits on it, and a request without a queue
+            // position was refused on it. Both must hear that it may be free.
+            let queued = self.by_key.contains_key(key);
+            let refused = self.refused.contains(key);
+            if queued {
                 due.insert(key.clone());
-            } else if self.refused.contains(key) {
-                refused_due = true;
-            } else {
+            }
+            refused_due |= refused;
+            if !queued && !refused {
                 stale.push(key.clone());
             }
         }
@@ -378,6 +382,21 @@ mod tests {
         assert!(!waits.any_refused());
         assert_eq!(waits.due(10), (set(&[]), false));
         assert_eq!(waits.remembered(), 0);
+    }
+
+    /// A key that a queued request waits on and a request without a queue position was refused
+    /// on, when its time comes, is due for both: the queued one's key is read, and the refused
+    /// one's caller is woken. (Found by the simulated model test: a `many` refused on a key that
+    /// a `many_queued` of the same manager also waited on waited for ever once the holder's
+    /// lease ran out.)
+    #[test]
+    fn a_key_both_queued_on_and_refused_on_is_due_for_both() {
+        let mut waits = Waits::default();
+        waits.insert(1, Arc::default(), keys(&["k"]));
+        waits.refuse(&keys(&["k"]));
+        waits.note("k", 10, Look::Pending);
+        assert_eq!(waits.due(9), (set(&[]), false));
+        assert_eq!(waits.due(10), (set(&["k"]), true));
     }
 
     #[test]

@@ -20,12 +20,18 @@
 //!    the commits of others since its last look, and the keys they promoted waiters on (the
 //!    change log), as SQLite's `data_version` and change log do.
 //!
+//! 4. A connection's time never goes back: it is the later of its manager's clock and the
+//!    latest time it read, so a row it judged lapsed stays lapsed for it however its wall clock
+//!    is stepped back (the worker converts its time to the manager's clock for callers:
+//!    `Storage::ahead_of`). Each connection judges by its own manager's clock, as each process
+//!    on a SQLite file does by its own.
+//!
 //! Lock order: `writer`, then `tables` (a read outside a transaction holds both); nothing takes
 //! `writer` while it holds `tables`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::clock::Clock;
@@ -38,6 +44,9 @@ use crate::lock::grant::RowView;
 use crate::lock::time::micros;
 use crate::lock::{LockRequest, Mode, StorageError};
 use crate::sync::lock;
+
+/// Times past this (the worker's last keepable time) are not remembered as the store's.
+const LAST_TIME: i64 = i64::MAX / 2;
 
 /// How many of its newest entries the change log keeps; a connection that has not looked for
 /// longer than that many promotions takes a full look instead.
@@ -192,6 +201,8 @@ pub(crate) struct Memory {
     /// The store's version and change log as this connection last saw them.
     seen_version: u64,
     seen_seq: u64,
+    /// The latest time this connection judged by (invariant 4).
+    latest: AtomicI64,
     /// Broken on purpose (`testkit::Mutation::RenewalRevivesLapsed`): renewals renew lapsed
     /// rows too.
     #[cfg(feature = "testkit")]
@@ -220,6 +231,7 @@ impl Memory {
             in_write: false,
             seen_version,
             seen_seq,
+            latest: AtomicI64::new(i64::MIN),
             #[cfg(feature = "testkit")]
             revive_lapsed: false,
         }
@@ -325,13 +337,17 @@ fn remove_where(
 }
 
 impl Storage for Memory {
+    /// The manager's clock, or the latest time this connection judged by, whichever is later
+    /// (invariant 4): a wall clock stepped back must not make a row that it judged lapsed live
+    /// again for it, after it granted another owner over it.
     fn now(&self) -> i64 {
-        micros(self.clock.now())
-    }
-
-    /// Leases are judged by the manager's own clock.
-    fn ahead_of(&self, _clock: &dyn Clock) -> i64 {
-        0
+        let now = micros(self.clock.now());
+        if now > LAST_TIME {
+            // Past the time line: the worker refuses it (and it must not stick).
+            return now;
+        }
+        let before = self.latest.fetch_max(now, Ordering::Relaxed);
+        before.max(now)
     }
 
     fn capabilities(&self) -> Capabilities {
