@@ -449,10 +449,20 @@ fn a_removal_forgotten_after_a_lost_answer_is_found() {
 /// order (allowed: only conflicting grants are ordered); 5104, a check of this test's own that
 /// raced a dropped guard's removal; 21344, a waiting request judged gone by a look, queued
 /// again, while the wall clock stepped back made its old row live again: renewed for ever,
-/// ahead of the request itself.
+/// ahead of the request itself; 1504486325539948817, a wall clock stepped back that made a
+/// lapsed waiting row live again for a connection that had judged it lapsed, which promoted
+/// it beside the exclusive holder granted over it; 4016030577864982332, a `many` refused by
+/// its own manager's rows, which ran out while the manager was stopped, never woken.
 #[test]
 fn the_seeds_that_found_bugs_pass() {
-    for seed in [768, 1399, 5104, 21344] {
+    for seed in [
+        768,
+        1399,
+        5104,
+        21344,
+        1504486325539948817,
+        4016030577864982332,
+    ] {
         if let Err(why) = run(seed, None) {
             panic!("{why}");
         }

@@ -470,8 +470,8 @@ impl LockManagerBuilder {
     ///
     /// Every other method behaves as with SQLite, with these differences: leases are judged by
     /// the server's clock (`clock_timestamp()`), never by this process's [`Clock`], which only
-    /// schedules heartbeats; fencing tokens come from a sequence and increase in grant order on
-    /// each key.
+    /// schedules heartbeats; fencing tokens come from a sequence and increase in the order of
+    /// conflicting grants on each key.
     ///
     #[doc = include_str!("connect.md")]
     ///

@@ -83,9 +83,11 @@ impl Guard {
         }
     }
 
-    /// The request's ticket: strictly increasing across keys and owners of one database. A
-    /// resource that remembers the largest token it has accepted can refuse writes from a holder
-    /// whose lease ran out while it was paused.
+    /// The request's ticket: strictly increasing across keys and owners of one database, and on
+    /// each key larger than the tokens of the earlier grants this one conflicts with (shared
+    /// holders, which exclude nobody, may be granted out of ticket order). A resource that
+    /// remembers the largest token it has accepted from an exclusive holder can refuse writes
+    /// from a holder whose lease ran out while it was paused.
     pub fn fencing_token(&self) -> u64 {
         self.ticket
     }
@@ -157,7 +159,9 @@ impl Guard {
         let held = match self.shared.common.replies.wait(response).await? {
             Removed::AllLive => true,
             Removed::NotAllLive => false,
-            Removed::GoneAfterLostAnswer => entry.as_ref().is_some_and(|entry| !entry.is_lost()),
+            Removed::GoneAfterLostAnswer { since } => entry
+                .as_ref()
+                .is_some_and(|entry| !entry.is_lost() && entry.expires_at() > since),
         };
         #[cfg(feature = "testkit")]
         if let Some(sim) = self.shared.common.sim.get() {

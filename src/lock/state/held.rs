@@ -26,6 +26,8 @@ pub(crate) struct Guards {
 pub(crate) struct GuardEntry {
     rows: usize,
     keys: Vec<String>,
+    /// When its rows' lease runs out by the storage's time, as last granted or renewed.
+    expires_at: i64,
     /// Its signal is the guard's `lost()`: it aborts by itself at the lease's deadline, which
     /// each renewal of all the request's rows moves on.
     lost: AbortController,
@@ -35,6 +37,11 @@ impl GuardEntry {
     /// Whether its lease has been lost by now: its deadline came, or it was told.
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.signal().is_aborted()
+    }
+
+    /// When its rows' lease runs out by the storage's time, as last granted or renewed.
+    pub(crate) fn expires_at(&self) -> i64 {
+        self.expires_at
     }
 
     /// Tells the guard its lease was lost, `why` saying how.
@@ -60,6 +67,7 @@ impl Guards {
         keys: Vec<String>,
         clock: Arc<dyn Clock>,
         deadline: Duration,
+        expires_at: i64,
     ) -> AbortSignal {
         let expired = AbortReason::new(LeaseLost::expired());
         let lost = AbortController::with_deadline(clock, deadline, expired);
@@ -69,7 +77,15 @@ impl Guards {
             return signal;
         }
         let rows = keys.len();
-        self.entries.insert(ticket, GuardEntry { rows, keys, lost });
+        self.entries.insert(
+            ticket,
+            GuardEntry {
+                rows,
+                keys,
+                expires_at,
+                lost,
+            },
+        );
         signal
     }
 
@@ -84,11 +100,20 @@ impl Guards {
     /// leases whose rows were all renewed last until then; the others are lost (their rows are
     /// gone, or ran out before the renewal came), and so are those whose deadline came before
     /// this renewal came back. Returns how many were lost.
-    pub(crate) fn renewed(&mut self, renewed: impl Fn(u64) -> usize, deadline: Duration) -> usize {
-        self.lose(
+    pub(crate) fn renewed(
+        &mut self,
+        renewed: impl Fn(u64) -> usize,
+        deadline: Duration,
+        expires_at: i64,
+    ) -> usize {
+        let lost = self.lose(
             |ticket, entry| renewed(ticket) < entry.rows || !entry.lost.extend_deadline(deadline),
             "the lock's rows are gone or expired",
-        )
+        );
+        for entry in self.entries.values_mut() {
+            entry.expires_at = expires_at;
+        }
+        lost
     }
 
     /// Tells every lease for which `is_lost` holds that it is lost, and forgets it; `why` goes
@@ -137,12 +162,12 @@ mod tests {
         let clock = TestClock::new();
         let at = |secs: u64| clock.monotonic() + Duration::from_secs(secs);
         let mut guards = Guards::default();
-        let lapsed = guards.granted(1, keys("a"), Arc::new(clock.clone()), at(10));
-        let renewed = guards.granted(2, keys("b"), Arc::new(clock.clone()), at(10));
-        let released = guards.granted(3, keys("c"), Arc::new(clock.clone()), at(10));
+        let lapsed = guards.granted(1, keys("a"), Arc::new(clock.clone()), at(10), i64::MAX);
+        let renewed = guards.granted(2, keys("b"), Arc::new(clock.clone()), at(10), i64::MAX);
+        let released = guards.granted(3, keys("c"), Arc::new(clock.clone()), at(10), i64::MAX);
         clock.advance(Duration::from_secs(5));
         let entry = guards.forget(3).expect("kept until released");
-        let lost = guards.renewed(|ticket| usize::from(ticket != 1), at(10));
+        let lost = guards.renewed(|ticket| usize::from(ticket != 1), at(10), i64::MAX);
         assert_eq!(lost, 1);
         assert!(lapsed.is_aborted(), "a lease whose row was not renewed");
         assert!(!renewed.is_aborted() && !released.is_aborted());
@@ -161,9 +186,10 @@ mod tests {
         let clock = TestClock::new();
         let mut guards = Guards::default();
         let deadline = clock.monotonic() + Duration::from_secs(10);
-        let lost = guards.granted(1, keys("a"), Arc::new(clock.clone()), deadline);
+        let lost = guards.granted(1, keys("a"), Arc::new(clock.clone()), deadline, i64::MAX);
         clock.advance(Duration::from_secs(10));
-        assert_eq!(guards.renewed(|_| 1, deadline + Duration::from_secs(10)), 1);
+        let later = deadline + Duration::from_secs(10);
+        assert_eq!(guards.renewed(|_| 1, later, i64::MAX), 1);
         assert!(lost.is_aborted());
         assert!(guards.is_empty());
     }

@@ -31,12 +31,23 @@ impl<S: Storage> Worker<S> {
                 .find(|r| r.ticket == ticket && r.held == held)
         };
         let rows = |ticket: u64, held: bool| find(ticket, held).map_or(0, |r| r.rows);
-        let deadline = self.deadline(now + micros(self.common.lease));
-        let lost = lock(&self.common.guards).renewed(|ticket| rows(ticket, true), deadline);
+        let expires_at = now + micros(self.common.lease);
+        let deadline = self.deadline(expires_at);
+        let lost =
+            lock(&self.common.guards).renewed(|ticket| rows(ticket, true), deadline, expires_at);
         if lost > 0 {
             // Their rows ran out unseen by this owner's deadlines, which watch other owners'
             // rows: a waiter of this owner behind them may be free.
             self.look_all = true;
+        }
+        if self.waits.any_refused() {
+            // Callers waiting without a row try again once a heartbeat, whatever else wakes
+            // them: a refusal by this owner's own rows is watched by no deadline, and those
+            // rows may have run out unseen (a manager stopped past its lease, its renewal's
+            // sweep deleting them now). Found by the simulated workloads: such a `many` waited
+            // for ever.
+            self.waits.take_refused();
+            self.common.changed.notify(usize::MAX);
         }
         let mut promoted = Vec::new();
         let mut gone = Vec::new();
@@ -86,8 +97,13 @@ impl<S: Storage> Worker<S> {
     /// storage's time): its lease is kept from now on (`Guards::granted`).
     pub(super) fn grant(&self, ticket: u64, keys: Vec<String>, expires_at: i64) -> Grant {
         let deadline = self.deadline(expires_at);
-        let lost =
-            lock(&self.common.guards).granted(ticket, keys, self.common.clock.clone(), deadline);
+        let lost = lock(&self.common.guards).granted(
+            ticket,
+            keys,
+            self.common.clock.clone(),
+            deadline,
+            expires_at,
+        );
         Grant {
             ticket,
             lost,

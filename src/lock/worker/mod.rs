@@ -209,8 +209,11 @@ pub(crate) struct Worker<S> {
     lost_replies: bool,
     /// Removals tried in a call or a transaction that failed for a passing reason, perhaps
     /// after it committed: a later try that finds none of their rows cannot tell whether that
-    /// first try deleted them (`Removed::GoneAfterLostAnswer`).
-    removals_in_doubt: BTreeSet<u64>,
+    /// first try deleted them (`Removed::GoneAfterLostAnswer`); by request, the storage's time
+    /// at the first such try.
+    removals_in_doubt: BTreeMap<u64, i64>,
+    /// The storage's time at the start of the last transaction that began.
+    began_at: i64,
     /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
     /// live on, renewed with this owner's others.
     failed_removals: Vec<u64>,
@@ -241,7 +244,8 @@ impl<S: Storage> Worker<S> {
             idle_since: None,
             doubtful: Vec::new(),
             lost_replies: false,
-            removals_in_doubt: BTreeSet::new(),
+            removals_in_doubt: BTreeMap::new(),
+            began_at: 0,
             failed_removals: Vec::new(),
         }
     }

@@ -65,8 +65,10 @@ pub(crate) enum Removed {
     NotAllLive,
     /// None, on a try after one whose answer was lost (a connection cut as the server answered):
     /// that try may have deleted them, so the database cannot tell whether they were live. The
-    /// caller judges by the lease as it knows it.
-    GoneAfterLostAnswer,
+    /// caller judges by the lease as it knows it, and by `since`: the storage's time at the
+    /// first try that may have deleted them (none can have deleted them earlier), so rows whose
+    /// lease had run out by then were lost, whatever this process's clock says.
+    GoneAfterLostAnswer { since: i64 },
 }
 
 impl Command {

@@ -14,7 +14,10 @@ impl<S: Storage> Worker<S> {
         }
         for write in writes {
             if let Write::Remove { request, .. } = write {
-                self.removals_in_doubt.insert(*request);
+                // The earliest time at which a try may have deleted its rows: a time read
+                // before this try's (a transaction's whose begin failed here) is earlier still.
+                let began_at = self.began_at;
+                self.removals_in_doubt.entry(*request).or_insert(began_at);
             }
         }
     }
@@ -38,8 +41,11 @@ impl<S: Storage> Worker<S> {
         };
         if deleted.live == written.keys.len() {
             Removed::AllLive
-        } else if deleted.rows == 0 && self.removals_in_doubt.contains(&request) {
-            Removed::GoneAfterLostAnswer
+        } else if let Some(&since) = (deleted.rows == 0)
+            .then(|| self.removals_in_doubt.get(&request))
+            .flatten()
+        {
+            Removed::GoneAfterLostAnswer { since }
         } else {
             Removed::NotAllLive
         }

@@ -39,6 +39,7 @@ impl<S: Storage> Worker<S> {
             }
         };
         Counters::bump(&self.counters().write_transactions);
+        self.began_at = now;
         self.deleted = false;
         let result = (|| {
             let owner = self.common.owner.clone();

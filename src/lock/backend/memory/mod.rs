@@ -20,11 +20,13 @@
 //!    the commits of others since its last look, and the keys they promoted waiters on (the
 //!    change log), as SQLite's `data_version` and change log do.
 //!
-//! 4. A connection's time never goes back: it is the later of its manager's clock and the
-//!    latest time it read, so a row it judged lapsed stays lapsed for it however its wall clock
-//!    is stepped back (the worker converts its time to the manager's clock for callers:
-//!    `Storage::ahead_of`). Each connection judges by its own manager's clock, as each process
-//!    on a SQLite file does by its own.
+//! 4. The store's time never goes back: it is the later of the reading connection's clock and
+//!    the latest time any connection read. So a row judged lapsed stays lapsed for every
+//!    connection, however a wall clock is stepped back (else another connection could find it
+//!    live again and promote it beside the holder granted over it), and a connection whose
+//!    clock is behind judges by the store's time (the worker converts it to its manager's clock
+//!    for callers: `Storage::ahead_of`). The store is one process's: its managers share one
+//!    time, as the processes of one machine share one clock.
 //!
 //! Lock order: `writer`, then `tables` (a read outside a transaction holds both); nothing takes
 //! `writer` while it holds `tables`.
@@ -113,6 +115,8 @@ struct Store {
     writer: Mutex<Option<u64>>,
     /// Notified when a write transaction ends.
     ended: Condvar,
+    /// The latest time any connection judged by (invariant 4).
+    latest: AtomicI64,
     next_connection: AtomicU64,
 }
 
@@ -124,6 +128,7 @@ impl Default for Store {
             tables: Mutex::new(Tables::default()),
             writer: Mutex::new(None),
             ended: Condvar::new(),
+            latest: AtomicI64::new(i64::MIN),
             next_connection: AtomicU64::new(0),
         }
     }
@@ -201,8 +206,6 @@ pub(crate) struct Memory {
     /// The store's version and change log as this connection last saw them.
     seen_version: u64,
     seen_seq: u64,
-    /// The latest time this connection judged by (invariant 4).
-    latest: AtomicI64,
     /// Broken on purpose (`testkit::Mutation::RenewalRevivesLapsed`): renewals renew lapsed
     /// rows too.
     #[cfg(feature = "testkit")]
@@ -231,7 +234,6 @@ impl Memory {
             in_write: false,
             seen_version,
             seen_seq,
-            latest: AtomicI64::new(i64::MIN),
             #[cfg(feature = "testkit")]
             revive_lapsed: false,
         }
@@ -337,16 +339,16 @@ fn remove_where(
 }
 
 impl Storage for Memory {
-    /// The manager's clock, or the latest time this connection judged by, whichever is later
-    /// (invariant 4): a wall clock stepped back must not make a row that it judged lapsed live
-    /// again for it, after it granted another owner over it.
+    /// The manager's clock, or the latest time the store judged by, whichever is later
+    /// (invariant 4): a wall clock stepped back must not make a row that was judged lapsed live
+    /// again, after another owner was granted over it.
     fn now(&self) -> i64 {
         let now = micros(self.clock.now());
         if now > LAST_TIME {
             // Past the time line: the worker refuses it (and it must not stick).
             return now;
         }
-        let before = self.latest.fetch_max(now, Ordering::Relaxed);
+        let before = self.store.latest.fetch_max(now, Ordering::SeqCst);
         before.max(now)
     }
 
