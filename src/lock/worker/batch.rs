@@ -240,8 +240,11 @@ impl<S: Storage> Worker<S> {
                     }
                 }
             }
-            self.doubt_removals(&writes);
-            self.doubt_commit();
+            // A transaction that never began committed nothing; one that did may have.
+            if self.began {
+                self.doubt_removals(&writes);
+                self.doubt_commit();
+            }
             if !self.storage.again() {
                 self.retry_alone(writes, error);
                 return;

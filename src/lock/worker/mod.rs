@@ -212,8 +212,10 @@ pub(crate) struct Worker<S> {
     /// first try deleted them (`Removed::GoneAfterLostAnswer`); by request, the storage's time
     /// at the first such try.
     removals_in_doubt: BTreeMap<u64, i64>,
-    /// The storage's time at the start of the last transaction that began.
+    /// The storage's time at the start of the last transaction that began, and whether the
+    /// last one tried began (one that did not committed nothing).
     began_at: i64,
+    began: bool,
     /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
     /// live on, renewed with this owner's others.
     failed_removals: Vec<u64>,
@@ -246,6 +248,7 @@ impl<S: Storage> Worker<S> {
             lost_replies: false,
             removals_in_doubt: BTreeMap::new(),
             began_at: 0,
+            began: false,
             failed_removals: Vec::new(),
         }
     }

@@ -14,8 +14,7 @@ impl<S: Storage> Worker<S> {
         }
         for write in writes {
             if let Write::Remove { request, .. } = write {
-                // The earliest time at which a try may have deleted its rows: a time read
-                // before this try's (a transaction's whose begin failed here) is earlier still.
+                // The earliest time at which a try may have deleted its rows.
                 let began_at = self.began_at;
                 self.removals_in_doubt.entry(*request).or_insert(began_at);
             }

@@ -28,6 +28,7 @@ impl<S: Storage> Worker<S> {
             locked.dedup();
         }
         let keys = locked.as_slice();
+        self.began = false;
         let now = match self.storage.begin(keys).and_then(within_time_line) {
             Ok(now) => now,
             Err(error) => {
@@ -40,6 +41,7 @@ impl<S: Storage> Worker<S> {
         };
         Counters::bump(&self.counters().write_transactions);
         self.began_at = now;
+        self.began = true;
         self.deleted = false;
         let result = (|| {
             let owner = self.common.owner.clone();
