@@ -33,7 +33,7 @@ pub enum Fault {
     /// The connection is lost before the transaction: it fails, and what other managers
     /// announced meanwhile is not known (as after a reconnection).
     ConnectionLost,
-    /// The call takes this long (virtual time passes while it runs).
+    /// The transaction's start takes this long (virtual time passes while it runs).
     Latency(Duration),
     /// The store's wall clock (the one leases are judged by) steps forward by this much.
     ClockForward(Duration),
@@ -46,7 +46,7 @@ pub enum Fault {
 ///
 /// Faults are applied where the real backends fail: a transaction refused as busy or over a
 /// lost connection at its start, a commit that fails or whose answer is lost at its end,
-/// latency on every call, and the wall clock stepped between transactions. So the worker's
+/// latency on every round trip, and the wall clock stepped between transactions. So the worker's
 /// retries, its recovery from a lost answer and its fresh look after a reconnection run as
 /// they do in production.
 ///
@@ -110,7 +110,8 @@ impl FaultPlan {
         }
     }
 
-    /// Every call takes up to `up_to` (drawn uniformly from the seed) of virtual time.
+    /// Every round trip (a transaction's start and its commit, a look for changes, a read outside
+    /// a transaction) takes up to `up_to` of virtual time, drawn uniformly from the seed.
     pub fn latency(mut self, up_to: Duration) -> FaultPlan {
         self.latency = up_to;
         self
