@@ -121,6 +121,11 @@
 //! # }
 //! ```
 //!
+//! Code that takes locks is tested the same way, with the lock manager inside the simulation:
+//! `testkit::SimStore`, managers opened on it by `LockManagerBuilder::open_simulated` with a
+//! `testkit::FaultPlan` of storage faults, and `testkit::check_locks` over what the store saw.
+//! The README has a complete example.
+//!
 //! # When not to use it
 //!
 //! If your tasks share memory in one process and need no async clean-up, `async-lock` or tokio's

@@ -11,6 +11,11 @@
 //!   signal or by drop, each run checked for leaks and by `check_cleanup`.
 //! - [`strategy`]: proptest strategies for a seed, a way to stop and a point to stop before,
 //!   for property tests that check one case at a time with [`stop_at`].
+//! - [`SimStore`], [`FaultPlan`] and [`check_locks`]: the lock manager inside the simulation
+//!   ([`open_simulated`](crate::LockManagerBuilder::open_simulated)). Several managers share a
+//!   simulated store as processes share a database, their workers stepped as tasks on virtual
+//!   time; a test kills or stops them, their connections meet storage faults drawn from the
+//!   seed or listed, and the oracle judges what the store saw by the grant rule.
 //! - [`postgres`] (unix): a real, throwaway PostgreSQL server, started from the server programs
 //!   on the machine (`pg_config --bindir`) for a test run and gone when it ends, as this
 //!   library's own PostgreSQL tests use it.
