@@ -443,6 +443,47 @@ fn a_removal_forgotten_after_a_lost_answer_is_found() {
     );
 }
 
+/// Every listed fault is applied at the transaction it names (recorded in the history), and
+/// the manager rides over each: the worker retries on the busy schedule, in virtual time.
+#[test]
+fn listed_faults_are_applied_at_their_transactions_and_ridden_over() {
+    let faults = [
+        Fault::Busy,
+        Fault::CommitFails,
+        Fault::AnswerLost,
+        Fault::ConnectionLost,
+        Fault::Latency(Duration::from_millis(40)),
+        Fault::ClockForward(Duration::from_millis(200)),
+        Fault::ClockBack(Duration::from_millis(200)),
+    ];
+    for fault in faults {
+        let mut sim = Sim::new(9);
+        let store = SimStore::new(&sim);
+        sim.block_on({
+            let store = store.clone();
+            async move {
+                let plan = FaultPlan::none().with(1, fault);
+                let locks = LockManager::builder().open_simulated(&store, plan)?;
+                for _ in 0..3 {
+                    locks.exclusive("k", "work").await?.release().await?;
+                }
+                Ok::<_, LockError>(())
+            }
+        })
+        .unwrap()
+        .unwrap_or_else(|error| panic!("{fault:?}: {error}"));
+        let history = store.history();
+        let noted: Vec<&LockEvent> = history
+            .events()
+            .iter()
+            .filter(|event| matches!(event, LockEvent::Fault { .. }))
+            .collect();
+        assert_eq!(noted.len(), 1, "{fault:?}: {noted:?}");
+        assert_eq!(history.grants(), 3, "{fault:?}");
+        check_locks(&history).unwrap_or_else(|why| panic!("{fault:?}: {why}"));
+    }
+}
+
 /// The seeds on which the search found bugs, kept as they were found (while the workload
 /// generator stays as it is, each replays the same run): 1399, a `many` waiter of the same
 /// manager never woken after a release whose answer was lost; 768, shared grants out of ticket
