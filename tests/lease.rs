@@ -530,15 +530,14 @@ fn a_lock_granted_from_the_queue_starts_with_a_whole_lease() {
         .await;
         clock.advance(Duration::from_secs(1));
         let renewed_until = clock.now() + Duration::from_secs(2);
+        // Both renewals must land before time moves on: A's too, or its lease would run out
+        // under the next step.
         within(
             Duration::from_secs(5),
-            "B's waiting row renewed",
+            "A's held row and B's waiting row renewed",
             || async {
-                b.inspect(Some("k"))
-                    .await
-                    .unwrap()
-                    .iter()
-                    .any(|e| e.operation == "B" && e.expires_at == renewed_until)
+                let rows = b.inspect(Some("k")).await.unwrap();
+                rows.len() == 2 && rows.iter().all(|e| e.expires_at == renewed_until)
             },
         )
         .await;
