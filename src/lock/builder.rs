@@ -54,6 +54,8 @@ pub struct LockManagerBuilder {
     /// The PostgreSQL schema that holds the tables.
     #[cfg(feature = "postgres")]
     schema: String,
+    /// Open only a store that is there, as it is: never create or migrate it (`existing`).
+    existing: bool,
 }
 
 /// The permissions of a new database file unless the builder is told otherwise: its owner's
@@ -88,7 +90,17 @@ impl LockManagerBuilder {
             file_mode: DEFAULT_FILE_MODE,
             #[cfg(feature = "postgres")]
             schema: super::backend::postgres::DEFAULT_SCHEMA.to_owned(),
+            existing: false,
         }
+    }
+
+    /// Opens only a store that is there, with this build's schema: a missing file or schema is
+    /// an error, and nothing is created or migrated. For the command's views and repairs of a
+    /// store, which must not make one where a path was mistyped.
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    pub(crate) fn existing(mut self) -> Self {
+        self.existing = true;
+        self
     }
 
     /// How long a row stays live without a heartbeat. Default 30 s.
@@ -576,6 +588,7 @@ impl LockManagerBuilder {
             guards: Mutex::new(Guards::default()),
             changed: Event::new(),
             unqueued: AtomicUsize::new(0),
+            watchers: AtomicUsize::new(0),
             store,
             replies: Replies::default(),
             #[cfg(feature = "testkit")]
@@ -584,6 +597,7 @@ impl LockManagerBuilder {
         let (tx, commands, waker) = protocol::commands();
         let tx = Arc::new(tx);
         let opening = Opening {
+            existing: self.existing,
             owner: common.owner.clone(),
             heartbeat: common.heartbeat,
             busy: common.busy.clone(),
@@ -661,9 +675,39 @@ fn canonical(path: &Path) -> PathBuf {
     }
 }
 
+/// `host:pid:time-n`: which machine and process an owner is, for whoever reads a store at
+/// 3 a.m., made unique by the time of its making and a count.
 fn new_owner_id() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemClock.now().as_nanos() as u64;
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{}-{:x}-{n}", std::process::id(), nanos & 0xffff_ffff_ffff)
+    format!(
+        "{}:{}:{:x}-{n}",
+        host_name(),
+        std::process::id(),
+        nanos & 0xffff_ffff_ffff
+    )
+}
+
+/// This machine's name, as far as it can be told without a system call of its own: the
+/// kernel's (Linux), or `HOSTNAME`, or `localhost`. Only the characters of a host name are
+/// kept (an owner is shown on one line and named in a shell).
+fn host_name() -> String {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        let found = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_default();
+        let name: String = (found.trim().chars())
+            .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
+            .take(64)
+            .collect();
+        if name.is_empty() {
+            "localhost".to_owned()
+        } else {
+            name
+        }
+    })
+    .clone()
 }

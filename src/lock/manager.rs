@@ -389,6 +389,41 @@ impl LockManager {
             .collect())
     }
 
+    /// An operator's removal of another owner's rows, held or waiting (of its request
+    /// `ticket` alone, if given), in one transaction that promotes the waiters it lets through;
+    /// returns how many rows there were. The owner, if alive, finds them gone at its next
+    /// heartbeat: its guards' `lost` signals abort. For the command's `release`.
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    pub(crate) async fn evict(&self, owner: &str, ticket: Option<u64>) -> Result<usize, LockError> {
+        let owner = owner.to_owned();
+        (self.shared)
+            .call(|reply| Command::Evict {
+                owner,
+                ticket,
+                reply,
+            })
+            .await
+    }
+
+    /// Watches every change to the store while the returned value lives: the worker looks for
+    /// other processes' changes on its poll, has releases and promotions announced to it, and
+    /// notifies [`changed`](Self::changed) whenever a look finds a commit. For the command's
+    /// `watch`.
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    pub(crate) fn watching(&self) -> Watching {
+        self.shared.common.watchers.fetch_add(1, Ordering::SeqCst);
+        // Wake the worker, so that it puts its waiting marker up and starts looking.
+        let _ = self.shared.send(Command::Poke);
+        Watching(self.shared.common.clone())
+    }
+
+    /// A listener for the next change this manager hears of (see [`watching`](Self::watching)):
+    /// listen, then read, then await, so that a change between the read and the wait is heard.
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    pub(crate) fn changed(&self) -> event_listener::EventListener {
+        self.shared.common.changed.listen()
+    }
+
     /// Releases every row of this owner and stops its background work. Waiting acquisitions
     /// end with [`LockError::Shutdown`]; guards' [`lost`](Guard::lost) signals abort. Calling it
     /// again does nothing.
@@ -546,6 +581,15 @@ async fn acquire_in_scope(
     };
     removal.disarm();
     Ok(Guard::new(&shared, id, grant, requests, Some(started)))
+}
+
+/// Counts a watcher of every change while it lives (`LockManager::watching`).
+pub(crate) struct Watching(Arc<Common>);
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.watchers.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Counts a waiter without a queue position while it lives.

@@ -25,6 +25,8 @@ pub(crate) type Result<T> = std::result::Result<T, LockError>;
 
 /// What every backend opens itself with, on the storage thread (its own `serve`).
 pub(crate) struct Opening {
+    /// Open only a store that is there, with this build's schema: never create or migrate it.
+    pub(crate) existing: bool,
     /// The owner the storage serves (its doorbell, say, is named after it).
     pub(crate) owner: String,
     /// PostgreSQL bounds its waits on the server by it.

@@ -39,6 +39,10 @@ pub(crate) struct Common {
     pub(crate) changed: Event,
     /// Waiters without a queue position (`many`), so the worker keeps looking for changes.
     pub(crate) unqueued: AtomicUsize,
+    /// Watchers of every change (the command's `watch`): while there are any, the worker keeps
+    /// looking for changes, has its storage announce every release and promotion to it (as to a
+    /// waiter without a row), and notifies `changed` whenever a look finds a commit.
+    pub(crate) watchers: AtomicUsize,
     /// What the rows are kept in, named so that the managers of this process that share it
     /// agree (the file's absolute path; PostgreSQL's host, database and schema), for waking each
     /// other; `None` for a private in-memory database. Never holds a password.

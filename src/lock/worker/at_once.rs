@@ -49,6 +49,7 @@ impl<S: Storage> Worker<S> {
             if ops.len() != writes.len() {
                 return Err(writes);
             }
+            self.tried_writing = true;
             let decided = match self.storage.at_once() {
                 Some(decider) => decider.decide_at_once(&owner, &ops, lease),
                 None => return Err(writes),

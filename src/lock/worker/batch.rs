@@ -90,7 +90,9 @@ impl<S: Storage> Worker<S> {
                     stop = true;
                 }
                 Command::Poke => self.poked = true,
-                read @ (Command::Inspect { .. } | Command::IsLocked { .. }) => reads.push(read),
+                read @ (Command::Inspect { .. }
+                | Command::IsLocked { .. }
+                | Command::Evict { .. }) => reads.push(read),
             }
         }
         if !writes.is_empty() {
@@ -163,6 +165,13 @@ impl<S: Storage> Worker<S> {
             }
             Command::IsLocked { key, reply } => {
                 let _ = reply.send(self.storage.is_held(&key, now));
+            }
+            Command::Evict {
+                owner,
+                ticket,
+                reply,
+            } => {
+                let _ = reply.send(self.evict(&owner, ticket));
             }
             _ => {}
         }

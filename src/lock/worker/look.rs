@@ -137,6 +137,9 @@ impl<S: Storage> Worker<S> {
         };
         keys.extend(due);
         keys.append(&mut self.own_changes);
+        if changes != Changes::Nothing && self.common.watchers.load(Ordering::SeqCst) > 0 {
+            self.common.changed.notify(usize::MAX);
+        }
         if (changes != Changes::Nothing || refused_due) && self.waits.any_refused() {
             // Requests without a queue position have no rows to promote: their callers try
             // again, and are refused (and watched) again if still blocked.

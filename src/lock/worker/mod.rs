@@ -31,6 +31,7 @@
 
 mod at_once;
 mod batch;
+mod evict;
 mod grants;
 mod look;
 pub(crate) mod protocol;
@@ -191,6 +192,9 @@ pub(crate) struct Worker<S> {
     last_renewal: Option<i64>,
     /// Whether the current transaction deleted a row of this owner.
     deleted: bool,
+    /// Whether a write was ever tried: until then this owner has no row, and closing it writes
+    /// nothing (a manager that only read, as the command's `inspect`, leaves the store as it was).
+    tried_writing: bool,
     /// The keys the current transaction's promotion pass looks at: those whose rows it deleted,
     /// and those a look found grantable.
     pass: BTreeSet<String>,
@@ -240,6 +244,7 @@ impl<S: Storage> Worker<S> {
             own_changes: BTreeSet::new(),
             last_renewal: None,
             deleted: false,
+            tried_writing: false,
             pass: BTreeSet::new(),
             look_all: false,
             marked_waiting: false,
@@ -276,7 +281,14 @@ impl<S: Storage> Worker<S> {
     }
 
     fn has_waiters(&self) -> bool {
-        !self.waits.is_empty() || self.common.unqueued.load(Ordering::SeqCst) > 0
+        !self.waits.is_empty() || self.unqueued_or_watched()
+    }
+
+    /// Whether callers wait without a row, or watch every change: what a release or promotion
+    /// anywhere is announced to.
+    fn unqueued_or_watched(&self) -> bool {
+        self.common.unqueued.load(Ordering::SeqCst) > 0
+            || self.common.watchers.load(Ordering::SeqCst) > 0
     }
 
     /// Serves commands on this thread until the manager is gone: spins a while for the next
@@ -344,13 +356,17 @@ impl<S: Storage> Worker<S> {
             }
         }
         self.start_due_beats();
+        if self.common.watchers.load(Ordering::SeqCst) > 0 {
+            // Up before the look reads: a release committed after it is announced here.
+            self.mark_waiting(true);
+        }
         if self.look_due() {
             self.look_for_changes();
             self.last_look = self.common.clock.monotonic();
             self.next_look = self.look_after(self.last_look);
         }
         let now = self.common.clock.monotonic();
-        if self.common.unqueued.load(Ordering::SeqCst) > 0 {
+        if self.unqueued_or_watched() {
             self.idle_since = None;
         } else if self.marked_waiting {
             let since = *self.idle_since.get_or_insert(now);
@@ -475,6 +491,9 @@ impl<S: Storage> Worker<S> {
 
     /// The manager is gone (every handle dropped): leave no row behind.
     fn close(&mut self) {
+        if !self.tried_writing {
+            return;
+        }
         let keys = self.own_keys();
         loop {
             match self.transaction(&keys, |worker, now| worker.delete_own_rows(now)) {

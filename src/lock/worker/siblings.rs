@@ -51,8 +51,9 @@ pub(crate) fn poke(common: &Common, owners: &BTreeSet<String>) {
         .filter_map(|s| Some((s.tx.upgrade()?, s.common.upgrade()?)))
         .collect();
     for (tx, target) in targets {
-        let concerned =
-            owners.contains(&target.owner) || target.unqueued.load(Ordering::SeqCst) > 0;
+        let concerned = owners.contains(&target.owner)
+            || target.unqueued.load(Ordering::SeqCst) > 0
+            || target.watchers.load(Ordering::SeqCst) > 0;
         if concerned {
             let _ = tx.send(Command::Poke);
         }

@@ -29,6 +29,7 @@ impl<S: Storage> Worker<S> {
         }
         let keys = locked.as_slice();
         self.began = false;
+        self.tried_writing = true;
         let now = match self.storage.begin(keys).and_then(within_time_line) {
             Ok(now) => now,
             Err(error) => {

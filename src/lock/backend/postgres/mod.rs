@@ -49,7 +49,9 @@ mod target;
 mod tls;
 
 use self::listener::{channel, payload, Heard, Listener, Reconnect};
-use self::schema::{key_locks, migrate, quote};
+use self::schema::{check_version, key_locks, migrate};
+#[cfg_attr(not(feature = "cli"), allow(unused_imports))]
+pub(crate) use self::schema::{quote, version as schema_version, SCHEMA_VERSION};
 use self::target::describe;
 pub(crate) use self::target::{parse, valid_schema, Target, DEFAULT_SCHEMA};
 
@@ -141,6 +143,9 @@ pub(crate) struct Postgres {
     started: Instant,
     /// What the listener heard.
     heard: Arc<Mutex<Heard>>,
+    /// Whether the schema must be there already, with this build's version: never created or
+    /// migrated (`Opening::existing`).
+    existing: bool,
 }
 
 /// Connects to `target` (its waits bounded by the heartbeat: `Target::bound_by`), brings the
@@ -154,7 +159,7 @@ pub(crate) fn serve(
     worker: impl Serve,
 ) {
     let target = target.bound_by(opening.heartbeat);
-    match Postgres::connect(target, schema, opening.busy, opening.poke) {
+    match Postgres::connect(target, schema, opening.busy, opening.poke, opening.existing) {
         Ok(storage) => {
             opened(Ok(()));
             worker.serve(storage);
@@ -164,12 +169,14 @@ pub(crate) fn serve(
 }
 
 impl Postgres {
-    /// Connects, creates or migrates the schema, and reads the server's time.
+    /// Connects, creates or migrates the schema (or, if `existing`, checks that it is there and
+    /// this build's), and reads the server's time.
     fn connect(
         target: Target,
         schema: String,
         busy: Schedule,
         poke: Arc<dyn Poke>,
+        existing: bool,
     ) -> Result<Postgres> {
         let mut storage = Postgres {
             config: target.config,
@@ -185,6 +192,7 @@ impl Postgres {
             in_transaction: false,
             started: Instant::now(),
             heard: Arc::new(Mutex::new(Heard::default())),
+            existing,
         };
         storage.client()?;
         let listener = Listener {
@@ -239,7 +247,13 @@ impl Postgres {
             self.transient = connected.is_err();
             let client = connected
                 .map_err(|e| storage_error(&format!("connecting to {}", describe(&self.config)), e))
-                .and_then(|mut client| migrate(&mut client, &self.schema).map(|()| client));
+                .and_then(|mut client| {
+                    match self.existing {
+                        true => check_version(&mut client, &self.schema),
+                        false => migrate(&mut client, &self.schema),
+                    }
+                    .map(|()| client)
+                });
             match client {
                 Ok(client) => {
                     self.reconnect.succeeded();

@@ -7,7 +7,7 @@ use postgres::Client;
 use super::storage_error;
 use crate::lock::backend::codec::{fnv1a, mode_code};
 use crate::lock::backend::Result;
-use crate::lock::{LockError, Mode};
+use crate::lock::{LockError, Mode, StorageError};
 
 /// The schema version this build writes and understands.
 pub(crate) const SCHEMA_VERSION: i32 = 6;
@@ -94,6 +94,46 @@ fn functions(schema: &str) -> String {
 
 /// Creates the schema and its tables if missing, under an advisory lock so that several
 /// processes starting at once do it once; refuses a schema from a newer version.
+/// An error unless `schema` holds a lock store of this build's version: changes nothing.
+pub(crate) fn check_version(client: &mut Client, schema: &str) -> Result<()> {
+    let doing = format!("opening the store in the schema {schema:?}");
+    match version(client, schema)? {
+        None => Err(StorageError::new(doing, "there is no lock store in that schema").into()),
+        Some(found) if found > SCHEMA_VERSION => Err(LockError::SchemaTooNew {
+            found: i64::from(found),
+            supported: i64::from(SCHEMA_VERSION),
+        }),
+        Some(found) if found < SCHEMA_VERSION => {
+            let why = format!(
+                "its schema is version {found}, older than this build's {SCHEMA_VERSION}; a \
+                 manager of this build (`leasehold run`, say) brings it up to date"
+            );
+            Err(StorageError::new(doing, why).into())
+        }
+        Some(_) => Ok(()),
+    }
+}
+
+/// The version of the lock store in `schema`, if there is one.
+pub(crate) fn version(client: &mut Client, schema: &str) -> Result<Option<i32>> {
+    let doing = "reading the schema version";
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&format!("{}.meta", quote(schema))],
+        )
+        .map_err(|e| storage_error(doing, e))?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let found: i32 = client
+        .query_one(&format!("SELECT version FROM {}.meta", quote(schema)), &[])
+        .map_err(|e| storage_error(doing, e))?
+        .get(0);
+    Ok(Some(found))
+}
+
 pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
     let s = quote(schema);
     let doing = "creating the schema";

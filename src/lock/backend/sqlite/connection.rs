@@ -34,21 +34,39 @@ const CONFIGURE: &str =
 
 /// Opens (creating if needed, with the permission bits `file_mode` on unix) the database at
 /// `path`, or an in-memory one for `None`, sets it up and brings its schema up to date, waiting
-/// on `busy` while another connection holds it.
-pub(super) fn connect(path: Option<&Path>, file_mode: u32, busy: &Schedule) -> Result<Connection> {
-    if let Some(path) = path {
-        create_with_mode(path, file_mode);
+/// on `busy` while another connection holds it. With `existing`, opens only a file that is
+/// there with this build's schema, and changes nothing in it.
+pub(super) fn connect(
+    path: Option<&Path>,
+    file_mode: u32,
+    busy: &Schedule,
+    existing: bool,
+) -> Result<Connection> {
+    let mut flags = OpenFlags::new().with_read_write().with_no_mutex();
+    match path {
+        Some(path) if existing => {
+            if !path.is_file() {
+                let doing = format!("opening the store {}", path.display());
+                return Err(StorageError::new(doing, "there is no such file").into());
+            }
+        }
+        Some(path) => {
+            create_with_mode(path, file_mode);
+            flags = flags.with_create();
+        }
+        None => flags = flags.with_create(),
     }
-    let flags = OpenFlags::new()
-        .with_create()
-        .with_read_write()
-        .with_no_mutex();
     let target = path.unwrap_or_else(|| Path::new(":memory:"));
     let mut conn =
         Connection::open_with_flags(target, flags).map_err(|e| open_error(target, &e))?;
     conn.set_busy_timeout(BUSY_TIMEOUT_MS)
         .map_err(|e| storage_error("setting the busy timeout", &e))?;
     let mut db = Db::new(&conn, Arc::new(SystemClock), None, busy.clone());
+    if existing {
+        db.check_version(target)?;
+        drop(db);
+        return Ok(conn);
+    }
     // Switching a new file to WAL takes an exclusive lock, and SQLite reports a clash with
     // another process opening it at the same moment as busy without waiting: retry.
     retry_busy("configuring the database", busy, || conn.execute(CONFIGURE))?;

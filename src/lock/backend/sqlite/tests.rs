@@ -155,8 +155,8 @@ proptest! {
         let path = dir.path().join("known.db");
         let busy = Schedule::recurs(0);
         let (first, second) = (
-            connect(Some(&path), 0o600, &busy).unwrap(),
-            connect(Some(&path), 0o600, &busy).unwrap(),
+            connect(Some(&path), 0o600, &busy, false).unwrap(),
+            connect(Some(&path), 0o600, &busy, false).unwrap(),
         );
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let mut dbs = [

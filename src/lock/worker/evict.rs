@@ -1,0 +1,48 @@
+//! An operator's removal of another owner's rows (the command's `release`), for an owner whose
+//! machine is gone: the rows are deleted in one transaction on their keys, which promotes the
+//! waiters the rule now lets through, as a release by their owner would (invariant 2 of
+//! `mod.rs`). An owner still alive finds its rows gone at its next heartbeat, and its guards'
+//! `lost` signals abort.
+
+use super::*;
+
+impl<S: Storage> Worker<S> {
+    /// Deletes `owner`'s rows (of `ticket` alone, if given), held or waiting, live or lapsed;
+    /// returns how many there were. A failure for a passing reason is tried again on the busy
+    /// schedule. After a try whose answer was lost, the next finds the rows gone and says 0.
+    pub(super) fn evict(&mut self, owner: &str, ticket: Option<u64>) -> Result<usize, LockError> {
+        loop {
+            match self.try_evict(owner, ticket) {
+                Ok(removed) => return Ok(removed),
+                Err(error) if !self.storage.again() => return Err(error),
+                Err(_) => {}
+            }
+        }
+    }
+
+    fn try_evict(&mut self, owner: &str, ticket: Option<u64>) -> Result<usize, LockError> {
+        let requests: Vec<(u64, Vec<String>)> = (self.storage.requests_of(owner)?.into_iter())
+            .filter(|(found, _)| ticket.is_none_or(|ticket| ticket == *found))
+            .collect();
+        if requests.is_empty() {
+            return Ok(0);
+        }
+        let mut keys: Vec<String> = requests.iter().flat_map(|(_, keys)| keys.clone()).collect();
+        keys.sort();
+        keys.dedup();
+        let (removed, freed) = self.transaction(&keys, |worker, now| {
+            let mut removed = 0;
+            for (ticket, keys) in &requests {
+                let deleted = worker.storage.delete_request(owner, keys, *ticket, now)?;
+                if deleted.rows > 0 {
+                    removed += deleted.rows;
+                    worker.deleted = true;
+                    worker.pass.extend(keys.iter().cloned());
+                }
+            }
+            Ok(removed)
+        })?;
+        self.after_commit(&freed);
+        Ok(removed)
+    }
+}
