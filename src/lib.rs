@@ -168,6 +168,10 @@
 )]
 
 mod abort;
+/// The `leasehold` command's code, for its binary (`src/bin/leasehold.rs`); not an API.
+#[cfg(all(feature = "cli", unix))]
+#[doc(hidden)]
+pub mod cli;
 mod clock;
 mod fiber;
 mod lock;

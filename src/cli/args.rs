@@ -1,0 +1,252 @@
+//! The command's arguments, and every `--help`.
+
+use std::time::Duration;
+
+use clap::{ArgGroup, Args as ClapArgs, Parser, Subcommand};
+
+use super::parse_duration;
+
+const STORE_HELP: &str =
+    "A SQLite file, or (built with `postgres`) a postgres:// URL or libpq string";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "leasehold",
+    version,
+    about = "Shared and exclusive locks with leases, fair queues and fencing tokens, in a SQLite \
+             file (one machine) or PostgreSQL (several): run a program under one, and see, mend \
+             and check what a store holds.",
+    after_help = "Examples:\n  \
+        leasehold run locks.db backup -- ./backup.sh\n  \
+        leasehold inspect locks.db\n  \
+        leasehold doctor postgres://app@db.internal/app"
+)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    Run(Run),
+    Inspect(Inspect),
+    Watch(Watch),
+    Release(Release),
+    Doctor(Doctor),
+}
+
+/// Where the rows are.
+#[derive(Debug, ClapArgs)]
+pub(crate) struct StoreArgs {
+    #[arg(help = STORE_HELP)]
+    pub(crate) store: String,
+    /// The PostgreSQL schema that holds the tables [default: leasehold]
+    #[arg(long, value_name = "NAME")]
+    pub(crate) schema: Option<String>,
+}
+
+/// Run COMMAND while holding a lock on KEY
+///
+/// Takes the lock (exclusive unless -s), runs COMMAND with LEASEHOLD_FENCING_TOKEN,
+/// LEASEHOLD_KEY and LEASEHOLD_OWNER in its environment, renews the lease while it runs,
+/// releases when it exits, and exits with its status. SIGINT, SIGTERM or SIGHUP while waiting
+/// leaves the queue (no row is left) and exits 130, 143 or 129; while COMMAND runs they are
+/// passed on to it. If the lease is lost while COMMAND runs (this process was stopped past it,
+/// or an operator released it), COMMAND is sent SIGTERM, then SIGKILL after --grace, and the
+/// exit code is 4.
+#[derive(Debug, ClapArgs)]
+#[command(
+    group(ArgGroup::new("mode").args(["shared", "exclusive"])),
+    group(ArgGroup::new("waiting").args(["wait", "no_wait"])),
+    after_help = "Examples:\n  \
+        leasehold run locks.db repo/photos -- rsync -a photos/ backup:/photos/\n  \
+        leasehold run -s -w 30s locks.db repo/photos -- ./read-only-report.sh\n  \
+        leasehold run -n -E 75 postgres://app@db/app nightly -- ./nightly.sh   # skip if running"
+)]
+pub(crate) struct Run {
+    /// Take a shared lock: others with -s hold it at once, none with -x
+    #[arg(short = 's', long)]
+    pub(crate) shared: bool,
+    /// Take an exclusive lock (the default)
+    #[arg(short = 'x', long)]
+    pub(crate) exclusive: bool,
+    /// Wait at most this long for the lock, then run nothing and exit with the conflict code
+    #[arg(short = 'w', long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) wait: Option<Duration>,
+    /// Do not wait: if the lock is held, run nothing and exit with the conflict code
+    #[arg(short = 'n', long)]
+    pub(crate) no_wait: bool,
+    /// The exit code when the lock could not be had (-n, or -w ran out)
+    #[arg(
+        short = 'E',
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u8).range(1..)
+    )]
+    pub(crate) conflict_exit_code: u8,
+    /// What the holder is doing, as others see it [default: COMMAND's name]
+    #[arg(long, value_name = "NAME")]
+    pub(crate) operation: Option<String>,
+    /// How long the lock outlives this process if it stops renewing it (at least 300ms);
+    /// renewed every third of it
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) lease: Duration,
+    /// After a lost lease, how long COMMAND has between SIGTERM and SIGKILL
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) grace: Duration,
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// The lock's name
+    pub(crate) key: String,
+    /// The program to run, and its arguments (after `--`)
+    #[arg(required = true, last = true, value_name = "COMMAND")]
+    pub(crate) command: Vec<String>,
+}
+
+/// Show the holders and waiters of every key (or of the keys that start with KEY_PREFIX)
+///
+/// Read-only: it never creates a store that is not there.
+#[derive(Debug, ClapArgs)]
+#[command(after_help = "Examples:\n  \
+        leasehold inspect locks.db\n  \
+        leasehold inspect locks.db repo/ --json | jq 'select(.state == \"waiting\")'")]
+pub(crate) struct Inspect {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// Only the keys that start with this
+    pub(crate) key_prefix: Option<String>,
+    /// One JSON object per row, one per line: key, mode, state, position, owner, operation,
+    /// ticket, since_ms, expires_at_ms, lease_left_ms
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// Show the holders and waiters, redrawn on each change, until interrupted
+///
+/// Woken by the store's own wake-ups (the doorbell beside a SQLite file, NOTIFY on PostgreSQL)
+/// when a lock is released or a waiter promoted, and otherwise looks again every --every (for
+/// new holders and waiters, and the leases left).
+#[derive(Debug, ClapArgs)]
+#[command(after_help = "Example:\n  leasehold watch locks.db repo/")]
+pub(crate) struct Watch {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// Only the keys that start with this
+    pub(crate) key_prefix: Option<String>,
+    /// The longest time between two looks
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
+    pub(crate) every: Duration,
+}
+
+/// Remove the rows of an owner that is gone (an operator's repair)
+///
+/// Its holders' and waiters' rows are deleted, and the waiters behind them granted, as if the
+/// owner had released; an owner still running finds its lease lost at its next heartbeat.
+/// Asks before it removes anything, unless --yes.
+#[derive(Debug, ClapArgs)]
+#[command(
+    group(ArgGroup::new("whose").required(true).args(["owner", "key"])),
+    after_help = "Examples:\n  \
+        leasehold release locks.db --owner build-7:4121:18c9a2f01b3-0\n  \
+        leasehold release locks.db --key repo/photos --ticket 812 --yes"
+)]
+pub(crate) struct Release {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// Every row of this owner (as `inspect` shows it)
+    #[arg(long, value_name = "OWNER")]
+    pub(crate) owner: Option<String>,
+    /// The request on this key with --ticket
+    #[arg(long, value_name = "KEY", requires = "ticket")]
+    pub(crate) key: Option<String>,
+    /// The ticket of the request on --key (as `inspect` shows it)
+    #[arg(long, value_name = "TICKET", requires = "key")]
+    pub(crate) ticket: Option<u64>,
+    /// Do not ask
+    #[arg(long)]
+    pub(crate) yes: bool,
+}
+
+/// Check a store: its schema, its rows, who may read and write it, and (PostgreSQL) the role's
+/// privileges, the server's clock and whether notifications arrive
+///
+/// Exits 0 only when nothing is wrong; every finding is a line that says what to do about it.
+#[derive(Debug, ClapArgs)]
+#[command(after_help = "Examples:\n  \
+        leasehold doctor /var/lib/app/locks.db\n  \
+        leasehold doctor postgres://app@db.internal/app --schema leasehold")]
+pub(crate) struct Doctor {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_arguments_are_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn a_run_takes_its_command_after_two_dashes() {
+        let args = Args::try_parse_from([
+            "leasehold",
+            "run",
+            "-s",
+            "-w",
+            "2m",
+            "locks.db",
+            "k",
+            "--",
+            "ls",
+            "-l",
+        ])
+        .unwrap();
+        let Command::Run(run) = args.command else {
+            panic!("not a run")
+        };
+        assert!(run.shared);
+        assert_eq!(run.wait, Some(Duration::from_secs(120)));
+        assert_eq!(run.command, ["ls", "-l"]);
+        assert_eq!(run.conflict_exit_code, 1);
+    }
+
+    #[test]
+    fn contradictory_flags_are_refused() {
+        for args in [
+            &["leasehold", "run", "-s", "-x", "l.db", "k", "--", "true"][..],
+            &[
+                "leasehold",
+                "run",
+                "-n",
+                "-w",
+                "1s",
+                "l.db",
+                "k",
+                "--",
+                "true",
+            ],
+            &["leasehold", "run", "-E", "0", "l.db", "k", "--", "true"],
+            &["leasehold", "run", "l.db", "k"],
+            &["leasehold", "release", "l.db"],
+            &["leasehold", "release", "l.db", "--key", "k"],
+            &[
+                "leasehold",
+                "release",
+                "l.db",
+                "--owner",
+                "o",
+                "--key",
+                "k",
+                "--ticket",
+                "1",
+            ],
+        ] {
+            assert!(Args::try_parse_from(args).is_err(), "{args:?}");
+        }
+    }
+}

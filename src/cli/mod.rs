@@ -1,0 +1,213 @@
+//! The `leasehold` command (feature `cli`): run a program under a lock, and see, mend and check
+//! what a store holds, over SQLite (a file) or PostgreSQL (a URL), with the same rows, rules and
+//! fencing tokens as the library's managers. `src/bin/leasehold.rs` calls [`main`].
+//!
+//! Its parts: `args.rs` (the arguments, and every `--help`), `run.rs` (a program under a lock,
+//! with its signals), `show.rs` (`inspect` and `watch`), `release.rs` (an operator's removal of
+//! a gone owner's rows), `doctor.rs` (what is wrong with a store, and what to do about it), and
+//! here the stores and the exit codes.
+//!
+//! Exit codes, beside a `run`'s COMMAND's own (and 128 + N when it died of signal N):
+//!
+//! | code | meaning |
+//! |---|---|
+//! | 0 | done; `doctor`: nothing is wrong |
+//! | 1 | `run`: the key is held (`-n`, or `-w` ran out; `-E` changes it); `release`: nothing removed; `doctor`: a problem found |
+//! | 2 | the arguments are wrong |
+//! | 3 | the store could not be opened or failed (missing, a schema of another version, a storage error) |
+//! | 4 | `run`: the lease was lost while COMMAND ran (it was sent SIGTERM, then SIGKILL after `--grace`) |
+//! | 126, 127 | `run`: COMMAND could not be run, or was not found |
+//! | 129, 130, 143 | `run`: SIGHUP, SIGINT or SIGTERM came while waiting (the queue was left) |
+
+mod args;
+mod doctor;
+mod release;
+mod run;
+mod show;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::lock::{LockError, LockManager, LockManagerBuilder};
+
+use self::args::{Args, Command};
+
+/// The store could not be opened or failed.
+const STORE_FAILED: u8 = 3;
+
+/// Runs the command with this process's arguments; returns its exit code.
+pub fn main() -> ExitCode {
+    let args = Args::parse();
+    let code = match args.command {
+        Command::Run(run) => run::run(run),
+        Command::Inspect(inspect) => show::inspect(inspect),
+        Command::Watch(watch) => show::watch(watch),
+        Command::Release(release) => release::release(release),
+        Command::Doctor(doctor) => doctor::doctor(doctor),
+    };
+    ExitCode::from(code)
+}
+
+/// Where the rows are: a SQLite file, or a PostgreSQL database (and schema).
+#[derive(Clone, Debug)]
+pub(crate) enum Store {
+    File(PathBuf),
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    Postgres {
+        url: String,
+        schema: Option<String>,
+    },
+}
+
+impl Store {
+    /// `STORE` as given: a `postgres://` or `postgresql://` URL, or a libpq string (`key=value`
+    /// pairs), is a PostgreSQL database; anything else is a file's path.
+    pub(crate) fn parse(store: &str, schema: Option<String>) -> Result<Store, String> {
+        let looks_postgres = store.starts_with("postgres://")
+            || store.starts_with("postgresql://")
+            || (store.contains('=') && !std::path::Path::new(store).exists());
+        if !looks_postgres {
+            if schema.is_some() {
+                return Err("--schema names a PostgreSQL schema; a SQLite store has none".into());
+            }
+            return Ok(Store::File(PathBuf::from(store)));
+        }
+        if cfg!(feature = "postgres") {
+            Ok(Store::Postgres {
+                url: store.to_owned(),
+                schema,
+            })
+        } else {
+            Err(
+                "this build has no PostgreSQL backend: install it with `--features cli,postgres`"
+                    .into(),
+            )
+        }
+    }
+
+    /// A manager of this store, opened by `builder`.
+    pub(crate) async fn open(&self, builder: LockManagerBuilder) -> Result<LockManager, LockError> {
+        match self {
+            Store::File(path) => builder.open(path),
+            #[cfg(feature = "postgres")]
+            Store::Postgres { url, schema } => {
+                let builder = match schema {
+                    Some(schema) => builder.schema(schema),
+                    None => builder,
+                };
+                builder.connect(url).await
+            }
+            #[cfg(not(feature = "postgres"))]
+            Store::Postgres { .. } => unreachable!("refused by `Store::parse`"),
+        }
+    }
+
+    /// A manager of the store as it is, for a view or a repair: never creates or migrates it.
+    pub(crate) async fn open_existing(&self) -> Result<LockManager, LockError> {
+        self.open(LockManager::builder().existing()).await
+    }
+}
+
+/// `error` on standard error as the command's one line about it, and the exit code of a store
+/// that failed.
+pub(crate) fn store_failed(error: &LockError) -> u8 {
+    eprintln!("leasehold: {error}");
+    STORE_FAILED
+}
+
+/// `500ms`, `30s`, `2m`, `1h`, or a sum of them (`1m30s`); a bare number is seconds.
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let bad = || format!("{text:?} is not a duration: write it as 500ms, 30s, 2m or 1h");
+    let text = text.trim();
+    if text.is_empty() {
+        return Err(bad());
+    }
+    if let Ok(seconds) = text.parse::<u64>() {
+        return Ok(Duration::from_secs(seconds));
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        if digits == 0 {
+            return Err(bad());
+        }
+        let amount: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let one = match &rest[..unit] {
+            "ms" => Duration::from_millis(1),
+            "s" => Duration::from_secs(1),
+            "m" => Duration::from_secs(60),
+            "h" => Duration::from_secs(3600),
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit..];
+        let amount = u32::try_from(amount).map_err(|_| bad())?;
+        total = total.checked_add(one * amount).ok_or_else(bad)?;
+    }
+    Ok(total)
+}
+
+/// `duration` as a person reads it: `850ms`, `12.3s`, `4m05s`, `2h10m`.
+pub(crate) fn show_duration(duration: Duration) -> String {
+    let ms = duration.as_millis();
+    match ms {
+        0..=999 => format!("{ms}ms"),
+        1_000..=59_999 => format!("{}.{}s", ms / 1000, (ms % 1000) / 100),
+        60_000..=3_599_999 => format!("{}m{:02}s", ms / 60_000, (ms % 60_000) / 1000),
+        _ => format!("{}h{:02}m", ms / 3_600_000, (ms % 3_600_000) / 60_000),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_read_in_the_units_people_write() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("45"), Ok(Duration::from_secs(45)));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn a_duration_without_a_known_unit_is_refused_with_the_forms_allowed() {
+        for bad in ["", "s", "5 s", "5x", "-5s", "1.5s", "ms5", "99999999999h"] {
+            let error = parse_duration(bad).unwrap_err();
+            assert!(error.contains("500ms, 30s, 2m"), "{bad:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn durations_are_shown_to_the_precision_that_matters() {
+        assert_eq!(show_duration(Duration::from_millis(850)), "850ms");
+        assert_eq!(show_duration(Duration::from_millis(12_345)), "12.3s");
+        assert_eq!(show_duration(Duration::from_secs(245)), "4m05s");
+        assert_eq!(show_duration(Duration::from_secs(7_800)), "2h10m");
+    }
+
+    #[test]
+    fn a_store_is_a_file_unless_it_names_a_postgres_database() {
+        assert!(matches!(Store::parse("locks.db", None), Ok(Store::File(_))));
+        assert!(Store::parse("locks.db", Some("s".into())).is_err());
+        let url = Store::parse("postgres://u@h/db", None);
+        let libpq = Store::parse("host=/tmp dbname=x", None);
+        if cfg!(feature = "postgres") {
+            assert!(matches!(url, Ok(Store::Postgres { .. })));
+            assert!(matches!(libpq, Ok(Store::Postgres { .. })));
+        } else {
+            assert!(url.unwrap_err().contains("--features cli,postgres"));
+            assert!(libpq.is_err());
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! `leasehold release`: an operator's removal of the rows of an owner that is gone.
+
+use std::io::{BufRead, IsTerminal, Write};
+
+use super::args::Release;
+use super::{store_failed, Store};
+
+/// What removing another owner's rows does and does not protect, said before it is done.
+const WHAT_FENCING_DOES: &str = "\
+Removing these rows ends their leases now: their waiters are granted at once, as if the owner \
+had released. If the owner is still running, it finds out only at its next heartbeat, and until \
+then it goes on as the holder. Fencing tokens protect what checks them: a resource that refuses \
+a token lower than the highest it has seen refuses the removed holder's late writes once the \
+next holder has written. Anything that does not check the token is not protected.";
+
+pub(crate) fn release(args: Release) -> u8 {
+    let store = match Store::parse(&args.store.store, args.store.schema.clone()) {
+        Ok(store) => store,
+        Err(error) => {
+            eprintln!("leasehold: {error}");
+            return 2;
+        }
+    };
+    smol::block_on(async {
+        let locks = match store.open_existing().await {
+            Ok(locks) => locks,
+            Err(error) => return store_failed(&error),
+        };
+        let entries = match locks.inspect(None).await {
+            Ok(entries) => entries,
+            Err(error) => return store_failed(&error),
+        };
+        // Whose rows, and which: the owner's every request, or the one with the ticket.
+        let (owner, ticket) = match (&args.owner, &args.key, args.ticket) {
+            (Some(owner), _, _) => (owner.clone(), None),
+            (None, Some(key), Some(ticket)) => {
+                match entries.iter().find(|e| e.key == *key && e.ticket == ticket) {
+                    Some(entry) => (entry.owner.clone(), Some(ticket)),
+                    None => {
+                        eprintln!(
+                            "leasehold: no live row on {key:?} has ticket {ticket}; nothing removed"
+                        );
+                        return 1;
+                    }
+                }
+            }
+            _ => unreachable!("the arguments require --owner, or --key with --ticket"),
+        };
+        let chosen: Vec<_> = (entries.into_iter())
+            .filter(|e| e.owner == owner && ticket.is_none_or(|t| t == e.ticket))
+            .collect();
+        if chosen.is_empty() {
+            eprintln!("leasehold: {owner:?} has no live rows; nothing removed");
+            return 1;
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        print!("{}", super::show::table(&chosen, now));
+        println!("\n{WHAT_FENCING_DOES}\n");
+        if !args.yes && !confirmed(chosen.len()) {
+            return 1;
+        }
+        match locks.evict(&owner, ticket).await {
+            Ok(removed) => {
+                println!("removed {removed} row(s) of {owner}");
+                0
+            }
+            Err(error) => store_failed(&error),
+        }
+    })
+}
+
+/// Asks on the terminal; false unless the answer is yes, and when there is no terminal to ask.
+fn confirmed(rows: usize) -> bool {
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        eprintln!(
+            "leasehold: not removing without confirmation: pass --yes (stdin is not a terminal)"
+        );
+        return false;
+    }
+    print!("Remove {rows} row(s)? [y/N] ");
+    let _ = std::io::stdout().flush();
+    let mut answer = String::new();
+    if stdin.lock().read_line(&mut answer).is_err() {
+        return false;
+    }
+    let yes = matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes");
+    if !yes {
+        eprintln!("leasehold: nothing removed");
+    }
+    yes
+}

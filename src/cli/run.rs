@@ -1,0 +1,328 @@
+//! `leasehold run`: COMMAND under a lock.
+//!
+//! The order of things, and why:
+//!
+//! 1. The signals are caught before anything else, so that one that comes while the lock is
+//!    being opened or waited for is never the default (which would kill this process and leave
+//!    a waiting row to lapse).
+//! 2. Waiting is an interruptible acquisition: a signal aborts it, and the acquisition's own
+//!    clean-up removes the waiting row before it reports; only then does this process exit.
+//! 3. COMMAND is spawned only once the lock is held, with the guard's fencing token; a thread
+//!    waits for it, so that this process goes on renewing the lease and hearing signals.
+//! 4. A signal sent to this process (by `kill`, a supervisor) is sent on to COMMAND. One the
+//!    terminal sent (Ctrl-C) went to COMMAND already, as to every process of the foreground
+//!    group, and is not sent twice.
+//! 5. A lost lease ends COMMAND (SIGTERM, then SIGKILL after `--grace`); the rows are not
+//!    released on anyone's behalf (they are gone, or lapsed and another may hold them now).
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use futures::FutureExt;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGKILL, SIGTERM};
+use signal_hook::iterator::exfiltrator::WithOrigin;
+use signal_hook::iterator::SignalsInfo;
+use signal_hook::low_level::siginfo::Cause;
+
+use super::args::Run;
+use super::{store_failed, Store};
+use crate::abort::{AbortController, AbortReason};
+use crate::lock::{Guard, LockError, LockManager, LockRequest};
+
+/// The exit code when the lease was lost while COMMAND ran.
+const LEASE_LOST: u8 = 4;
+
+/// The shortest lease `--lease` takes: renewed every third of it, a heartbeat of 100 ms.
+const MIN_LEASE: Duration = Duration::from_millis(300);
+
+/// A signal that came, and whether a process sent it (rather than the terminal, to the whole
+/// foreground group).
+#[derive(Clone, Copy, Debug)]
+struct Caught {
+    signal: i32,
+    sent: bool,
+}
+
+/// Why the acquisition was interrupted: a signal.
+#[derive(Debug)]
+struct Signalled(i32);
+
+impl std::fmt::Display for Signalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", signal_name(self.0))
+    }
+}
+
+impl std::error::Error for Signalled {}
+
+pub(crate) fn run(args: Run) -> u8 {
+    let signals = match catch_signals() {
+        Ok(signals) => signals,
+        Err(error) => {
+            eprintln!("leasehold: cannot catch signals: {error}");
+            return 2;
+        }
+    };
+    if args.lease < MIN_LEASE {
+        eprintln!("leasehold: --lease must be at least 300ms");
+        return 2;
+    }
+    let store = match Store::parse(&args.store.store, args.store.schema.clone()) {
+        Ok(store) => store,
+        Err(error) => {
+            eprintln!("leasehold: {error}");
+            return 2;
+        }
+    };
+    let operation = args.operation.clone().unwrap_or_else(|| {
+        let program = std::path::Path::new(&args.command[0]);
+        (program.file_name()).map_or(args.command[0].clone(), |name| {
+            name.to_string_lossy().into_owned()
+        })
+    });
+    let request = if args.shared {
+        LockRequest::shared(args.key.as_str(), operation)
+    } else {
+        LockRequest::exclusive(args.key.as_str(), operation)
+    };
+    smol::block_on(async {
+        let builder = LockManager::builder()
+            .lease(args.lease)
+            .heartbeat(args.lease / 3);
+        let locks = match store.open(builder).await {
+            Ok(locks) => locks,
+            Err(error) => return store_failed(&error),
+        };
+        let code = match take(&locks, request, &args, &signals).await {
+            Ok(guard) => hold(&locks, guard, &args, &signals).await,
+            Err(code) => code,
+        };
+        // Whatever is left (nothing, after a release or a clean wait) goes with the owner.
+        let _ = locks.shutdown().await;
+        code
+    })
+}
+
+/// The lock, or the exit code of why not.
+async fn take(
+    locks: &LockManager,
+    request: LockRequest,
+    args: &Run,
+    signals: &smol::channel::Receiver<Caught>,
+) -> Result<Guard, u8> {
+    let key = request.key.clone();
+    if args.no_wait {
+        return match locks.try_acquire(request).await {
+            Ok(Some(guard)) => Ok(guard),
+            Ok(None) => {
+                eprintln!("leasehold: {key:?} is held; not waiting (-n)");
+                Err(args.conflict_exit_code)
+            }
+            Err(error) => Err(failed(&error)),
+        };
+    }
+    let interrupt = AbortController::new();
+    let mut acquiring = locks.acquire(request).with_signal(&interrupt.signal());
+    if let Some(wait) = args.wait {
+        acquiring = acquiring.timeout(wait);
+    }
+    let mut acquiring = acquiring.fuse();
+    let mut signal = None;
+    let outcome = loop {
+        futures::select! {
+            outcome = acquiring => break outcome,
+            caught = signals.recv().fuse() => {
+                if let Ok(caught) = caught {
+                    // The acquisition cleans up (its waiting row goes) before it resolves.
+                    signal.get_or_insert(caught.signal);
+                    interrupt.abort(AbortReason::new(Signalled(caught.signal)));
+                }
+            }
+        }
+    };
+    match (outcome, signal) {
+        (Ok(guard), None) => Ok(guard),
+        (Ok(guard), Some(signal)) => {
+            // Granted as the signal came: let it go at once.
+            let _ = guard.release().await;
+            Err(128 + signal as u8)
+        }
+        (Err(_), Some(signal)) => {
+            eprintln!(
+                "leasehold: {} while waiting for {key:?}; left the queue",
+                signal_name(signal)
+            );
+            Err(128 + signal as u8)
+        }
+        (Err(LockError::Interrupted(_)), None) => {
+            let waited = args.wait.map(super::show_duration).unwrap_or_default();
+            eprintln!("leasehold: {key:?} is held; gave up after {waited} (-w)");
+            Err(args.conflict_exit_code)
+        }
+        (Err(error), None) => Err(failed(&error)),
+    }
+}
+
+/// Runs COMMAND while `guard` holds; the exit code.
+async fn hold(
+    locks: &LockManager,
+    guard: Guard,
+    args: &Run,
+    signals: &smol::channel::Receiver<Caught>,
+) -> u8 {
+    let mut command = std::process::Command::new(&args.command[0]);
+    command
+        .args(&args.command[1..])
+        .env("LEASEHOLD_FENCING_TOKEN", guard.fencing_token().to_string())
+        .env("LEASEHOLD_KEY", &args.key)
+        .env("LEASEHOLD_OWNER", locks.owner_id())
+        .stdin(Stdio::inherit());
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(error) => {
+            eprintln!("leasehold: cannot run {:?}: {error}", args.command[0]);
+            let _ = guard.release().await;
+            return match error.kind() {
+                std::io::ErrorKind::NotFound => 127,
+                _ => 126,
+            };
+        }
+    };
+    let pid = child.id();
+    let (exited_tx, exited) = futures::channel::oneshot::channel();
+    std::thread::spawn(move || {
+        let _ = exited_tx.send(child.wait());
+    });
+    let mut exited = exited.fuse();
+    let lost = guard.lost();
+    let mut lost_heard = Box::pin(lost.aborted().fuse());
+    // When COMMAND, sent SIGTERM for a lost lease, is to be sent SIGKILL.
+    let mut kill_at: Option<std::time::Instant> = None;
+    let status = loop {
+        let mut grace_over = match kill_at {
+            Some(at) => FutureExt::fuse(smol::Timer::at(at)).left_future(),
+            None => futures::future::pending().right_future(),
+        };
+        futures::select! {
+            status = exited => break status,
+            caught = signals.recv().fuse() => {
+                if let Ok(caught) = caught {
+                    if caught.sent {
+                        send_signal(pid, caught.signal);
+                    }
+                }
+            }
+            reason = lost_heard => {
+                eprintln!(
+                    "leasehold: the lease on {:?} was lost ({reason}); sending SIGTERM to \
+                     {:?}, and SIGKILL in {}",
+                    args.key,
+                    args.command[0],
+                    super::show_duration(args.grace),
+                );
+                send_signal(pid, SIGTERM);
+                kill_at = Some(std::time::Instant::now() + args.grace);
+            }
+            _ = grace_over => {
+                send_signal(pid, SIGKILL);
+                kill_at = None;
+            }
+        }
+    };
+    let code = match status {
+        Ok(Ok(status)) => exit_code(status),
+        _ => {
+            eprintln!("leasehold: lost track of {:?}", args.command[0]);
+            126
+        }
+    };
+    if lost.is_aborted() {
+        drop(guard);
+        return LEASE_LOST;
+    }
+    match guard.release().await {
+        Ok(()) => code,
+        Err(LockError::LeaseLost(_)) => {
+            eprintln!(
+                "leasehold: the lease on {:?} ran out before {:?} ended",
+                args.key, args.command[0]
+            );
+            LEASE_LOST
+        }
+        Err(error) => {
+            // COMMAND ran under the lock; the row lapses with its lease.
+            eprintln!("leasehold: releasing {:?}: {error}", args.key);
+            code
+        }
+    }
+}
+
+/// A failure of the store while taking the lock.
+fn failed(error: &LockError) -> u8 {
+    store_failed(error)
+}
+
+/// COMMAND's exit code, or 128 + the signal that ended it, as a shell reports it.
+fn exit_code(status: std::process::ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code as u8,
+        (None, Some(signal)) => 128 + signal as u8,
+        (None, None) => 126,
+    }
+}
+
+/// Catches SIGINT, SIGTERM and SIGHUP from now on; each comes on the channel.
+fn catch_signals() -> std::io::Result<smol::channel::Receiver<Caught>> {
+    let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP])?;
+    let (tx, rx) = smol::channel::unbounded();
+    std::thread::Builder::new()
+        .name("leasehold-signals".into())
+        .spawn(move || {
+            for origin in signals.forever() {
+                let sent = !matches!(origin.cause, Cause::Kernel);
+                let caught = Caught {
+                    signal: origin.signal,
+                    sent,
+                };
+                if tx.send_blocking(caught).is_err() {
+                    break;
+                }
+            }
+        })?;
+    Ok(rx)
+}
+
+/// Sends `signal` to the process `pid` (COMMAND, which this process has not reaped yet, so the
+/// pid is still its).
+#[allow(unsafe_code)]
+fn send_signal(pid: u32, signal: i32) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    // SAFETY: `kill` takes two integers and touches no memory of this process.
+    unsafe {
+        libc::kill(pid, signal);
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        SIGINT => "SIGINT",
+        SIGTERM => "SIGTERM",
+        SIGHUP => "SIGHUP",
+        _ => "a signal",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn a_command_killed_by_a_signal_exits_as_a_shell_reports_it() {
+        assert_eq!(exit_code(std::process::ExitStatus::from_raw(3 << 8)), 3);
+        assert_eq!(exit_code(std::process::ExitStatus::from_raw(SIGTERM)), 143);
+    }
+}
