@@ -126,7 +126,8 @@ impl LockManager {
         LockManagerBuilder::new()
     }
 
-    /// This owner's id, as it appears in [`LockEntry::owner`].
+    /// This owner's id, as it appears in [`LockEntry::owner`]: `host:pid:…`, the machine and
+    /// process that opened it, then what makes it unique among that process's owners.
     pub fn owner_id(&self) -> &str {
         &self.shared.common.owner
     }
