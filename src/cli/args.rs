@@ -124,9 +124,10 @@ pub(crate) struct Inspect {
 
 /// Show the holders and waiters, redrawn on each change, until interrupted
 ///
-/// Woken by the store's own wake-ups (the doorbell beside a SQLite file, NOTIFY on PostgreSQL)
-/// when a lock is released or a waiter promoted, and otherwise looks again every --every (for
-/// new holders and waiters, and the leases left).
+/// Woken by the store's own wake-ups, as a waiter is: the doorbell beside a SQLite file rings it
+/// when a lock is released or a waiter promoted (and its poll sees any other commit within a
+/// quarter of a second); on PostgreSQL, NOTIFY wakes it when a lock that others wait for is
+/// released. Otherwise it looks again every --every, for the leases left.
 #[derive(Debug, ClapArgs)]
 #[command(after_help = "Example:\n  leasehold watch locks.db repo/")]
 pub(crate) struct Watch {

@@ -13,7 +13,7 @@ pub(crate) fn doctor(args: Doctor) -> u8 {
         Ok(store) => store,
         Err(error) => {
             eprintln!("leasehold: {error}");
-            return 2;
+            return super::USAGE;
         }
     };
     let mut findings = Findings::default();

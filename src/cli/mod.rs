@@ -35,6 +35,9 @@ use crate::lock::{LockError, LockManager, LockManagerBuilder};
 
 use self::args::{Args, Command};
 
+/// The arguments are wrong (as clap says of those it checks).
+pub(crate) const USAGE: u8 = 2;
+
 /// The store could not be opened or failed.
 const STORE_FAILED: u8 = 3;
 
@@ -111,11 +114,14 @@ impl Store {
     }
 }
 
-/// `error` on standard error as the command's one line about it, and the exit code of a store
-/// that failed.
+/// `error` on standard error as the command's one line about it, and its exit code: 2 for what
+/// was asked (a key too long, a URL that does not parse), else that of a store that failed.
 pub(crate) fn store_failed(error: &LockError) -> u8 {
     eprintln!("leasehold: {error}");
-    STORE_FAILED
+    match error {
+        LockError::InvalidRequest(_) | LockError::InvalidConfig(_) => USAGE,
+        _ => STORE_FAILED,
+    }
 }
 
 /// `500ms`, `30s`, `2m`, `1h`, or a sum of them (`1m30s`); a bare number is seconds.

@@ -18,7 +18,7 @@ pub(crate) fn release(args: Release) -> u8 {
         Ok(store) => store,
         Err(error) => {
             eprintln!("leasehold: {error}");
-            return 2;
+            return super::USAGE;
         }
     };
     smol::block_on(async {
@@ -31,9 +31,9 @@ pub(crate) fn release(args: Release) -> u8 {
             Err(error) => return store_failed(&error),
         };
         // Whose rows, and which: the owner's every request, or the one with the ticket.
-        let (owner, ticket) = match (&args.owner, &args.key, args.ticket) {
-            (Some(owner), _, _) => (owner.clone(), None),
-            (None, Some(key), Some(ticket)) => {
+        let (owner, ticket) = match (&args.owner, args.key.as_ref().zip(args.ticket)) {
+            (Some(owner), _) => (owner.clone(), None),
+            (None, Some((key, ticket))) => {
                 match entries.iter().find(|e| e.key == *key && e.ticket == ticket) {
                     Some(entry) => (entry.owner.clone(), Some(ticket)),
                     None => {
@@ -44,7 +44,10 @@ pub(crate) fn release(args: Release) -> u8 {
                     }
                 }
             }
-            _ => unreachable!("the arguments require --owner, or --key with --ticket"),
+            (None, None) => {
+                eprintln!("leasehold: say whose rows: --owner, or --key with --ticket");
+                return super::USAGE;
+            }
         };
         let chosen: Vec<_> = (entries.into_iter())
             .filter(|e| e.owner == owner && ticket.is_none_or(|t| t == e.ticket))

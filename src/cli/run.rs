@@ -60,18 +60,18 @@ pub(crate) fn run(args: Run) -> u8 {
         Ok(signals) => signals,
         Err(error) => {
             eprintln!("leasehold: cannot catch signals: {error}");
-            return 2;
+            return super::USAGE;
         }
     };
     if args.lease < MIN_LEASE {
         eprintln!("leasehold: --lease must be at least 300ms");
-        return 2;
+        return super::USAGE;
     }
     let store = match Store::parse(&args.store.store, args.store.schema.clone()) {
         Ok(store) => store,
         Err(error) => {
             eprintln!("leasehold: {error}");
-            return 2;
+            return super::USAGE;
         }
     };
     let operation = args.operation.clone().unwrap_or_else(|| {
@@ -118,7 +118,7 @@ async fn take(
                 eprintln!("leasehold: {key:?} is held; not waiting (-n)");
                 Err(args.conflict_exit_code)
             }
-            Err(error) => Err(failed(&error)),
+            Err(error) => Err(store_failed(&error)),
         };
     }
     let interrupt = AbortController::new();
@@ -159,7 +159,7 @@ async fn take(
             eprintln!("leasehold: {key:?} is held; gave up after {waited} (-w)");
             Err(args.conflict_exit_code)
         }
-        (Err(error), None) => Err(failed(&error)),
+        (Err(error), None) => Err(store_failed(&error)),
     }
 }
 
@@ -255,11 +255,6 @@ async fn hold(
             code
         }
     }
-}
-
-/// A failure of the store while taking the lock.
-fn failed(error: &LockError) -> u8 {
-    store_failed(error)
 }
 
 /// COMMAND's exit code, or 128 + the signal that ended it, as a shell reports it.

@@ -12,7 +12,7 @@ use crate::lock::{EntryState, LockEntry, LockManager, Mode};
 
 pub(crate) fn inspect(args: Inspect) -> u8 {
     let Some(store) = store_of(&args.store) else {
-        return 2;
+        return super::USAGE;
     };
     smol::block_on(async {
         let locks = match store.open_existing().await {
@@ -37,11 +37,11 @@ pub(crate) fn inspect(args: Inspect) -> u8 {
 
 pub(crate) fn watch(args: Watch) -> u8 {
     let Some(store) = store_of(&args.store) else {
-        return 2;
+        return super::USAGE;
     };
     if args.every.is_zero() {
         eprintln!("leasehold: --every must be more than 0");
-        return 2;
+        return super::USAGE;
     }
     smol::block_on(async {
         let builder = LockManager::builder()
