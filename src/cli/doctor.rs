@@ -9,20 +9,15 @@ use super::{store_failed, Store};
 use crate::lock::{LockError, StorageError};
 
 pub(crate) fn doctor(args: Doctor) -> u8 {
-    let store = match Store::parse(&args.store.store, args.store.schema.clone()) {
+    let store = match args.store.parse() {
         Ok(store) => store,
-        Err(error) => {
-            eprintln!("leasehold: {error}");
-            return super::USAGE;
-        }
+        Err(code) => return code,
     };
     let mut findings = Findings::default();
     let checked = match &store {
         Store::File(path) => sqlite(path, &mut findings),
         #[cfg(feature = "postgres")]
         Store::Postgres { url, schema } => pg::check(url, schema.as_deref(), &mut findings),
-        #[cfg(not(feature = "postgres"))]
-        Store::Postgres { .. } => unreachable!("refused by `Store::parse`"),
     };
     if let Err(error) = checked {
         return store_failed(&error);

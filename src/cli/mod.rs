@@ -58,7 +58,7 @@ pub fn main() -> ExitCode {
 #[derive(Clone, Debug)]
 pub(crate) enum Store {
     File(PathBuf),
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg(feature = "postgres")]
     Postgres {
         url: String,
         schema: Option<String>,
@@ -78,17 +78,16 @@ impl Store {
             }
             return Ok(Store::File(PathBuf::from(store)));
         }
-        if cfg!(feature = "postgres") {
-            Ok(Store::Postgres {
-                url: store.to_owned(),
-                schema,
-            })
-        } else {
-            Err(
-                "this build has no PostgreSQL backend: install it with `--features cli,postgres`"
-                    .into(),
-            )
-        }
+        #[cfg(feature = "postgres")]
+        return Ok(Store::Postgres {
+            url: store.to_owned(),
+            schema,
+        });
+        #[cfg(not(feature = "postgres"))]
+        Err(
+            "this build has no PostgreSQL backend: install it with `--features cli,postgres`"
+                .into(),
+        )
     }
 
     /// A manager of this store, opened by `builder`.
@@ -103,14 +102,22 @@ impl Store {
                 };
                 builder.connect(url).await
             }
-            #[cfg(not(feature = "postgres"))]
-            Store::Postgres { .. } => unreachable!("refused by `Store::parse`"),
         }
     }
 
     /// A manager of the store as it is, for a view or a repair: never creates or migrates it.
     pub(crate) async fn open_existing(&self) -> Result<LockManager, LockError> {
         self.open(LockManager::builder().existing()).await
+    }
+}
+
+impl args::StoreArgs {
+    /// The store these arguments name; if they name none, says why and gives the exit code.
+    pub(crate) fn parse(&self) -> Result<Store, u8> {
+        Store::parse(&self.store, self.schema.clone()).map_err(|error| {
+            eprintln!("leasehold: {error}");
+            USAGE
+        })
     }
 }
 
@@ -208,10 +215,13 @@ mod tests {
         assert!(Store::parse("locks.db", Some("s".into())).is_err());
         let url = Store::parse("postgres://u@h/db", None);
         let libpq = Store::parse("host=/tmp dbname=x", None);
-        if cfg!(feature = "postgres") {
+        #[cfg(feature = "postgres")]
+        {
             assert!(matches!(url, Ok(Store::Postgres { .. })));
             assert!(matches!(libpq, Ok(Store::Postgres { .. })));
-        } else {
+        }
+        #[cfg(not(feature = "postgres"))]
+        {
             assert!(url.unwrap_err().contains("--features cli,postgres"));
             assert!(libpq.is_err());
         }

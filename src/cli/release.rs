@@ -3,7 +3,7 @@
 use std::io::{BufRead, IsTerminal, Write};
 
 use super::args::Release;
-use super::{store_failed, Store};
+use super::store_failed;
 
 /// What removing another owner's rows does and does not protect, said before it is done.
 const WHAT_FENCING_DOES: &str = "\
@@ -14,12 +14,9 @@ a token lower than the highest it has seen refuses the removed holder's late wri
 next holder has written. Anything that does not check the token is not protected.";
 
 pub(crate) fn release(args: Release) -> u8 {
-    let store = match Store::parse(&args.store.store, args.store.schema.clone()) {
+    let store = match args.store.parse() {
         Ok(store) => store,
-        Err(error) => {
-            eprintln!("leasehold: {error}");
-            return super::USAGE;
-        }
+        Err(code) => return code,
     };
     smol::block_on(async {
         let locks = match store.open_existing().await {

@@ -25,7 +25,7 @@ use signal_hook::iterator::SignalsInfo;
 use signal_hook::low_level::siginfo::Cause;
 
 use super::args::Run;
-use super::{store_failed, Store};
+use super::store_failed;
 use crate::abort::{AbortController, AbortReason};
 use crate::lock::{Guard, LockError, LockManager, LockRequest};
 
@@ -67,12 +67,9 @@ pub(crate) fn run(args: Run) -> u8 {
         eprintln!("leasehold: --lease must be at least 300ms");
         return super::USAGE;
     }
-    let store = match Store::parse(&args.store.store, args.store.schema.clone()) {
+    let store = match args.store.parse() {
         Ok(store) => store,
-        Err(error) => {
-            eprintln!("leasehold: {error}");
-            return super::USAGE;
-        }
+        Err(code) => return code,
     };
     let operation = args.operation.clone().unwrap_or_else(|| {
         let program = std::path::Path::new(&args.command[0]);

@@ -11,8 +11,9 @@ use super::{show_duration, store_failed, Store};
 use crate::lock::{EntryState, LockEntry, LockManager, Mode};
 
 pub(crate) fn inspect(args: Inspect) -> u8 {
-    let Some(store) = store_of(&args.store) else {
-        return super::USAGE;
+    let store = match args.store.parse() {
+        Ok(store) => store,
+        Err(code) => return code,
     };
     smol::block_on(async {
         let locks = match store.open_existing().await {
@@ -36,8 +37,9 @@ pub(crate) fn inspect(args: Inspect) -> u8 {
 }
 
 pub(crate) fn watch(args: Watch) -> u8 {
-    let Some(store) = store_of(&args.store) else {
-        return super::USAGE;
+    let store = match args.store.parse() {
+        Ok(store) => store,
+        Err(code) => return code,
     };
     if args.every.is_zero() {
         eprintln!("leasehold: --every must be more than 0");
@@ -80,16 +82,6 @@ pub(crate) fn watch(args: Watch) -> u8 {
     })
 }
 
-fn store_of(args: &super::args::StoreArgs) -> Option<Store> {
-    match Store::parse(&args.store, args.schema.clone()) {
-        Ok(store) => Some(store),
-        Err(error) => {
-            eprintln!("leasehold: {error}");
-            None
-        }
-    }
-}
-
 /// The live rows on the keys that start with `prefix`.
 async fn entries(locks: &LockManager, prefix: Option<&str>) -> Result<Vec<LockEntry>, u8> {
     match locks.inspect(None).await {
@@ -104,6 +96,7 @@ async fn entries(locks: &LockManager, prefix: Option<&str>) -> Result<Vec<LockEn
 fn heading(store: &Store, prefix: Option<&str>) -> String {
     let store = match store {
         Store::File(path) => path.display().to_string(),
+        #[cfg(feature = "postgres")]
         Store::Postgres { schema, .. } => {
             format!(
                 "PostgreSQL, schema {}",
