@@ -137,6 +137,19 @@ impl<S: Storage> Worker<S> {
             read.extend(more);
         }
         let promoted = promotable_within(&rows, &read);
+        // What this read found is the truth as the transaction's time judges it; a look that
+        // sent the keys here judged by an estimate of that time (ahead of it, by up to a round
+        // trip, on PostgreSQL) and may have found another owner's row lapsed that is live here.
+        // Its waits must then be woken when that row runs out, or a waiter whose holder died
+        // would wait for ever.
+        let waited: Vec<String> = (read.iter())
+            .filter(|key| self.waits.on(key).next().is_some())
+            .cloned()
+            .collect();
+        if !waited.is_empty() {
+            let common = Arc::clone(&self.common);
+            self.watch(&waited, others_rows(&common.owner, &rows), Look::Done);
+        }
         // Each request at once, its keys in order, as every transaction changes rows.
         let mut by_ticket: BTreeMap<u64, Vec<&RowView>> = BTreeMap::new();
         for row in rows.iter().filter(|row| !row.held) {

@@ -71,6 +71,7 @@ pub struct FaultPlan {
     rate: f64,
     latency: Duration,
     clock_steps: Duration,
+    estimate_ahead: Duration,
     listed: BTreeMap<u64, Vec<Fault>>,
     mutation: Option<Mutation>,
 }
@@ -122,6 +123,16 @@ impl FaultPlan {
     /// store sees the step.
     pub fn clock_steps(mut self, up_to: Duration) -> FaultPlan {
         self.clock_steps = up_to;
+        self
+    }
+
+    /// The manager's estimate of the store's time, between transactions, runs ahead of the
+    /// store's by up to `up_to`, drawn afresh for each reading, as PostgreSQL's does (the
+    /// server's clock judges leases, and a process estimates it from its own, ahead by up to a
+    /// round trip). A transaction reads the store's own time, as a real one does once it
+    /// holds its locks.
+    pub fn estimate_ahead(mut self, up_to: Duration) -> FaultPlan {
+        self.estimate_ahead = up_to;
         self
     }
 
@@ -271,7 +282,12 @@ impl SimStorage {
 
 impl Storage for SimStorage {
     fn now(&self) -> i64 {
-        self.inner.now()
+        let now = self.inner.now();
+        if self.plan.estimate_ahead.is_zero() {
+            return now;
+        }
+        let ahead = self.plan.estimate_ahead.mul_f64(draw().unwrap_or(0.0));
+        now + i64::try_from(ahead.as_micros()).unwrap_or(i64::MAX / 2)
     }
 
     fn ahead_of(&self, clock: &dyn Clock) -> i64 {
