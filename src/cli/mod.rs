@@ -1,6 +1,6 @@
 //! The `leasehold` command (feature `cli`): run a program under a lock, and see, mend and check
 //! what a store holds, over SQLite (a file) or PostgreSQL (a URL), with the same rows, rules and
-//! fencing tokens as the library's managers. `src/bin/leasehold.rs` calls [`main`].
+//! fencing tokens as the library's managers. `src/bin/leasehold.rs` calls `main`.
 //!
 //! Its parts: `args.rs` (the arguments, and every `--help`), `run.rs` (a program under a lock,
 //! with its signals), `show.rs` (`inspect` and `watch`), `release.rs` (an operator's removal of
