@@ -416,7 +416,8 @@ pub(crate) fn pick_victim(
         let pid = worker.child.id().to_string();
         let mine = rows
             .iter()
-            .filter(|row| row.owner.split('-').next() == Some(pid.as_str()));
+            // An owner is `host:pid:…`.
+            .filter(|row| row.owner.split(':').nth(1) == Some(pid.as_str()));
         mine.map(|row| match (&row.state, row.mode) {
             (EntryState::Held, Mode::Exclusive) => 4,
             (EntryState::Held, Mode::Shared) => 2,
