@@ -899,8 +899,8 @@ fn a_release_on_another_machine_wakes_a_waiter_through_notify() {
     });
 }
 
-/// A refused `try_acquire` does not wait: it writes nothing (a read refuses it), and no release
-/// is announced to it.
+/// A refused `try_acquire` does not wait: it writes nothing (one call decides it, in one round
+/// trip, with no read before it), and no release is announced to it.
 #[test]
 fn a_refused_try_acquire_writes_nothing() {
     let Some(server) = pg_support::server() else {

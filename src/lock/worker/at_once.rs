@@ -56,7 +56,21 @@ impl<S: Storage> Worker<S> {
             };
             let error = match decided {
                 Ok(outcomes) => {
-                    Counters::bump(&self.counters().write_transactions);
+                    // A call that only refused `try_acquire`s wrote no row of theirs (the
+                    // refusal it replaced was a read): it is not counted as a write.
+                    let wrote =
+                        ops.iter()
+                            .zip(&outcomes)
+                            .any(|(op, outcome)| match (op, outcome) {
+                                (
+                                    AtOnce::Acquire { wait: Wait::No, .. },
+                                    Outcome::Acquired(decision),
+                                ) => decision.ticket.is_some(),
+                                _ => true,
+                            });
+                    if wrote {
+                        Counters::bump(&self.counters().write_transactions);
+                    }
                     for (write, outcome) in writes.into_iter().zip(outcomes) {
                         self.decided_at_once(write, outcome, lease);
                     }

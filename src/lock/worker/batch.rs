@@ -26,9 +26,15 @@ impl<S: Storage> Worker<S> {
                     reply,
                 }) => {
                     // A refusal read outside a transaction cannot note an unqueued waiter
-                    // where the storage needs it noted (`Storage::watching`).
+                    // where the storage needs it noted (`Storage::watching`). Where the storage
+                    // decides in one call, which writes nothing for a `try_acquire` refused, a
+                    // read first would only add a round trip to every one granted.
+                    let read_first = match wait {
+                        Wait::No => self.storage.at_once().is_none(),
+                        _ => self.caps.refuses_by_reads,
+                    };
                     if wait != Wait::Queued
-                        && (wait == Wait::No || self.caps.refuses_by_reads)
+                        && read_first
                         && !writes.iter().any(Write::may_free)
                         && self.refused_by_a_read(&requests, wait)
                     {
