@@ -631,14 +631,14 @@ fn a_schema_written_by_a_newer_version_is_refused() {
 }
 
 /// A schema of version 3 (an acquisition and a release each had a function, with no `decide`),
-/// 4 (a `decide` without shortcuts) or 5 (a `decide` that could judge on a stale read) is
-/// brought up to date when a manager connects, keeping its rows.
+/// 4 (a `decide` without shortcuts), 5 (a `decide` that could judge on a stale read) or 6 (no
+/// `renew`) is brought up to date when a manager connects, keeping its rows.
 #[test]
 fn a_schema_of_an_older_version_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    for old_version in [3, 4, 5] {
+    for old_version in [3, 4, 5, 6] {
         block_on(migrated_from(server, old_version));
     }
 }
@@ -648,11 +648,12 @@ async fn migrated_from(server: &pg_support::Server, old_version: i32) {
     let old = manager(server.url(), &schema).await;
     let held = old.exclusive("kept", "before").await.unwrap();
     server.sql(&format!(
-        "DROP FUNCTION {schema}.decide; UPDATE {schema}.meta SET version = {old_version}"
+        "DROP FUNCTION {schema}.decide; DROP FUNCTION {schema}.renew; \
+         UPDATE {schema}.meta SET version = {old_version}"
     ));
     let new = manager(server.url(), &schema).await;
     let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
-    assert_eq!(version.trim(), "6");
+    assert_eq!(version.trim(), "7");
     let busy = new
         .try_acquire(LockRequest::exclusive("kept", "after"))
         .await;

@@ -225,6 +225,12 @@ pub(crate) trait DecidesAtOnce {
         ops: &[AtOnce<'_>],
         lease: i64,
     ) -> Result<Vec<Outcome>>;
+
+    /// A heartbeat in one round trip and one transaction of its own, as `begin`, `renew`,
+    /// `sweep` and `commit` would do it: renews every row of `owner` live at the time it reads
+    /// once it holds them, until `lease` after that time, and sweeps. Returns that time and
+    /// what it renewed.
+    fn renew_at_once(&mut self, owner: &str, lease: i64) -> Result<(i64, Vec<OwnedRequest>)>;
 }
 
 /// An operation of a batch decided in one call (`Storage::decide_at_once`). Only a backend that

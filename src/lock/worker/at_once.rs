@@ -95,6 +95,40 @@ impl<S: Storage> Worker<S> {
         }
     }
 
+    /// A heartbeat (`write`, a `Renew`) in one call to storage (`DecidesAtOnce::renew_at_once`).
+    /// A failure for a passing reason is tried again after the busy schedule's delay: a
+    /// renewal done twice renews twice, which is harmless.
+    pub(super) fn renew_at_once(&mut self, write: Write) {
+        let owner = self.common.owner.clone();
+        let lease = micros(self.common.lease);
+        loop {
+            self.tried_writing = true;
+            let renewed = match self.storage.at_once() {
+                Some(decider) => decider.renew_at_once(&owner, lease),
+                None => Err(StorageError::new("renewing leases", "no one-call renewal").into()),
+            };
+            match renewed {
+                Ok((now, renewed)) => {
+                    Counters::bump(&self.counters().write_transactions);
+                    self.deliver(write, Decided::Renewed(renewed), now);
+                    self.after_commit(&Freed {
+                        any: false,
+                        promoted: Vec::new(),
+                        at: now,
+                        owners: BTreeSet::new(),
+                    });
+                    return;
+                }
+                Err(error) if !self.storage.again() => {
+                    return fail(write, error, &mut self.failed_removals);
+                }
+                Err(error) => {
+                    tracing::debug!(%error, "a renewal failed for a passing reason; once more");
+                }
+            }
+        }
+    }
+
     /// Delivers what one call decided for `write`.
     pub(super) fn decided_at_once(&mut self, write: Write, outcome: Outcome, lease: i64) {
         match (&write, outcome) {

@@ -9,7 +9,7 @@ use super::schema::key_locks;
 use super::Postgres;
 use crate::lock::backend::codec::{encode_keys, key_hash, mode_code, sql_ticket, ticket_of};
 use crate::lock::backend::{
-    AtOnce, DecidesAtOnce, Decision, Deleted, Outcome, Removal, Result, Wait,
+    AtOnce, DecidesAtOnce, Decision, Deleted, Outcome, OwnedRequest, Removal, Result, Wait,
 };
 use crate::lock::StorageError;
 
@@ -193,7 +193,32 @@ impl Postgres {
     }
 }
 
+/// The call of the function `renew` (see `FUNCTIONS`).
+const RENEW: &str = "SELECT * FROM {s}.renew($1, $2, $3)";
+
 impl DecidesAtOnce for Postgres {
+    /// One round trip: the function `renew` (see `FUNCTIONS`).
+    fn renew_at_once(&mut self, owner: &str, lease: i64) -> Result<(i64, Vec<OwnedRequest>)> {
+        self.transient = false;
+        let (_, schema_lock) = key_locks(&self.schema, &[]);
+        let statement = self.statement("renewing leases", RENEW)?;
+        let sent = self.monotonic();
+        let rows = self.with("renewing leases", |client| {
+            client.query(&statement, &[&owner, &lease, &schema_lock])
+        })?;
+        self.succeeded();
+        let Some(row) = rows.first() else {
+            return Err(StorageError::new("renewing leases", "no answer").into());
+        };
+        let now: i64 = row.get(0);
+        // Read once the rows were locked: the earliest time it may be, as of the call's sending.
+        self.offset = now - sent;
+        let tickets = row.get::<_, Option<Vec<i64>>>(1).unwrap_or_default();
+        let helds = row.get::<_, Option<Vec<bool>>>(2).unwrap_or_default();
+        let renewed = tickets.into_iter().map(ticket_of).zip(helds);
+        Ok((now, OwnedRequest::group(renewed, now + lease)))
+    }
+
     /// One round trip: the function `decide` (see `FUNCTIONS`).
     fn decide_at_once(
         &mut self,

@@ -174,3 +174,32 @@ BEGIN
         lo := p_ends[n] + 1;
     END LOOP;
 END $$;
+
+-- A heartbeat of one owner in one round trip: the schema's lock taken shared (as by every
+-- transaction on a few keys), then every row of the owner locked in key order (as promotions
+-- change rows, so that the two never deadlock), the time read once all are held, and the rows
+-- live by that time renewed until a lease from it: a row that ran out while the call waited for
+-- it stays out, since a decision may have passed over it. Then the sweep of every owner's
+-- lapsed rows and watchers, skipping rows another transaction holds (it never waits for them,
+-- so it never deadlocks with a decision). One answer: the time, and the renewed rows' tickets
+-- and states, in key order (NULL when none).
+CREATE OR REPLACE FUNCTION {s}.renew(p_owner text, p_lease bigint, p_schema_lock int4)
+RETURNS TABLE (now bigint, tickets int8[], helds boolean[])
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM {s}.lock_keys('{}'::int4[], p_schema_lock);
+    PERFORM 1 FROM {s}.locks AS l WHERE l.owner = p_owner ORDER BY l.key, l.ticket FOR UPDATE;
+    now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+    WITH r AS (
+        UPDATE {s}.locks AS l SET expires_at = now + p_lease, heartbeat_at = now
+        WHERE l.owner = p_owner AND l.expires_at > now
+        RETURNING l.key, l.ticket, l.held)
+    SELECT array_agg(r.ticket ORDER BY r.key, r.ticket),
+           array_agg(r.held ORDER BY r.key, r.ticket)
+    INTO tickets, helds FROM r;
+    DELETE FROM {s}.locks WHERE ctid IN (
+        SELECT ctid FROM {s}.locks WHERE expires_at - 0 <= now FOR UPDATE SKIP LOCKED);
+    DELETE FROM {s}.watchers WHERE ctid IN (
+        SELECT ctid FROM {s}.watchers WHERE expires_at - 0 <= now FOR UPDATE SKIP LOCKED);
+    RETURN NEXT;
+END $$;
