@@ -577,7 +577,10 @@ pub(crate) fn heartbeat_write_txn_per_round<'a>(
         started.elapsed().as_secs_f64()
     );
     Ok(measure(
-        &["heartbeat_write_txn_per_round_1000_locks"],
+        &[
+            "heartbeat_write_txn_per_round_1000_locks",
+            "heartbeat_round_ms_1000_locks",
+        ],
         move || {
             let _held = &guards;
             block_on(async {
@@ -585,12 +588,16 @@ pub(crate) fn heartbeat_write_txn_per_round<'a>(
                     SystemClock.sleep(Duration::from_millis(1)).await;
                 }
                 let before = locks.stats();
+                // From the move of the clock to the round's end, as seen within a millisecond:
+                // the time the worker serves nothing else.
+                let mut moved_at = Instant::now();
                 // One round, however many moves of the clock it takes: once, on PostgreSQL, no
                 // round followed a move (the worker may answer a beat with its last renewal,
                 // which it dates by the server's time, not by this clock), and this loop waited
                 // for good.
                 let mut moves = 0;
                 while locks.stats().heartbeats == before.heartbeats {
+                    moved_at = Instant::now();
                     clock.advance(heartbeat);
                     moves += 1;
                     let deadline = Instant::now() + Duration::from_secs(3);
@@ -602,8 +609,10 @@ pub(crate) fn heartbeat_write_txn_per_round<'a>(
                 if moves > 1 {
                     eprintln!("  (the heartbeat round took {moves} moves of the test clock)");
                 }
+                let round = moved_at.elapsed().as_secs_f64() * 1e3;
                 Ok(vec![
                     (locks.stats().write_transactions - before.write_transactions) as f64,
+                    round,
                 ])
             })
         },

@@ -19,13 +19,15 @@
 //!    written until they are deleted. The caller sends `Remove` by that id, so it is right
 //!    whether the acquisition was granted, queued or promoted; and since commands are handled in
 //!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows.
-//! 4. While this owner has waiters, the worker asks storage what other connections changed
+//! 4. While this owner has waiters (or watchers: the command's `watch`, told of every commit a
+//!    look finds), the worker asks storage what other connections changed
 //!    (`Storage::changes`, a cheap check) when the poll's schedule says (on the monotonic time of
 //!    the manager's clock) or when poked, and remembers, per key it waits on, when the first
 //!    other owner's row there runs out (`watch.rs`). It reads a key's rows only when the key
 //!    changed or such a lease ran out, and writes only when a waiter is grantable. A lease that
 //!    runs out frees its key without anyone writing: the waiting owners' own deadlines are how
-//!    they find out.
+//!    they find out. Every promotion pass notes them again from what it read by the storage's
+//!    own time, since a look judges by an estimate of it that may run ahead (PostgreSQL's).
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
 
