@@ -175,14 +175,13 @@ impl<S: Storage> Worker<S> {
                 // the waiter's wait, while the releaser's reply only ends a call that is done.
                 // (An acquisition of this batch that queued was delivered before this removal,
                 // so its wait is there to be granted.)
-                self.wake_local(&Freed {
+                self.after_commit(&Freed {
                     any: removal.freed,
                     promoted: removal.promoted,
                     at: removal.now,
                     owners: removal.owners,
                 });
                 self.deliver(write, Decided::Removed(found), removal.now);
-                self.storage.wake_others();
             }
             (_, outcome) => {
                 let wrong = format!("an answer of the wrong kind: {outcome:?}");

@@ -246,23 +246,10 @@ impl<S: Storage> Worker<S> {
             });
             let error = match outcome {
                 Ok(((decided, now), freed)) => {
-                    // The removals' callers last: a handoff is the promoted waiter's wait,
-                    // while a releaser's reply only ends a call that is done. Everything else
-                    // before the promoted waiters are granted: a queued acquisition's wait must
-                    // be there to be granted, and a renewal judges the guards it knew of, not
-                    // one granted after the rows it read.
-                    let mut removals = Vec::new();
                     for (write, decided) in writes.into_iter().zip(decided) {
-                        match write {
-                            Write::Remove { .. } => removals.push((write, decided)),
-                            _ => self.deliver(write, decided, now),
-                        }
-                    }
-                    self.wake_local(&freed);
-                    for (write, decided) in removals {
                         self.deliver(write, decided, now);
                     }
-                    self.storage.wake_others();
+                    self.after_commit(&freed);
                     return;
                 }
                 Err(error) => error,

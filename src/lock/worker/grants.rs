@@ -5,17 +5,8 @@ use super::*;
 
 impl<S: Storage> Worker<S> {
     /// After a commit: wake the local waiters that were promoted, and if anything was freed,
-    /// the waiters without a queue position and the other managers of this process
-    /// (`wake_local`); then other processes' managers, where the storage wakes them itself.
+    /// the waiters without a queue position and the other managers of this process.
     pub(super) fn after_commit(&mut self, freed: &Freed) {
-        self.wake_local(freed);
-        self.storage.wake_others();
-    }
-
-    /// The first half of `after_commit`: this process's waiters. A caller that delivers
-    /// replies between the halves answers releasers after the waiters their releases let
-    /// through, and before other processes are rung.
-    pub(super) fn wake_local(&mut self, freed: &Freed) {
         // This owner's rows were promoted with this owner's lease (see `Db::promote`).
         let expires_at = freed.at + micros(self.common.lease);
         for &ticket in &freed.promoted {
@@ -25,6 +16,7 @@ impl<S: Storage> Worker<S> {
             self.common.changed.notify(usize::MAX);
             crate::lock::worker::siblings::poke(&self.common, &freed.owners);
         }
+        self.storage.wake_others();
     }
 
     /// After a renewal at `now` (the storage's time) that renewed `renewed`, every live request
