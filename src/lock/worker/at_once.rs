@@ -171,17 +171,13 @@ impl<S: Storage> Worker<S> {
                         self.poked = true;
                     }
                 }
-                // The promoted waiters of this process first, the releaser after: a handoff is
-                // the waiter's wait, while the releaser's reply only ends a call that is done.
-                // (An acquisition of this batch that queued was delivered before this removal,
-                // so its wait is there to be granted.)
+                self.deliver(write, Decided::Removed(found), removal.now);
                 self.after_commit(&Freed {
                     any: removal.freed,
                     promoted: removal.promoted,
                     at: removal.now,
                     owners: removal.owners,
                 });
-                self.deliver(write, Decided::Removed(found), removal.now);
             }
             (_, outcome) => {
                 let wrong = format!("an answer of the wrong kind: {outcome:?}");
