@@ -17,8 +17,9 @@
 //!   that must run out are short (1 s). The one deliberate pause stops a holder (`SIGSTOP`)
 //!   until another `run` has been granted its key, which it cannot be before the lease ran out.
 //! - Every `leasehold` the test starts is a [`Running`], started in a process group of its own:
-//!   dropping it kills that group (leasehold and the COMMAND it started) and reaps leasehold, so
-//!   a failing test leaves no process behind, and prints what each process wrote.
+//!   dropping it kills that group and reaps leasehold, and prints what each process wrote. (The
+//!   COMMAND, its stdin not a terminal, leads a group of its own: a failing test may leave it
+//!   running until its script gives up, within about 30 s.)
 //! - `inspect --json` prints one flat JSON object per row; [`Row::parse`] reads one, as the tests
 //!   have no JSON dependency.
 
@@ -262,6 +263,7 @@ on_each_store!(
     a_killed_holders_lock_goes_to_the_next_waiter_within_about_one_lease,
     a_command_whose_lease_is_lost_gets_sigterm_and_leasehold_exits_4,
     a_command_that_ignores_sigterm_is_killed_after_the_grace,
+    a_lost_lease_ends_what_the_command_started_too,
     the_command_sees_a_growing_fencing_token_its_key_and_its_owner,
     the_commands_environment_matches_its_row_in_inspect,
     run_exits_with_the_commands_status_and_releases,
@@ -552,6 +554,31 @@ fn stop_until_granted(holder: &Running, sandbox: &Sandbox, granted: &str) -> Ins
     }
 }
 
+/// Off a terminal, COMMAND leads a process group of its own, which a lost lease ends whole: a
+/// shell's child goes with it, and nothing goes on working without the lock.
+fn a_lost_lease_ends_what_the_command_started_too(sandbox: &Sandbox) {
+    let mut holder = Running::start(&mut sandbox.run(
+        &["--lease", "1s", "--grace", "1s", "--operation", "holder"],
+        "k",
+        "sleep 60 & echo $! > pid.part; mv pid.part started.pid; wait",
+    ));
+    holder.await_file(sandbox, "started.pid");
+    let started = Stray::from_file(&sandbox.path("started.pid"));
+    let mut waiter = Running::start(&mut sandbox.run(
+        &["-w", "60s", "--operation", "waiter"],
+        "k",
+        "touch granted",
+    ));
+    sandbox.await_waiting("waiter");
+
+    stop_until_granted(&holder, sandbox, "granted");
+    holder.wait().assert_exit(4);
+    within_blocking(PATIENCE, "the command's own child ended", || {
+        !started.is_running()
+    });
+    waiter.wait().assert_exit(0);
+}
+
 fn the_command_sees_a_growing_fencing_token_its_key_and_its_owner(sandbox: &Sandbox) {
     const KEY: &str = "jobs/nightly build";
     let mut tokens = Vec::new();
@@ -836,6 +863,31 @@ fn inspect_release_and_doctor_on_a_missing_file_fail_with_3_and_create_nothing()
             );
         }
     }
+}
+
+/// The views and repairs of a store that is there make nothing beside it: no doorbell folder
+/// where its managers made none (one made by root would shut the service's managers out).
+#[test]
+fn inspect_watch_release_and_doctor_make_nothing_beside_a_store() {
+    let sandbox = Sandbox::sqlite();
+    sandbox.create_store();
+    let doorbell = format!("{DB}-doorbell");
+    fs::remove_dir_all(sandbox.path(&doorbell)).unwrap();
+    for (subcommand, operands) in [
+        ("inspect", &["--json"][..]),
+        ("doctor", &[]),
+        ("release", &["--owner", "someone:1:x", "--yes"]),
+    ] {
+        finish(&mut sandbox.leasehold(subcommand, &[], operands));
+        assert!(!sandbox.exists(&doorbell), "{subcommand} made {doorbell}");
+    }
+    let mut watch = Running::start(&mut sandbox.leasehold("watch", &[], &[]));
+    within_blocking(PATIENCE, "watch shows the table", || {
+        watch.expect_running("the table");
+        watch.stdout().contains("no locks")
+    });
+    assert!(!sandbox.exists(&doorbell), "watch made {doorbell}");
+    watch.kill();
 }
 
 #[test]

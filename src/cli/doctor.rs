@@ -149,7 +149,6 @@ fn pragma(conn: &sqlite::Connection, pragma: &str) -> Result<i64, sqlite::Error>
 /// The file's and its folder's modes and owners against the trust model: whoever may write
 /// the file can take, hold or forge any lock; whoever may read it sees every key, operation and
 /// owner; whoever may write its folder can replace it.
-#[cfg(unix)]
 fn file_access(path: &Path, findings: &mut Findings) {
     use std::os::unix::fs::MetadataExt;
 
@@ -213,18 +212,12 @@ fn file_access(path: &Path, findings: &mut Findings) {
     }
 }
 
-#[cfg(not(unix))]
-fn file_access(_path: &Path, findings: &mut Findings) {
-    findings.ok("file permissions are not checked on this system");
-}
-
 fn with_suffix(path: &Path, suffix: &str) -> std::path::PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(suffix);
     name.into()
 }
 
-#[cfg(unix)]
 #[allow(unsafe_code)]
 fn effective_uid() -> u32 {
     // SAFETY: `geteuid` takes nothing, cannot fail and touches no memory of this process.
@@ -328,10 +321,14 @@ mod pg {
     ) -> Result<(), ::postgres::Error> {
         let s = quote(schema);
         let row = client.query_one(
+            // A list of privileges asks whether any of them is held: each is asked alone.
             "SELECT has_schema_privilege($1, 'USAGE'),
-                    has_table_privilege($2, 'SELECT, INSERT, UPDATE, DELETE'),
-                    has_table_privilege($3, 'SELECT, UPDATE'),
-                    has_table_privilege($4, 'SELECT, INSERT, UPDATE, DELETE'),
+                    (SELECT bool_and(has_table_privilege($2, p))
+                     FROM unnest('{SELECT,INSERT,UPDATE,DELETE}'::text[]) AS p),
+                    (SELECT bool_and(has_table_privilege($3, p))
+                     FROM unnest('{SELECT,UPDATE}'::text[]) AS p),
+                    (SELECT bool_and(has_table_privilege($4, p))
+                     FROM unnest('{SELECT,INSERT,UPDATE,DELETE}'::text[]) AS p),
                     has_sequence_privilege($5, 'USAGE'),
                     coalesce((SELECT bool_and(has_function_privilege(p.oid, 'EXECUTE'))
                               FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace

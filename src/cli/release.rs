@@ -56,12 +56,22 @@ pub(crate) fn release(args: Release) -> u8 {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        print!("{}", super::show::table(&chosen, now));
-        println!("\n{WHAT_FENCING_DOES}\n");
+        // What is about to happen, and the question, where a person sees them however the
+        // output is redirected; what was done, on the output.
+        eprint!("{}", super::show::table(&chosen, now));
+        eprintln!("\n{WHAT_FENCING_DOES}\n");
         if !args.yes && !confirmed(chosen.len()) {
             return 1;
         }
-        match locks.evict(&owner, ticket).await {
+        // The requests shown, and no others (not one the owner made since).
+        let mut tickets: Vec<u64> = chosen.iter().map(|entry| entry.ticket).collect();
+        tickets.sort_unstable();
+        tickets.dedup();
+        match locks.evict(&owner, tickets).await {
+            Ok(0) => {
+                eprintln!("leasehold: the rows were gone already; nothing removed");
+                1
+            }
             Ok(removed) => {
                 println!("removed {removed} row(s) of {owner}");
                 0
@@ -80,8 +90,8 @@ fn confirmed(rows: usize) -> bool {
         );
         return false;
     }
-    print!("Remove {rows} row(s)? [y/N] ");
-    let _ = std::io::stdout().flush();
+    eprint!("Remove {rows} row(s)? [y/N] ");
+    let _ = std::io::stderr().flush();
     let mut answer = String::new();
     if stdin.lock().read_line(&mut answer).is_err() {
         return false;

@@ -7,17 +7,24 @@
 //!    a waiting row to lapse).
 //! 2. Waiting is an interruptible acquisition: a signal aborts it, and the acquisition's own
 //!    clean-up removes the waiting row before it reports; only then does this process exit.
-//! 3. COMMAND is spawned only once the lock is held, with the guard's fencing token; a thread
-//!    waits for it, so that this process goes on renewing the lease and hearing signals.
-//! 4. A signal sent to this process (by `kill`, a supervisor) is sent on to COMMAND. One the
-//!    terminal sent (Ctrl-C) went to COMMAND already, as to every process of the foreground
-//!    group, and is not sent twice.
-//! 5. A lost lease ends COMMAND (SIGTERM, then SIGKILL after `--grace`); the rows are not
-//!    released on anyone's behalf (they are gone, or lapsed and another may hold them now).
+//! 3. COMMAND is spawned only once the lock is held, with the guard's fencing token, and not at
+//!    all if a signal came meanwhile. Off a terminal it leads a process group of its own (as
+//!    under `timeout(1)`), so that what it starts is signalled with it; on a terminal it stays
+//!    in the foreground group, to read the terminal and hear Ctrl-C. A thread waits for it to
+//!    end without reaping it, so that its pid names it for as long as it may be signalled.
+//! 4. A signal sent to this process (by `kill`, a supervisor) is sent on to COMMAND's group (or,
+//!    on a terminal, to COMMAND). One the terminal sent (Ctrl-C) went to COMMAND already, as to
+//!    every process of the foreground group, and is not sent twice.
+//! 5. A lost lease ends COMMAND (SIGTERM, then SIGKILL after `--grace`), with its group off a
+//!    terminal; the rows are not released on anyone's behalf (they are gone, or lapsed and
+//!    another may hold them now).
 
+use std::io::IsTerminal;
+use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 use std::time::Duration;
 
+use futures::future::FusedFuture;
 use futures::FutureExt;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGKILL, SIGTERM};
 use signal_hook::iterator::exfiltrator::WithOrigin;
@@ -86,9 +93,18 @@ pub(crate) fn run(args: Run) -> u8 {
         let builder = LockManager::builder()
             .lease(args.lease)
             .heartbeat(args.lease / 3);
-        let locks = match store.open(builder).await {
-            Ok(locks) => locks,
-            Err(error) => return store_failed(&error),
+        // Opening may take a while (a server that does not answer yet): a signal ends it.
+        let opened = futures::select_biased! {
+            caught = signals.recv().fuse() => match caught {
+                Ok(caught) => return 128 + caught.signal as u8,
+                Err(_) => None,
+            },
+            opened = store.open(builder).fuse() => Some(opened),
+        };
+        let locks = match opened {
+            Some(Ok(locks)) => locks,
+            Some(Err(error)) => return store_failed(&error),
+            None => return super::USAGE,
         };
         let code = match take(&locks, request, &args, &signals).await {
             Ok(guard) => hold(&locks, guard, &args, &signals).await,
@@ -126,8 +142,7 @@ async fn take(
     let mut acquiring = acquiring.fuse();
     let mut signal = None;
     let outcome = loop {
-        futures::select! {
-            outcome = acquiring => break outcome,
+        futures::select_biased! {
             caught = signals.recv().fuse() => {
                 if let Ok(caught) = caught {
                     // The acquisition cleans up (its waiting row goes) before it resolves.
@@ -135,6 +150,7 @@ async fn take(
                     interrupt.abort(AbortReason::new(Signalled(caught.signal)));
                 }
             }
+            outcome = acquiring => break outcome,
         }
     };
     match (outcome, signal) {
@@ -167,6 +183,22 @@ async fn hold(
     args: &Run,
     signals: &smol::channel::Receiver<Caught>,
 ) -> u8 {
+    // A signal that came while the lock was being taken (with `-n`, or as it was granted) is
+    // for this process: nothing has run yet, so nothing runs.
+    if let Ok(caught) = signals.try_recv() {
+        let _ = guard.release().await;
+        eprintln!(
+            "leasehold: {}; not running {:?}",
+            signal_name(caught.signal),
+            args.command[0]
+        );
+        return 128 + caught.signal as u8;
+    }
+    // Off a terminal (a script, cron, CI), COMMAND leads a process group of its own, as under
+    // `timeout(1)`, so that a lost lease ends everything it started. On a terminal it stays in
+    // the foreground group, where it can read the terminal and hears Ctrl-C itself; a lost
+    // lease then signals COMMAND alone.
+    let own_group = !std::io::stdin().is_terminal();
     let mut command = std::process::Command::new(&args.command[0]);
     command
         .args(&args.command[1..])
@@ -174,6 +206,9 @@ async fn hold(
         .env("LEASEHOLD_KEY", &args.key)
         .env("LEASEHOLD_OWNER", locks.owner_id())
         .stdin(Stdio::inherit());
+    if own_group {
+        command.process_group(0);
+    }
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(error) => {
@@ -186,26 +221,36 @@ async fn hold(
         }
     };
     let pid = child.id();
+    // Whom a signal goes to: the group, or COMMAND alone (see above).
+    let target = if own_group {
+        Target::Group(pid)
+    } else {
+        Target::Process(pid)
+    };
+    // A thread waits for COMMAND to end without reaping it, so that its pid stays its own
+    // (and no other process's) for as long as this loop may signal it; reaped after the loop.
     let (exited_tx, exited) = futures::channel::oneshot::channel();
     std::thread::spawn(move || {
-        let _ = exited_tx.send(child.wait());
+        let _ = exited_tx.send(wait_without_reaping(pid));
     });
     let mut exited = exited.fuse();
     let lost = guard.lost();
     let mut lost_heard = Box::pin(lost.aborted().fuse());
     // When COMMAND, sent SIGTERM for a lost lease, is to be sent SIGKILL.
     let mut kill_at: Option<std::time::Instant> = None;
-    let status = loop {
+    loop {
         let mut grace_over = match kill_at {
             Some(at) => FutureExt::fuse(smol::Timer::at(at)).left_future(),
             None => futures::future::pending().right_future(),
         };
-        futures::select! {
-            status = exited => break status,
+        futures::select_biased! {
+            _ = exited => break,
             caught = signals.recv().fuse() => {
                 if let Ok(caught) = caught {
-                    if caught.sent {
-                        send_signal(pid, caught.signal);
+                    // In its own group, nothing else signals COMMAND; in the terminal's, a
+                    // signal the terminal sent reached it already.
+                    if own_group || caught.sent {
+                        send_signal(target, caught.signal);
                     }
                 }
             }
@@ -217,23 +262,30 @@ async fn hold(
                     args.command[0],
                     super::show_duration(args.grace),
                 );
-                send_signal(pid, SIGTERM);
+                send_signal(target, SIGTERM);
                 kill_at = Some(std::time::Instant::now() + args.grace);
             }
             _ = grace_over => {
-                send_signal(pid, SIGKILL);
+                send_signal(target, SIGKILL);
                 kill_at = None;
             }
         }
-    };
-    let code = match status {
-        Ok(Ok(status)) => exit_code(status),
-        _ => {
-            eprintln!("leasehold: lost track of {:?}", args.command[0]);
+    }
+    let code = match child.wait() {
+        Ok(status) => exit_code(status),
+        Err(error) => {
+            eprintln!("leasehold: lost track of {:?}: {error}", args.command[0]);
             126
         }
     };
     if lost.is_aborted() {
+        // Unless heard while COMMAND ran (and said so then), it was lost as COMMAND ended.
+        if !lost_heard.is_terminated() {
+            eprintln!(
+                "leasehold: the lease on {:?} was lost as {:?} ended",
+                args.key, args.command[0]
+            );
+        }
         drop(guard);
         return LEASE_LOST;
     }
@@ -272,7 +324,9 @@ fn catch_signals() -> std::io::Result<smol::channel::Receiver<Caught>> {
         .name("leasehold-signals".into())
         .spawn(move || {
             for origin in signals.forever() {
-                let sent = !matches!(origin.cause, Cause::Kernel);
+                // Where the system does not say (`Unknown`), taken for the terminal's: a
+                // signal sent twice is worse than one sent only to this process.
+                let sent = matches!(origin.cause, Cause::Sent(_));
                 let caught = Caught {
                     signal: origin.signal,
                     sent,
@@ -285,16 +339,51 @@ fn catch_signals() -> std::io::Result<smol::channel::Receiver<Caught>> {
     Ok(rx)
 }
 
-/// Sends `signal` to the process `pid` (COMMAND, which this process has not reaped yet, so the
-/// pid is still its).
+/// Where COMMAND's signals go.
+#[derive(Clone, Copy, Debug)]
+enum Target {
+    /// The process group COMMAND leads.
+    Group(u32),
+    /// COMMAND alone.
+    Process(u32),
+}
+
+/// Sends `signal` to `target`. COMMAND is not reaped before this process stops signalling it
+/// (see `wait_without_reaping`), so its pid, and its group's, are still its own.
 #[allow(unsafe_code)]
-fn send_signal(pid: u32, signal: i32) {
+fn send_signal(target: Target, signal: i32) {
+    let (Target::Group(pid) | Target::Process(pid)) = target;
     let Ok(pid) = libc::pid_t::try_from(pid) else {
         return;
+    };
+    let pid = match target {
+        Target::Group(_) => -pid,
+        Target::Process(_) => pid,
     };
     // SAFETY: `kill` takes two integers and touches no memory of this process.
     unsafe {
         libc::kill(pid, signal);
+    }
+}
+
+/// Waits until the child `pid` has ended, leaving it to be reaped (`WNOWAIT`).
+#[allow(unsafe_code)]
+fn wait_without_reaping(pid: u32) -> std::io::Result<()> {
+    let pid = libc::id_t::from(pid);
+    loop {
+        // SAFETY: `info` is a zeroed `siginfo_t` that `waitid` writes into and nothing else
+        // reads; the other arguments are integers.
+        let done = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            libc::waitid(libc::P_PID, pid, &mut info, libc::WEXITED | libc::WNOWAIT)
+        };
+        if done == 0 {
+            return Ok(());
+        }
+        let error = std::io::Error::last_os_error();
+        if error.kind() != std::io::ErrorKind::Interrupted {
+            return Err(error);
+        }
     }
 }
 

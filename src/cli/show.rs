@@ -64,11 +64,13 @@ pub(crate) fn watch(args: Watch) -> u8 {
             };
             let view = table(&entries, unix_now());
             if shown.as_ref() != Some(&view) {
-                // Clear the screen and home the cursor, then draw.
-                print!(
-                    "\x1b[2J\x1b[H{}",
-                    heading(&store, args.key_prefix.as_deref())
-                );
+                // On a terminal, clear the screen and home the cursor, then draw; elsewhere,
+                // one table after another.
+                use std::io::IsTerminal as _;
+                if std::io::stdout().is_terminal() {
+                    print!("\x1b[2J\x1b[H");
+                }
+                print!("{}", heading(&store, args.key_prefix.as_deref()));
                 print!("{view}");
                 use std::io::Write as _;
                 let _ = std::io::stdout().flush();

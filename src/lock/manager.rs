@@ -390,17 +390,17 @@ impl LockManager {
             .collect())
     }
 
-    /// An operator's removal of another owner's rows, held or waiting (of its request
-    /// `ticket` alone, if given), in one transaction that promotes the waiters it lets through;
-    /// returns how many rows there were. The owner, if alive, finds them gone at its next
-    /// heartbeat: its guards' `lost` signals abort. For the command's `release`.
+    /// An operator's removal of another owner's rows of the requests `tickets`, held or
+    /// waiting, in one transaction that promotes the waiters it lets through; returns how many
+    /// rows there were. The owner, if alive, finds them gone at its next heartbeat: its guards'
+    /// `lost` signals abort. For the command's `release`.
     #[cfg_attr(not(feature = "cli"), allow(dead_code))]
-    pub(crate) async fn evict(&self, owner: &str, ticket: Option<u64>) -> Result<usize, LockError> {
+    pub(crate) async fn evict(&self, owner: &str, tickets: Vec<u64>) -> Result<usize, LockError> {
         let owner = owner.to_owned();
         (self.shared)
             .call(|reply| Command::Evict {
                 owner,
-                ticket,
+                tickets,
                 reply,
             })
             .await

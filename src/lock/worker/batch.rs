@@ -174,10 +174,10 @@ impl<S: Storage> Worker<S> {
             }
             Command::Evict {
                 owner,
-                ticket,
+                tickets,
                 reply,
             } => {
-                let _ = reply.send(self.evict(&owner, ticket));
+                let _ = reply.send(self.evict(&owner, &tickets));
             }
             _ => {}
         }

@@ -7,12 +7,12 @@
 use super::*;
 
 impl<S: Storage> Worker<S> {
-    /// Deletes `owner`'s rows (of `ticket` alone, if given), held or waiting, live or lapsed;
+    /// Deletes `owner`'s rows of the requests `tickets`, held or waiting, live or lapsed;
     /// returns how many there were. A failure for a passing reason is tried again on the busy
     /// schedule. After a try whose answer was lost, the next finds the rows gone and says 0.
-    pub(super) fn evict(&mut self, owner: &str, ticket: Option<u64>) -> Result<usize, LockError> {
+    pub(super) fn evict(&mut self, owner: &str, tickets: &[u64]) -> Result<usize, LockError> {
         loop {
-            match self.try_evict(owner, ticket) {
+            match self.try_evict(owner, tickets) {
                 Ok(removed) => return Ok(removed),
                 Err(error) if !self.storage.again() => return Err(error),
                 Err(_) => {}
@@ -20,9 +20,9 @@ impl<S: Storage> Worker<S> {
         }
     }
 
-    fn try_evict(&mut self, owner: &str, ticket: Option<u64>) -> Result<usize, LockError> {
+    fn try_evict(&mut self, owner: &str, tickets: &[u64]) -> Result<usize, LockError> {
         let requests: Vec<(u64, Vec<String>)> = (self.storage.requests_of(owner)?.into_iter())
-            .filter(|(found, _)| ticket.is_none_or(|ticket| ticket == *found))
+            .filter(|(found, _)| tickets.contains(found))
             .collect();
         if requests.is_empty() {
             return Ok(0);

@@ -192,7 +192,8 @@ pub(crate) struct Worker<S> {
     /// look reads them.
     own_changes: BTreeSet<String>,
     last_renewal: Option<i64>,
-    /// Whether the current transaction deleted a row of this owner.
+    /// Whether the current transaction deleted a row (of this owner, or of the one an operator
+    /// evicts).
     deleted: bool,
     /// Whether a write was ever tried: until then this owner has no row, and closing it writes
     /// nothing (a manager that only read, as the command's `inspect`, leaves the store as it was).

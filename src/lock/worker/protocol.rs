@@ -30,11 +30,11 @@ pub(crate) enum Command {
         key: String,
         reply: Reply<bool>,
     },
-    /// An operator's removal of another owner's rows (of one ticket, if given); replies how
-    /// many there were. Run alone, after the batch's writes.
+    /// An operator's removal of another owner's rows of these requests (by ticket); replies
+    /// how many there were. Run alone, after the batch's writes.
     Evict {
         owner: String,
-        ticket: Option<u64>,
+        tickets: Vec<u64>,
         reply: Reply<usize>,
     },
     /// Another manager in this process committed to the same file: look now.

@@ -92,8 +92,6 @@ fn functions(schema: &str) -> String {
         .replace("{exclusive}", &mode_code(Mode::Exclusive).to_string())
 }
 
-/// Creates the schema and its tables if missing, under an advisory lock so that several
-/// processes starting at once do it once; refuses a schema from a newer version.
 /// An error unless `schema` holds a lock store of this build's version: changes nothing.
 pub(crate) fn check_version(client: &mut Client, schema: &str) -> Result<()> {
     let doing = format!("opening the store in the schema {schema:?}");
@@ -134,6 +132,8 @@ pub(crate) fn version(client: &mut Client, schema: &str) -> Result<Option<i32>> 
     Ok(Some(found))
 }
 
+/// Creates the schema and its tables if missing, under an advisory lock so that several
+/// processes starting at once do it once; refuses a schema from a newer version.
 pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
     let s = quote(schema);
     let doing = "creating the schema";

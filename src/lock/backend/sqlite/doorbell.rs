@@ -86,9 +86,7 @@ impl Doorbell {
         file_mode: u32,
         poke: Arc<dyn Poke>,
     ) -> Option<Doorbell> {
-        let mut dir = db.as_os_str().to_owned();
-        dir.push("-doorbell");
-        let dir = PathBuf::from(dir);
+        let dir = folder_of(db);
         let id = id_of(owner);
         let socket_path = dir.join(format!("{id}.sock"));
         if socket_path.as_os_str().len() > MAX_SOCKET_PATH {
@@ -240,6 +238,13 @@ impl Drop for Doorbell {
 }
 
 /// The name of `owner`'s socket and marker in the folder.
+/// The doorbell folder beside the database at `db`.
+pub(crate) fn folder_of(db: &Path) -> PathBuf {
+    let mut dir = db.as_os_str().to_owned();
+    dir.push("-doorbell");
+    PathBuf::from(dir)
+}
+
 fn id_of(owner: &str) -> String {
     format!("{:016x}", fnv1a(owner.as_bytes()))
 }

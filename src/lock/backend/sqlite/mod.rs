@@ -88,11 +88,15 @@ pub(crate) fn serve(
     let file = path.and_then(FileIdentity::of);
     opened(Ok(()));
     let db = Db::new(&conn, opening.clock, file, opening.busy);
+    // A manager of a store as it is (the command's views and repairs) makes no folder beside
+    // it: it rings, and is rung, only where the store's own managers made one.
     #[cfg(unix)]
-    let db =
-        db.with_doorbell(path.and_then(|path| {
-            doorbell::Doorbell::open(path, &opening.owner, file_mode, opening.poke)
-        }));
+    let db = db.with_doorbell(
+        path.filter(|path| !opening.existing || doorbell::folder_of(path).is_dir())
+            .and_then(|path| {
+                doorbell::Doorbell::open(path, &opening.owner, file_mode, opening.poke)
+            }),
+    );
     worker.serve(db);
 }
 
