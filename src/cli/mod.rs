@@ -111,6 +111,25 @@ impl Store {
     }
 }
 
+/// Runs `work` on a manager of the store `args` name, as it is (never created or migrated);
+/// the exit code, `work`'s or that of why the store could not be opened.
+pub(crate) fn on_existing<F, Fut>(args: &args::StoreArgs, work: F) -> u8
+where
+    F: FnOnce(LockManager) -> Fut,
+    Fut: std::future::Future<Output = u8>,
+{
+    let store = match args.parse() {
+        Ok(store) => store,
+        Err(code) => return code,
+    };
+    smol::block_on(async {
+        match store.open_existing().await {
+            Ok(locks) => work(locks).await,
+            Err(error) => store_failed(&error),
+        }
+    })
+}
+
 impl args::StoreArgs {
     /// The store these arguments name; if they name none, says why and gives the exit code.
     pub(crate) fn parse(&self) -> Result<Store, u8> {

@@ -14,18 +14,10 @@ a token lower than the highest it has seen refuses the removed holder's late wri
 next holder has written. Anything that does not check the token is not protected.";
 
 pub(crate) fn release(args: Release) -> u8 {
-    let store = match args.store.parse() {
-        Ok(store) => store,
-        Err(code) => return code,
-    };
-    smol::block_on(async {
-        let locks = match store.open_existing().await {
-            Ok(locks) => locks,
-            Err(error) => return store_failed(&error),
-        };
-        let entries = match locks.inspect(None).await {
+    super::on_existing(&args.store, |locks| async move {
+        let entries = match super::show::entries(&locks, None).await {
             Ok(entries) => entries,
-            Err(error) => return store_failed(&error),
+            Err(code) => return code,
         };
         // Whose rows, and which: the owner's every request, or the one with the ticket.
         let (owner, ticket) = match (&args.owner, args.key.as_ref().zip(args.ticket)) {
@@ -53,9 +45,7 @@ pub(crate) fn release(args: Release) -> u8 {
             eprintln!("leasehold: {owner:?} has no live rows; nothing removed");
             return 1;
         }
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
+        let now = super::show::unix_now();
         // What is about to happen, and the question, where a person sees them however the
         // output is redirected; what was done, on the output.
         eprint!("{}", super::show::table(&chosen, now));

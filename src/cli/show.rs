@@ -11,15 +11,7 @@ use super::{show_duration, store_failed, Store};
 use crate::lock::{EntryState, LockEntry, LockManager, Mode};
 
 pub(crate) fn inspect(args: Inspect) -> u8 {
-    let store = match args.store.parse() {
-        Ok(store) => store,
-        Err(code) => return code,
-    };
-    smol::block_on(async {
-        let locks = match store.open_existing().await {
-            Ok(locks) => locks,
-            Err(error) => return store_failed(&error),
-        };
+    super::on_existing(&args.store, |locks| async move {
         let entries = match entries(&locks, args.key_prefix.as_deref()).await {
             Ok(entries) => entries,
             Err(code) => return code,
@@ -85,7 +77,10 @@ pub(crate) fn watch(args: Watch) -> u8 {
 }
 
 /// The live rows on the keys that start with `prefix`.
-async fn entries(locks: &LockManager, prefix: Option<&str>) -> Result<Vec<LockEntry>, u8> {
+pub(crate) async fn entries(
+    locks: &LockManager,
+    prefix: Option<&str>,
+) -> Result<Vec<LockEntry>, u8> {
     match locks.inspect(None).await {
         Ok(mut entries) => {
             entries.retain(|entry| prefix.is_none_or(|prefix| entry.key.starts_with(prefix)));
@@ -113,7 +108,7 @@ fn heading(store: &Store, prefix: Option<&str>) -> String {
 }
 
 /// The time now, as a [`LockEntry`]'s times are given (since the Unix epoch).
-fn unix_now() -> Duration {
+pub(crate) fn unix_now() -> Duration {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()

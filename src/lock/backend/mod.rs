@@ -18,7 +18,7 @@ use std::time::Duration;
 use crate::clock::Clock;
 use crate::lock::grant::RowView;
 use crate::lock::time::micros;
-use crate::lock::{LockError, LockRequest, Mode};
+use crate::lock::{LockError, LockRequest, Mode, StorageError};
 use crate::schedule::Schedule;
 
 pub(crate) type Result<T> = std::result::Result<T, LockError>;
@@ -188,6 +188,27 @@ pub(crate) enum Wait {
     Unqueued,
     /// Does not wait (`try_acquire`): it is refused.
     No,
+}
+
+/// An error unless `found`, the schema version of the store opened while `doing` (`None`: no
+/// store there), is this build's `ours`: for a manager that opens a store as it is
+/// (`Opening::existing`), which creates and migrates nothing.
+pub(crate) fn schema_is_ours(doing: &str, found: Option<i64>, ours: i64) -> Result<()> {
+    match found {
+        None => Err(StorageError::new(doing, "there is no lock store there").into()),
+        Some(found) if found > ours => Err(LockError::SchemaTooNew {
+            found,
+            supported: ours,
+        }),
+        Some(found) if found < ours => {
+            let why = format!(
+                "its schema is version {found}, older than this build's {ours}; a manager of \
+                 this build (`leasehold run`, say) brings it up to date"
+            );
+            Err(StorageError::new(doing, why).into())
+        }
+        Some(_) => Ok(()),
+    }
 }
 
 /// What a backend can do, fixed for it (`Storage::capabilities`).

@@ -7,7 +7,7 @@ use postgres::Client;
 use super::storage_error;
 use crate::lock::backend::codec::{fnv1a, mode_code};
 use crate::lock::backend::Result;
-use crate::lock::{LockError, Mode, StorageError};
+use crate::lock::{LockError, Mode};
 
 /// The schema version this build writes and understands.
 pub(crate) const SCHEMA_VERSION: i32 = 7;
@@ -95,21 +95,8 @@ fn functions(schema: &str) -> String {
 /// An error unless `schema` holds a lock store of this build's version: changes nothing.
 pub(crate) fn check_version(client: &mut Client, schema: &str) -> Result<()> {
     let doing = format!("opening the store in the schema {schema:?}");
-    match version(client, schema)? {
-        None => Err(StorageError::new(doing, "there is no lock store in that schema").into()),
-        Some(found) if found > SCHEMA_VERSION => Err(LockError::SchemaTooNew {
-            found: i64::from(found),
-            supported: i64::from(SCHEMA_VERSION),
-        }),
-        Some(found) if found < SCHEMA_VERSION => {
-            let why = format!(
-                "its schema is version {found}, older than this build's {SCHEMA_VERSION}; a \
-                 manager of this build (`leasehold run`, say) brings it up to date"
-            );
-            Err(StorageError::new(doing, why).into())
-        }
-        Some(_) => Ok(()),
-    }
+    let found = version(client, schema)?.map(i64::from);
+    crate::lock::backend::schema_is_ours(&doing, found, i64::from(SCHEMA_VERSION))
 }
 
 /// The version of the lock store in `schema`, if there is one.

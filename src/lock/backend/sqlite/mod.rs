@@ -328,26 +328,9 @@ impl<'c> Db<'c> {
 
     /// An error unless the schema is this build's: never changes it.
     fn check_version(&self, path: &Path) -> Result<()> {
-        let found = self.user_version()?;
-        match found {
-            _ if found > SCHEMA_VERSION => Err(LockError::SchemaTooNew {
-                found,
-                supported: SCHEMA_VERSION,
-            }),
-            0 => {
-                let doing = format!("opening the store {}", path.display());
-                Err(StorageError::new(doing, "the file holds no lock store").into())
-            }
-            _ if found < SCHEMA_VERSION => {
-                let doing = format!("opening the store {}", path.display());
-                let why = format!(
-                    "its schema is version {found}, older than this build's {SCHEMA_VERSION}; a \
-                     manager of this build (`leasehold run`, say) brings it up to date"
-                );
-                Err(StorageError::new(doing, why).into())
-            }
-            _ => Ok(()),
-        }
+        let found = Some(self.user_version()?).filter(|&version| version > 0);
+        let doing = format!("opening the store {}", path.display());
+        crate::lock::backend::schema_is_ours(&doing, found, SCHEMA_VERSION)
     }
 
     fn migrate(&mut self) -> Result<()> {
