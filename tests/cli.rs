@@ -435,12 +435,10 @@ fn a_killed_holders_lock_goes_to_the_next_waiter_within_about_one_lease(sandbox:
     ));
     holder.await_file(sandbox, "holder.pid");
     let _sleep = Stray::from_file(&sandbox.path("holder.pid"));
-    let mut waiter = Running::start(&mut sandbox.run(
-        &["-w", "60s", "--operation", "waiter"],
-        "k",
+    let mut waiter = queued_waiter(
+        sandbox,
         "date +%s%N > granted.part; mv granted.part granted",
-    ));
-    sandbox.await_waiting("waiter");
+    );
 
     // Kill it right after a renewal, when nearly all of its lease is left. (Should it renew once
     // more before the kill, its lease runs out later than `expires_at_ms`, never earlier.)
@@ -474,12 +472,7 @@ fn a_command_whose_lease_is_lost_gets_sigterm_and_leasehold_exits_4(sandbox: &Sa
         "trap 'echo term > term; exit 0' TERM; touch started; idle",
     ));
     holder.await_file(sandbox, "started");
-    let mut waiter = Running::start(&mut sandbox.run(
-        &["-w", "60s", "--operation", "waiter"],
-        "k",
-        "touch granted; await_file done",
-    ));
-    sandbox.await_waiting("waiter");
+    let mut waiter = queued_waiter(sandbox, "touch granted; await_file done");
 
     stop_until_granted(&holder, sandbox, "granted");
 
@@ -505,12 +498,7 @@ fn a_command_that_ignores_sigterm_is_killed_after_the_grace(sandbox: &Sandbox) {
     ));
     holder.await_file(sandbox, "command.pid");
     let command = Stray::from_file(&sandbox.path("command.pid"));
-    let mut waiter = Running::start(&mut sandbox.run(
-        &["-w", "60s", "--operation", "waiter"],
-        "k",
-        "touch granted",
-    ));
-    sandbox.await_waiting("waiter");
+    let mut waiter = queued_waiter(sandbox, "touch granted");
 
     // Stopped, it could send nothing: the grace starts after it first went on.
     let continued = stop_until_granted(&holder, sandbox, "granted");
@@ -526,6 +514,15 @@ fn a_command_that_ignores_sigterm_is_killed_after_the_grace(sandbox: &Sandbox) {
         "the COMMAND that ignores SIGTERM still runs"
     );
     waiter.wait().assert_exit(0);
+}
+
+/// A `run -w 60s` on `k` (operation `waiter`) whose COMMAND is `script`, once it waits in the
+/// queue behind the holder.
+fn queued_waiter(sandbox: &Sandbox, script: &str) -> Running {
+    let waiter =
+        Running::start(&mut sandbox.run(&["-w", "60s", "--operation", "waiter"], "k", script));
+    sandbox.await_waiting("waiter");
+    waiter
 }
 
 /// Stops `holder` (SIGSTOP) until the file `granted` shows that another `run` was granted its
@@ -564,12 +561,7 @@ fn a_lost_lease_ends_what_the_command_started_too(sandbox: &Sandbox) {
     ));
     holder.await_file(sandbox, "started.pid");
     let started = Stray::from_file(&sandbox.path("started.pid"));
-    let mut waiter = Running::start(&mut sandbox.run(
-        &["-w", "60s", "--operation", "waiter"],
-        "k",
-        "touch granted",
-    ));
-    sandbox.await_waiting("waiter");
+    let mut waiter = queued_waiter(sandbox, "touch granted");
 
     stop_until_granted(&holder, sandbox, "granted");
     holder.wait().assert_exit(4);
