@@ -882,6 +882,32 @@ fn inspect_watch_release_and_doctor_make_nothing_beside_a_store() {
     watch.kill();
 }
 
+/// `watch` is woken by the store's changes, not by its own timer: with a minute between its
+/// own looks, it shows a holder come and go. (On SQLite, where every commit is seen by the
+/// change poll; on PostgreSQL only releases that someone waits for are announced.)
+#[test]
+fn watch_redraws_on_a_change_long_before_its_own_next_look() {
+    let sandbox = Sandbox::sqlite();
+    sandbox.create_store();
+    let mut watch = Running::start(&mut sandbox.leasehold("watch", &["--every", "60s"], &[]));
+    within_blocking(PATIENCE, "watch shows the empty table", || {
+        watch.expect_running("the empty table");
+        watch.stdout().contains("no locks")
+    });
+    let holder = sandbox.hold("holder", &[], "k");
+    within_blocking(PATIENCE, "watch shows the holder", || {
+        watch.expect_running("the holder");
+        watch.stdout().contains("holder")
+    });
+    let shown = watch.stdout().len();
+    holder.let_go().assert_exit(0);
+    within_blocking(PATIENCE, "watch shows the holder gone", || {
+        watch.expect_running("the holder gone");
+        watch.stdout()[shown..].contains("no locks")
+    });
+    watch.kill();
+}
+
 #[test]
 fn doctor_finds_a_world_writable_file() {
     let sandbox = Sandbox::sqlite();
