@@ -631,14 +631,15 @@ fn a_schema_written_by_a_newer_version_is_refused() {
 }
 
 /// A schema of version 3 (an acquisition and a release each had a function, with no `decide`),
-/// 4 (a `decide` without shortcuts), 5 (a `decide` that could judge on a stale read) or 6 (no
-/// `renew`) is brought up to date when a manager connects, keeping its rows.
+/// 4 (a `decide` without shortcuts), 5 (a `decide` that could judge on a stale read), 6 (no
+/// `renew`) or 7 (no `acquire_one` and `release_one`) is brought up to date when a manager
+/// connects, keeping its rows.
 #[test]
 fn a_schema_of_an_older_version_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    for old_version in [3, 4, 5, 6] {
+    for old_version in [3, 4, 5, 6, 7] {
         block_on(migrated_from(server, old_version));
     }
 }
@@ -649,11 +650,12 @@ async fn migrated_from(server: &pg_support::Server, old_version: i32) {
     let held = old.exclusive("kept", "before").await.unwrap();
     server.sql(&format!(
         "DROP FUNCTION {schema}.decide; DROP FUNCTION {schema}.renew; \
+         DROP FUNCTION {schema}.acquire_one; DROP FUNCTION {schema}.release_one; \
          UPDATE {schema}.meta SET version = {old_version}"
     ));
     let new = manager(server.url(), &schema).await;
     let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
-    assert_eq!(version.trim(), "7");
+    assert_eq!(version.trim(), "8");
     let busy = new
         .try_acquire(LockRequest::exclusive("kept", "after"))
         .await;

@@ -10,7 +10,7 @@ use crate::lock::backend::Result;
 use crate::lock::{LockError, Mode};
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 7;
+pub(crate) const SCHEMA_VERSION: i32 = 8;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -182,7 +182,8 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
             // `FUNCTIONS` (version 3 had one for an acquisition and one for a release; version
             // 4 had no shortcut for keys without other rows; version 5 judged an acquisition on
             // a read that a renewal in flight could make stale; version 6 had no heartbeat in
-            // one call); and the sweep's indexes
+            // one call; version 7 had no functions for an operation alone on one key); and the
+            // sweep's indexes
             // (`SWEEP_INDEXES`).
             transaction
                 .batch_execute(&format!(

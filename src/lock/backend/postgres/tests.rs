@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::listener::parse_payload;
+use super::listener::{channel, parse_payload};
 use super::schema::key_lock;
 use super::target::has_unescaped_at;
 use super::*;
@@ -26,9 +26,10 @@ fn an_at_sign_left_in_a_urls_user_information_is_found() {
 /// server: the throwaway one of `testkit::postgres`.
 #[cfg(feature = "testkit")]
 mod the_rule_in_sql {
+    use postgres::fallible_iterator::FallibleIterator;
     use proptest::prelude::*;
 
-    use super::super::decide::{DecideArgs, DECIDE};
+    use super::super::decide::{DecideArgs, OneArgs, DECIDE};
     use super::*;
     use crate::lock::backend::{AtOnce, Wait};
     use crate::lock::grant::{grantable_now, promotable};
@@ -161,6 +162,123 @@ mod the_rule_in_sql {
             (now, live)
         }
 
+        /// The answer to `op` alone of `owner`: from `decide`, or (`one`) from the function
+        /// for an operation alone on one key, if `op` is one (`None` if not).
+        fn answer(&mut self, owner: &str, op: AtOnce<'_>, one: bool) -> Option<postgres::Row> {
+            let s = quote(&self.schema);
+            if one {
+                let args = OneArgs::new(&self.schema, owner, 1_000_000, &[op])?;
+                let sql = args.sql.replace("{s}", &s);
+                return Some(self.client.query_one(&sql, &args.params()).unwrap());
+            }
+            let args = DecideArgs::new(&self.schema, owner, 1_000_000, &[op]);
+            let sql = DECIDE.replace("{s}", &s);
+            Some(self.client.query_one(&sql, &args.params()).unwrap())
+        }
+
+        /// Everything `op` alone leaves behind, through `decide` or (`one`) the function for
+        /// an operation alone on one key, from `rows` and `watcher` (a caller of that owner
+        /// waiting without a row on key "a"): the answer's columns that mean something for
+        /// it, the rows and watchers then (new tickets as 0, times as whether live), and the
+        /// announcements sent.
+        fn outcome(
+            &mut self,
+            rows: &[Planted],
+            watcher: Option<u8>,
+            owner: &str,
+            op: AtOnce<'_>,
+            one: bool,
+        ) -> Option<String> {
+            let s = quote(&self.schema);
+            let (now, _) = self.plant(rows);
+            self.client
+                .batch_execute(&format!("DELETE FROM {s}.watchers"))
+                .unwrap();
+            if let Some(watcher) = watcher {
+                self.client
+                    .execute(
+                        &format!("INSERT INTO {s}.watchers (key, owner, expires_at) VALUES ('a', $1, $2)"),
+                        &[&format!("o{watcher}"), &(now + 3_600_000_000_i64)],
+                    )
+                    .unwrap();
+            }
+            let listen = format!("LISTEN \"{}\"", channel(&self.schema));
+            self.client.batch_execute(&listen).unwrap();
+            let _ = self.client.notifications().iter().count().unwrap();
+            let acquire = matches!(op, AtOnce::Acquire { .. });
+            let row = self.answer(owner, op, one)?;
+            let sorted = |mut v: Vec<String>| {
+                v.sort();
+                v
+            };
+            let answer = if acquire {
+                format!(
+                    "ticket {} granted {:?} others {:?} expiries {}",
+                    row.get::<_, Option<i64>>(1).is_some(),
+                    row.get::<_, Option<bool>>(2),
+                    row.get::<_, Option<Vec<String>>>(3).map(sorted),
+                    row.get::<_, Option<Vec<i64>>>(4).map_or(0, |e| e.len()),
+                )
+            } else {
+                let mut promoted = row.get::<_, Option<Vec<i64>>>(8).unwrap_or_default();
+                promoted.sort_unstable();
+                format!(
+                    "deleted {:?} live {:?} freed {:?} promoted {:?} owners {:?}",
+                    row.get::<_, Option<i64>>(5),
+                    row.get::<_, Option<i64>>(6),
+                    row.get::<_, Option<bool>>(7),
+                    promoted,
+                    row.get::<_, Option<Vec<String>>>(9).map(sorted),
+                )
+            };
+            let table: Vec<String> = self
+                .client
+                .query(
+                    &format!(
+                        "SELECT key, CASE WHEN ticket <= 1000 THEN ticket ELSE 0 END, mode, held,
+                                owner, keys, expires_at > $1, acquired_at IS NULL
+                         FROM {s}.locks ORDER BY 1, 2, 5"
+                    ),
+                    &[&now],
+                )
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} {} {} {} {} {:?} {} {}",
+                        r.get::<_, &str>(0),
+                        r.get::<_, i64>(1),
+                        r.get::<_, i16>(2),
+                        r.get::<_, bool>(3),
+                        r.get::<_, &str>(4),
+                        r.get::<_, Option<&str>>(5),
+                        r.get::<_, bool>(6),
+                        r.get::<_, bool>(7),
+                    )
+                })
+                .collect();
+            let watchers: Vec<String> = self
+                .client
+                .query(
+                    &format!("SELECT key, owner FROM {s}.watchers ORDER BY 1, 2"),
+                    &[],
+                )
+                .unwrap()
+                .iter()
+                .map(|r| format!("{} {}", r.get::<_, &str>(0), r.get::<_, &str>(1)))
+                .collect();
+            let heard: Vec<String> = self
+                .client
+                .notifications()
+                .iter()
+                .map(|n| Ok(n.payload().to_owned()))
+                .collect()
+                .unwrap();
+            Some(format!(
+                "{answer}\nrows {table:?}\nwatchers {watchers:?}\nheard {heard:?}"
+            ))
+        }
+
         /// How many lapsed rows are left on `keys`.
         fn lapsed_on(&mut self, keys: &[String], now: i64) -> i64 {
             let s = quote(&self.schema);
@@ -186,6 +304,8 @@ mod the_rule_in_sql {
             exclusive in any::<[bool; 2]>(),
         ) {
             Case::with(|case| {
+            // Through `decide`, then through `acquire_one` where the request has one key.
+            for one in [false, true] {
             let (now, live) = case.plant(&rows);
             let requests: Vec<LockRequest> = wanted
                 .iter()
@@ -200,14 +320,57 @@ mod the_rule_in_sql {
                 .collect();
             let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
             let op = AtOnce::Acquire { requests: &requests, wait: Wait::No };
-            let args = DecideArgs::new(&case.schema, "o9", 1_000_000, &[op]);
-            let sql = DECIDE.replace("{s}", &quote(&case.schema));
-            let row = case.client.query_one(&sql, &args.params()).unwrap();
+            let Some(row) = case.answer("o9", op, one) else {
+                continue;
+            };
             let granted: bool = row.get(2);
             let expected = grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &live);
-            prop_assert_eq!(granted, expected, "rows {:?}", rows);
+            prop_assert_eq!(granted, expected, "rows {:?}, one {}", rows, one);
             prop_assert_eq!(row.get::<_, Option<i64>>(1).is_some(), expected);
             prop_assert_eq!(case.lapsed_on(&keys, now), 0, "lapsed rows are deleted first");
+            }
+            Ok(())
+            })?;
+        }
+
+        /// `acquire_one` and `release_one` decide as `decide` does, in everything they
+        /// answer, write and announce.
+        #[test]
+        fn an_operation_on_one_key_is_decided_by_its_function_as_by_decide(
+            rows in planted(),
+            watcher in prop::option::of(0..2u8),
+            acquire in any::<bool>(),
+            key in 0..2u8,
+            exclusive in any::<bool>(),
+            wait in 0..3u8,
+            owner in prop::sample::select(vec![0u8, 1, 9]),
+            released in any::<prop::sample::Index>(),
+        ) {
+            Case::with(|case| {
+            let key = KEYS[usize::from(key)];
+            let requests = [if exclusive {
+                LockRequest::exclusive(key, "new")
+            } else {
+                LockRequest::shared(key, "new")
+            }];
+            let wait = [Wait::Queued, Wait::Unqueued, Wait::No][usize::from(wait)];
+            let keys = [key.to_owned()];
+            // A release of a planted request (its owner's, by its ticket), or of none.
+            let (ticket, owner) = match rows.len() {
+                0 => (1, format!("o{owner}")),
+                n => {
+                    let at = released.index(n);
+                    (at as u64 + 1, format!("o{}", rows[at].4))
+                }
+            };
+            let op = || match acquire {
+                true => AtOnce::Acquire { requests: &requests, wait },
+                false => AtOnce::Remove { keys: &keys, ticket },
+            };
+            let by_decide = case.outcome(&rows, watcher, &owner, op(), false);
+            let by_one = case.outcome(&rows, watcher, &owner, op(), true);
+            prop_assert!(by_one.is_some(), "an operation on one key has its function");
+            prop_assert_eq!(by_decide, by_one, "rows {:?}", rows);
             Ok(())
             })?;
         }
@@ -218,10 +381,12 @@ mod the_rule_in_sql {
             released in any::<prop::sample::Index>(),
         ) {
             Case::with(|case| {
-            let (_, live) = case.plant(&rows);
             if rows.is_empty() {
                 return Ok(());
             }
+            // Through `decide`, then through `release_one` where the request has one key.
+            for one in [false, true] {
+            let (_, live) = case.plant(&rows);
             // Release one planted request (all its rows), live or lapsed, held or not.
             let at = released.index(rows.len());
             let (key, _, _, lapsed, owner, both) = rows[at];
@@ -233,9 +398,9 @@ mod the_rule_in_sql {
             let ticket = at as i64 + 1;
             let owner = format!("o{owner}");
             let op = AtOnce::Remove { keys: &keys, ticket: ticket as u64 };
-            let args = DecideArgs::new(&case.schema, &owner, 1_000_000, &[op]);
-            let sql = DECIDE.replace("{s}", &quote(&case.schema));
-            let row = case.client.query_one(&sql, &args.params()).unwrap();
+            let Some(row) = case.answer(&owner, op, one) else {
+                continue;
+            };
             let deleted: i64 = row.get(5);
             let mut promoted: Vec<u64> = row
                 .get::<_, Option<Vec<i64>>>(8)
@@ -258,7 +423,8 @@ mod the_rule_in_sql {
                 .filter(|t| left.iter().any(|r| r.ticket == *t && r.keys.is_empty()))
                 .collect();
             expected.sort_unstable();
-            prop_assert_eq!(promoted, expected, "rows {:?}, released {}", rows, at);
+            prop_assert_eq!(promoted, expected, "rows {:?}, released {}, one {}", rows, at, one);
+            }
             Ok(())
             })?;
         }
