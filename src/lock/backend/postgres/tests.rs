@@ -176,11 +176,11 @@ mod the_rule_in_sql {
             Some(self.client.query_one(&sql, &args.params()).unwrap())
         }
 
-        /// Everything `op` alone leaves behind, through `decide` or (`one`) the function for
-        /// an operation alone on one key, from `rows` and `watcher` (a caller of that owner
-        /// waiting without a row on key "a"): the answer's columns that mean something for
-        /// it, the rows and watchers then (new tickets as 0, times as whether live), and the
-        /// announcements sent.
+        /// Everything `op` of `owner` leaves behind when alone, through `decide` or (`one`)
+        /// the function for an operation alone on one key, from `rows` and `watcher` (a caller
+        /// of owner `o{watcher}` waiting without a row on key "a"): the answer's columns that
+        /// mean something for it, the rows and watchers then (new tickets as 0, times as
+        /// whether live), and the announcements sent.
         fn outcome(
             &mut self,
             rows: &[Planted],
