@@ -8,9 +8,7 @@
 //! now, serves it itself (`Desk::serve_here`): one batch of everything queued, its own command
 //! among it, as the storage thread would have made it, on the caller's thread and without
 //! waiting for anything (a transaction that would wait is handed back, unanswered, to the
-//! storage thread). If someone serves the queue already, the command waits for them. Callers
-//! serve only while the worker lets them (`Inbox::let_callers`): not while requests of its
-//! manager wait, when the storage thread serves as it always did.
+//! storage thread). If someone serves the queue already, the command waits for them.
 //!
 //! Who serves is decided under the queue's lock, which also holds what the storage thread is
 //! doing: so no command is left unserved (the no-lost-wake-up order). Whoever stops serving
@@ -56,13 +54,6 @@ pub(crate) struct Inbox<C> {
     /// How many commands are queued, as of the last change: read without the lock by the
     /// storage thread while it spins.
     queued: AtomicUsize,
-    /// Whether callers may serve the queue themselves now, as the worker last said
-    /// (`let_callers`): not while requests of its manager wait, nor callers without a row.
-    /// Their grants are then what a release brings, and a waiter's task is on a thread of its
-    /// own: woken from a caller's thread it waits for a CPU that has gone idle, where the
-    /// storage thread, spinning between commands, keeps one awake. And tasks that wait in
-    /// turn send one command at a time, which the storage thread gathers into batches.
-    callers_may: crate::sync::AtomicBool,
     /// Rung for a sleeping storage thread (see `Queue::asleep`).
     bell: Event,
     /// Woken by every push and by the close, for a worker that runs as a task (a simulated
@@ -106,7 +97,6 @@ impl<C> Default for Inbox<C> {
                 due_sooner: false,
             }),
             queued: AtomicUsize::new(0),
-            callers_may: crate::sync::AtomicBool::new(true),
             bell: Event::new(),
             waker: std::sync::Arc::new(AtomicWaker::new()),
             desk: OnceLock::new(),
@@ -145,11 +135,6 @@ impl<C> Inbox<C> {
     /// Queues `command`, and says who serves it; gives it back once the inbox is closed (the
     /// worker gone). `claim`: whether this caller may serve it itself, and when.
     fn push(&self, command: C, claim: Claim) -> Result<Next, C> {
-        let claim = if self.callers_may.load(Ordering::SeqCst) {
-            claim
-        } else {
-            Claim::No
-        };
         let next = {
             let mut queue = lock(&self.queue);
             if queue.closed {
@@ -233,19 +218,11 @@ impl<C> Inbox<C> {
         })
     }
 
-    /// Lets callers serve the queue themselves from now on, or not (see `callers_may`).
-    pub(crate) fn let_callers(&self, may: bool) {
-        self.callers_may.store(may, Ordering::SeqCst);
-    }
-
     /// For a caller whose command waits for it (`queue`): serves one batch of the queue on
-    /// this thread if no one serves it now and callers still may; else leaves it to whoever
-    /// does (or rings the storage thread).
+    /// this thread if no one serves it now; else leaves it to whoever does (or rings the
+    /// storage thread, where this thread may not serve).
     pub(crate) fn serve_queued(&self) {
-        let desk = self
-            .desk()
-            .filter(|_| self.callers_may.load(Ordering::SeqCst));
-        let Some(desk) = desk else {
+        let Some(desk) = self.desk() else {
             let ring = lock(&self.queue).asleep;
             if ring {
                 self.ring();
@@ -388,14 +365,16 @@ impl<W: Work + Send> Desk for Mutex<Option<W>> {
 
 /// The storage thread's loop: serves the worker in `seat`, in turn with callers that claim it,
 /// sleeping between steps until rung or its own work is due, and telling `asleep` when it
-/// sleeps (`true`) and wakes. Returns once the worker is done, or gone (it
+/// sleeps (`true`) and wakes. `spin`: whether to look for commands a while before sleeping
+/// (where callers do not serve themselves). Returns once the worker is done, or gone (it
 /// panicked); the worker is dropped in the seat, on this thread, either way.
 pub(crate) fn serve_on_this_thread<C, W: Work>(
     inbox: &Inbox<C>,
     seat: &Mutex<Option<W>>,
+    spin: bool,
     asleep: impl Fn(bool),
 ) {
-    let mut spin = Spin::new();
+    let mut spin = Spin::new(spin);
     loop {
         // Claim the serving, or wait for the caller who has it to give it back.
         if let Err(listener) = claim(inbox) {
@@ -483,20 +462,20 @@ const SPIN: Duration = Duration::from_micros(100);
 
 /// Right after a step, callers often send again at once (release after acquire, the next
 /// request of a busy task), and waking a sleeping thread costs tens of microseconds on small
-/// virtual machines, more than a transaction: so while callers may not serve themselves (see
-/// `Inbox::callers_may`), the storage thread looks for a while before it sleeps, at the count
-/// of queued commands, without the lock. This spends its own time, never a caller's.
+/// virtual machines, more than a transaction: so where callers do not serve themselves, the
+/// storage thread looks for a while before it sleeps, at the count of queued commands, without
+/// the lock. This spends its own time, never a caller's.
 struct Spin {
     #[cfg(not(leasehold_loom))]
-    run: crate::schedule::ScheduleRun,
+    run: Option<crate::schedule::ScheduleRun>,
 }
 
 impl Spin {
     #[cfg(not(leasehold_loom))]
-    fn new() -> Spin {
+    fn new(spin: bool) -> Spin {
         let schedule = crate::schedule::Schedule::spaced(Duration::ZERO).up_to(SPIN);
         Spin {
-            run: schedule.start(Duration::ZERO),
+            run: spin.then(|| schedule.start(Duration::ZERO)),
         }
     }
 
@@ -504,13 +483,11 @@ impl Spin {
     #[cfg(not(leasehold_loom))]
     fn until_work<C>(&mut self, inbox: &Inbox<C>) -> bool {
         use crate::clock::{Clock, SystemClock};
-        let run = &mut self.run;
+        let Some(run) = self.run.as_mut() else {
+            return false;
+        };
         run.reset(SystemClock.monotonic());
         loop {
-            // Where callers serve themselves, the thread spins only while they may not.
-            if inbox.desk.get().is_some() && inbox.callers_may.load(Ordering::SeqCst) {
-                return false;
-            }
             if inbox.queued.load(Ordering::SeqCst) > 0 {
                 return true;
             }
@@ -523,7 +500,7 @@ impl Spin {
 
     /// Under the model, never: the bell is what is explored.
     #[cfg(leasehold_loom)]
-    fn new() -> Spin {
+    fn new(_: bool) -> Spin {
         Spin {}
     }
 
@@ -617,7 +594,7 @@ mod model {
         inbox.open_desk(seat.clone());
         let thread = {
             let (inbox, seat) = (inbox.clone(), seat.clone());
-            thread::spawn(move || serve_on_this_thread(&inbox, &*seat, |_| {}))
+            thread::spawn(move || serve_on_this_thread(&inbox, &*seat, false, |_| {}))
         };
         let caller = {
             let inbox = inbox.clone();

@@ -38,12 +38,7 @@
 //!    through the same `handle`, so 1 to 5 hold for both, with one writer on the connection
 //!    and tickets taken in grant order. The worker's own work stays with the storage thread:
 //!    looks, heartbeats' timing, the waiting marker, closing. A caller's batch that makes it
-//!    due sooner than the thread sleeps rings the thread. Callers serve only while the worker
-//!    lets them (`Inbox::let_callers`, said after every step and turn): while no request of
-//!    this manager waits and no caller waits without a row or watches. Otherwise the storage
-//!    thread serves, spinning between commands, as where callers never serve: grants reach
-//!    the waiters from there, and it gathers the commands of tasks that wait in turn into
-//!    batches.
+//!    due sooner than the thread sleeps rings the thread.
 //! 7. A caller's turn waits for nothing (`callers_turn`): storage refuses at once where it
 //!    would wait (a busy database), and a turn tries each thing once. What it could not serve
 //!    so (a transaction refused or failed, a read that failed, an operator's removal, which
@@ -53,12 +48,9 @@
 //!    future dropped) is never a combiner half-way: its transaction committed or rolled back
 //!    before the worker is given back. A turn that panics ends the worker, as a panic on its
 //!    thread does.
-//! 8. No command is left unserved. Who serves is decided under the inbox's lock: a sender that
-//!    pushes finds the queue served (whoever serves looks at it again, under that lock, before
-//!    giving the serving up: the storage thread serves on, a caller rings the thread for what
-//!    is left), or claims the serving (a drop at once; a call on its next poll, or when it is
-//!    dropped), or rings the storage thread, which marks itself asleep and listens under the
-//!    same lock after a last look at the queue.
+//! 8. No command is left unserved: a sender pushes its command, then serves the queue or rings
+//!    the bell; the storage thread listens for the bell, then looks at the inbox once more,
+//!    then sleeps. A command pushed after that look rings a listener already there.
 
 mod at_once;
 mod batch;
@@ -197,7 +189,9 @@ impl Serve for RunWorker {
             self.inbox.open_desk(seat.clone());
         }
         let replies = &self.common.replies;
-        inbox::serve_on_this_thread(&self.inbox, &*seat, |asleep| match asleep {
+        // Where callers serve themselves, a command pushed while the thread is awake is served
+        // by its sender: the thread need not spin for it.
+        inbox::serve_on_this_thread(&self.inbox, &*seat, !callers_serve, |asleep| match asleep {
             true => replies.worker_sleeps(),
             false => replies.worker_wakes(),
         });
@@ -556,9 +550,7 @@ impl<S: Storage> Worker<S> {
 
 impl<S: Storage> Work for Worker<S> {
     fn step(&mut self) -> bool {
-        let done = Worker::step(self);
-        self.inbox.let_callers(!self.has_waiters());
-        done
+        Worker::step(self)
     }
 
     fn left(&mut self) -> Option<Duration> {
@@ -566,9 +558,7 @@ impl<S: Storage> Work for Worker<S> {
     }
 
     fn serve_callers(&mut self) -> bool {
-        let wake = Worker::serve_callers(self);
-        self.inbox.let_callers(!self.has_waiters());
-        wake
+        Worker::serve_callers(self)
     }
 }
 
