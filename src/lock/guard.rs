@@ -149,16 +149,14 @@ impl Guard {
         self.released = true;
         let entry = self.forget();
         let (reply, response) = oneshot::channel();
-        let sent = self
-            .shared
-            .wait(response, Command::remove(self.request, Some(reply)));
+        let sent = self.shared.run(Command::remove(self.request, Some(reply)));
         self.trace_release();
-        let response = sent?;
+        sent?;
         // The database decides: rows that were all live when deleted mean nobody else can have
         // held the lock meanwhile, even if a slow renewal made this process fear otherwise.
         // When it cannot tell (the answer to a try that may have deleted them was lost), the
         // lease as this process knows it does: still running, and not lost before, it held.
-        let held = match response.await? {
+        let held = match self.shared.common.replies.wait(response).await? {
             Removed::AllLive => true,
             Removed::NotAllLive => false,
             Removed::GoneAfterLostAnswer { since } => entry

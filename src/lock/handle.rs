@@ -10,7 +10,6 @@ use futures::channel::oneshot;
 use crate::lock::backend::callers_turn;
 use crate::sync::lock;
 
-use super::state::reply::Response;
 use super::state::Common;
 use super::worker::protocol;
 use super::worker::protocol::{Acquired, Command, CommandTx, Grant, Removed, Wait, Write};
@@ -83,24 +82,8 @@ impl Shared {
         command: impl FnOnce(protocol::Reply<T>) -> Command,
     ) -> Result<T, LockError> {
         let (reply, response) = oneshot::channel();
-        self.wait(response, command(reply))?.await
-    }
-
-    /// Queues a caller's `command` and awaits its reply `response`: served by this caller
-    /// on the call's next poll, with whatever else is queued then, if no one serves the queue
-    /// and its storage lets callers (one transaction that waits for nothing); else by
-    /// whoever serves it (see `worker/inbox.rs`).
-    pub(super) fn wait<T>(
-        &self,
-        response: oneshot::Receiver<Result<T, LockError>>,
-        command: Command,
-    ) -> Result<Response<'_, T>, LockError> {
-        let serve = self.tx.queue(command).map_err(|_| LockError::Shutdown)?;
-        let replies = &self.common.replies;
-        Ok(match serve {
-            true => replies.serve_and_wait(response, &*self.tx),
-            false => replies.wait(response),
-        })
+        self.run(command(reply))?;
+        self.common.replies.wait(response).await
     }
 
     pub(super) async fn acquire(

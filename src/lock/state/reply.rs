@@ -79,12 +79,6 @@ pub(crate) struct Replies {
     never: AtomicBool,
 }
 
-/// Serves the queue of commands on the caller's thread (`CommandTx`, see `worker/inbox.rs`),
-/// for a call whose command waits for its caller to serve it.
-pub(crate) trait ServeQueued: Send + Sync {
-    fn serve_queued(&self);
-}
-
 impl Replies {
     /// Awaits the reply `receiver` will get.
     pub(crate) fn wait<T>(
@@ -97,21 +91,7 @@ impl Replies {
             receiver,
             yielding: Yielding::NotYet,
             alone_since: None,
-            serve: None,
         }
-    }
-
-    /// Awaits the reply `receiver` will get to a command that waits for its caller to serve
-    /// the queue (`CommandTx::queue`): on the call's second poll, once its executor has run
-    /// its other tasks (whose commands then join the batch), or when it is dropped.
-    pub(crate) fn serve_and_wait<'a, T>(
-        &'a self,
-        receiver: oneshot::Receiver<Result<T, LockError>>,
-        serve: &'a dyn ServeQueued,
-    ) -> Response<'a, T> {
-        let mut response = self.wait(receiver);
-        response.serve = Some(Serve::FirstPoll(serve));
-        response
     }
 
     /// From now on, calls wait to be woken without yielding.
@@ -207,16 +187,6 @@ pub(crate) struct Response<'a, T> {
     yielding: Yielding,
     /// When the call was first polled, if it was then alone in awaiting the worker.
     alone_since: Option<Instant>,
-    /// Where the caller is to serve the queue itself, and at which poll.
-    serve: Option<Serve<'a>>,
-}
-
-/// When a call serves the queue itself (`Replies::serve_and_wait`).
-enum Serve<'a> {
-    /// At the first poll it lets its executor run the other tasks.
-    FirstPoll(&'a dyn ServeQueued),
-    /// At the next one.
-    NextPoll(&'a dyn ServeQueued),
 }
 
 impl<T> Future for Response<'_, T> {
@@ -232,18 +202,6 @@ impl<T> Future for Response<'_, T> {
             }
             // A reply dropped unsent means the worker stopped.
             return Poll::Ready(reply.unwrap_or(Err(LockError::Shutdown)));
-        }
-        match self.serve.take() {
-            Some(Serve::FirstPoll(serve)) => {
-                self.serve = Some(Serve::NextPoll(serve));
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            }
-            Some(Serve::NextPoll(serve)) => {
-                serve.serve_queued();
-                return self.poll(cx);
-            }
-            None => {}
         }
         let replies = self.replies;
         match self.yielding {
@@ -285,11 +243,6 @@ impl<T> Response<'_, T> {
 
 impl<T> Drop for Response<'_, T> {
     fn drop(&mut self) {
-        // Cancelled before it served: its command (and whatever queued behind it) is served
-        // now, as a dropped guard's release is.
-        if let Some(Serve::FirstPoll(serve) | Serve::NextPoll(serve)) = self.serve.take() {
-            serve.serve_queued();
-        }
         self.replies.awaiting.fetch_sub(1, Relaxed);
         // Dropped while yielding (its caller cancelled): another call may yield now.
         self.stop_yielding();

@@ -104,17 +104,6 @@ impl<C> Default for Inbox<C> {
     }
 }
 
-/// Whether the caller who queues a command may serve it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Claim {
-    /// No: it is for the storage thread.
-    No,
-    /// Yes, now: the serving is claimed with the push.
-    Now,
-    /// Yes, on its next poll (`Inbox::serve_queued`).
-    Later,
-}
-
 /// Who is to serve a command just queued.
 enum Next {
     /// Someone serves the queue now, or the storage thread is awake and will look: nothing
@@ -122,8 +111,7 @@ enum Next {
     Served,
     /// The storage thread sleeps: ring it.
     Ring,
-    /// No one serves the queue, and callers may: this caller serves it (`run`: now, by
-    /// claiming it as it queued; `queue`: on its next poll, `serve_queued`).
+    /// This caller claimed the serving: it serves, then gives the serving up.
     ServeHere,
 }
 
@@ -133,8 +121,8 @@ impl<C> Inbox<C> {
     }
 
     /// Queues `command`, and says who serves it; gives it back once the inbox is closed (the
-    /// worker gone). `claim`: whether this caller may serve it itself, and when.
-    fn push(&self, command: C, claim: Claim) -> Result<Next, C> {
+    /// worker gone). `claim`: whether this caller may serve it itself.
+    fn push(&self, command: C, claim: bool) -> Result<Next, C> {
         let next = {
             let mut queue = lock(&self.queue);
             if queue.closed {
@@ -144,10 +132,10 @@ impl<C> Inbox<C> {
             self.note_len(&queue);
             if queue.serving {
                 Next::Served
-            } else if claim != Claim::No && !queue.due_sooner && !queue.wants_worker {
+            } else if claim && !queue.due_sooner && !queue.wants_worker {
                 // (After a hand-back, or while it waits for the worker, the storage thread
                 // serves next: a stream of callers could otherwise keep it waiting.)
-                queue.serving = claim == Claim::Now;
+                queue.serving = true;
                 Next::ServeHere
             } else if queue.asleep {
                 Next::Ring
@@ -161,32 +149,22 @@ impl<C> Inbox<C> {
 
     /// Queues `command` for the storage thread, and wakes it if it sleeps.
     pub(crate) fn send(&self, command: C) -> Result<(), C> {
-        if let Next::Ring = self.push(command, Claim::No)? {
+        if let Next::Ring = self.push(command, false)? {
             self.ring();
         }
         Ok(())
     }
 
-    /// The worker, if this thread may serve the queue now: where the storage lets callers,
-    /// and not from a drop during a panic, nor from inside a turn already (a guard dropped by
-    /// what a batch's replies released: the one serving now serves it).
-    fn desk(&self) -> Option<&std::sync::Arc<dyn Desk>> {
-        self.desk
-            .get()
-            .filter(|_| !std::thread::panicking() && !callers_turn())
-    }
-
     /// Queues `command`, then serves one batch of the queue on this thread if no one serves it
-    /// now and the storage lets callers; else as `send`. For a caller that cannot wait for its
-    /// next poll (a drop).
+    /// now and the storage lets callers; else as `send`.
     pub(crate) fn run(&self, command: C) -> Result<(), C> {
-        let desk = self.desk();
-        let claim = if desk.is_some() {
-            Claim::Now
-        } else {
-            Claim::No
-        };
-        match (self.push(command, claim)?, desk) {
+        // Not from a drop during a panic, nor from inside a turn already (a guard dropped by
+        // what a batch's replies released): the one serving now serves it.
+        let desk = self
+            .desk
+            .get()
+            .filter(|_| !std::thread::panicking() && !callers_turn());
+        match (self.push(command, desk.is_some())?, desk) {
             (Next::ServeHere, Some(desk)) => {
                 let wake = desk.serve_here();
                 self.give_up_serving(wake);
@@ -195,64 +173,6 @@ impl<C> Inbox<C> {
             _ => {}
         }
         Ok(())
-    }
-
-    /// Queues `command` for a caller that will be polled again: true if no one serves the
-    /// queue and callers may, so that the caller is to serve it itself, on its next poll or
-    /// when it is dropped (`serve_queued`). By then its executor has run its other tasks,
-    /// whose commands join the same batch (tasks of one thread each serving their own would
-    /// make a transaction each, where the storage thread made one for all). Else as `send`.
-    pub(crate) fn queue(&self, command: C) -> Result<bool, C> {
-        let claim = if self.desk().is_some() {
-            Claim::Later
-        } else {
-            Claim::No
-        };
-        Ok(match self.push(command, claim)? {
-            Next::ServeHere => true,
-            Next::Ring => {
-                self.ring();
-                false
-            }
-            Next::Served => false,
-        })
-    }
-
-    /// For a caller whose command waits for it (`queue`): serves one batch of the queue on
-    /// this thread if no one serves it now; else leaves it to whoever does (or rings the
-    /// storage thread, where this thread may not serve).
-    pub(crate) fn serve_queued(&self) {
-        let Some(desk) = self.desk() else {
-            let ring = lock(&self.queue).asleep;
-            if ring {
-                self.ring();
-            }
-            return;
-        };
-        let next = {
-            let mut queue = lock(&self.queue);
-            if queue.serving || queue.commands.is_empty() {
-                // Served, or being served.
-                Next::Served
-            } else if queue.due_sooner || queue.wants_worker {
-                if queue.asleep {
-                    Next::Ring
-                } else {
-                    Next::Served
-                }
-            } else {
-                queue.serving = true;
-                Next::ServeHere
-            }
-        };
-        match next {
-            Next::ServeHere => {
-                let wake = desk.serve_here();
-                self.give_up_serving(wake);
-            }
-            Next::Ring => self.ring(),
-            Next::Served => {}
-        }
     }
 
     /// A caller stops serving: it rings the storage thread if it sleeps and anything is left

@@ -439,12 +439,13 @@ impl<S: Storage> Worker<S> {
         // Due sooner than the thread wakes for it, or already: a clock moved by hand
         // (`TestClock`) is seen by the thread when it wakes, as every command used to wake it.
         let now = self.common.clock.monotonic();
-        match (self.due(), self.thread_wakes_at) {
+        let sooner = match (self.due(), self.thread_wakes_at) {
             (Some(due), _) if due <= now => true,
             (Some(due), Some(wakes)) => due < wakes,
             (Some(_), None) => true,
             (None, _) => false,
-        }
+        };
+        sooner
     }
 
     /// Serves commands as a task of a simulation (feature `testkit`): the same steps as `run`,

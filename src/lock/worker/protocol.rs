@@ -112,23 +112,11 @@ impl CommandTx {
         self.inbox.run(command)
     }
 
-    /// Queues a caller's `command`: true if the caller is to serve the queue itself on its
-    /// next poll, or when dropped (`serve_queued`). Gives it back once the worker is gone.
-    pub(crate) fn queue(&self, command: Command) -> Result<bool, Command> {
-        self.inbox.queue(command)
-    }
-
     /// A sender that reaches no worker: what a handle that shut down keeps.
     pub(crate) fn disconnected() -> CommandTx {
         let (tx, inbox) = commands();
         inbox.shut();
         tx
-    }
-}
-
-impl crate::lock::state::reply::ServeQueued for CommandTx {
-    fn serve_queued(&self) {
-        self.inbox.serve_queued();
     }
 }
 
