@@ -46,8 +46,6 @@ pub(crate) trait Lockable {
         Self: 'a;
     /// Locks it, ignoring poisoning.
     fn lock_ignoring_poison(&self) -> Self::Guard<'_>;
-    /// Locks it if no one holds it now (this thread included), ignoring poisoning.
-    fn try_lock_free(&self) -> Option<Self::Guard<'_>>;
 }
 
 impl<T> Lockable for std::sync::Mutex<T> {
@@ -58,13 +56,6 @@ impl<T> Lockable for std::sync::Mutex<T> {
         T: 'a;
     fn lock_ignoring_poison(&self) -> Self::Guard<'_> {
         self.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-    fn try_lock_free(&self) -> Option<Self::Guard<'_>> {
-        match self.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
     }
 }
 
@@ -78,9 +69,6 @@ impl<M: Lockable> Lockable for std::sync::Arc<M> {
     fn lock_ignoring_poison(&self) -> Self::Guard<'_> {
         (**self).lock_ignoring_poison()
     }
-    fn try_lock_free(&self) -> Option<Self::Guard<'_>> {
-        (**self).try_lock_free()
-    }
 }
 
 #[cfg(leasehold_loom)]
@@ -92,13 +80,6 @@ impl<T> Lockable for loom::sync::Mutex<T> {
         T: 'a;
     fn lock_ignoring_poison(&self) -> Self::Guard<'_> {
         self.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-    fn try_lock_free(&self) -> Option<Self::Guard<'_>> {
-        match self.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
     }
 }
 

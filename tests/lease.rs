@@ -844,19 +844,8 @@ fn an_immediate_grant_read_after_its_lease_ran_out_is_not_handed_out() {
         let (locks, _) = tight_managers(&place, &clock);
         let mut stalled = 0;
         for _ in 0..20 {
-            // On SQLite a call that finds the store idle is answered within its first poll; with
-            // another process's write holding the file, it goes to the storage thread, which
-            // waits for the file, and the answer comes later.
-            let writer = match &place {
-                Place::File { path, .. } => Some(hold_the_write_lock(path)),
-                Place::Memory(_) => None,
-            };
             let mut attempt = Box::pin(locks.try_acquire(LockRequest::exclusive("k", "late")));
             let mut delivered = futures::FutureExt::now_or_never(&mut attempt);
-            if let Some(writer) = writer {
-                assert!(delivered.is_none(), "answered while another process wrote");
-                writer.execute("ROLLBACK").unwrap();
-            }
             if delivered.is_none() {
                 // The reply was not there at the first poll: stall past the lease before the next.
                 stalled += 1;
@@ -881,19 +870,6 @@ fn an_immediate_grant_read_after_its_lease_ran_out_is_not_handed_out() {
         }
         assert!(stalled > 0, "no reply was ever late enough to stall");
     });
-}
-
-/// A connection of its own to the SQLite file at `path` (as another process's), in a write
-/// transaction: it holds the file's write lock until it ends.
-fn hold_the_write_lock(path: &std::path::Path) -> sqlite::Connection {
-    let writer = sqlite::Connection::open(path).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    // The managers may be writing this moment: once they are done.
-    while let Err(error) = writer.execute("BEGIN IMMEDIATE") {
-        assert!(std::time::Instant::now() < deadline, "{error}");
-        std::thread::yield_now();
-    }
-    writer
 }
 
 /// Releasing a guard whose lease was lost says so: the critical section may have overlapped

@@ -7,6 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use event_listener::Event;
+use futures::task::AtomicWaker;
+use std::sync::mpsc::Receiver;
 
 use crate::clock::{Clock, SystemClock};
 use crate::schedule::Schedule;
@@ -17,7 +19,6 @@ use super::handle::{Shared, WorkerThread};
 use super::state::held::Guards;
 use super::state::reply::Replies;
 use super::state::{Common, Counters};
-use super::worker::inbox::Inbox;
 use super::worker::protocol::{self, Command, CommandTx};
 use super::worker::siblings;
 use super::worker::RunWorker;
@@ -393,7 +394,7 @@ impl LockManagerBuilder {
         let parts = self.prepare(Some(store.memory().name()))?;
         let common = parts.common;
         common.replies.never_yield();
-        let attached = store.attach(&common.owner, parts.inbox.waker().clone(), &faults);
+        let attached = store.attach(&common.owner, parts.waker.clone(), &faults);
         let control = attached.control.clone();
         let _ = common.sim.set(attached.clone());
         let mut connection = memory::Memory::new(store.memory(), parts.opening.clock.clone());
@@ -401,11 +402,11 @@ impl LockManagerBuilder {
             connection.revive_lapsed();
         }
         let storage = SimStorage::new(connection, faults, attached, clock, common.busy.clone());
-        let worker = Worker::new(storage, common.clone(), parts.inbox);
+        let worker = Worker::new(storage, common.clone(), parts.commands);
         crate::spawn::spawn_as(
             &*store.spawner(),
             "leasehold's simulated storage worker",
-            Box::pin(worker.run_simulated(control)),
+            Box::pin(worker.run_simulated(parts.waker, control)),
         );
         Starting {
             common,
@@ -548,7 +549,7 @@ impl LockManagerBuilder {
         F: FnOnce(Opening, RunWorker) + Send + 'static,
     {
         let parts = self.prepare(store)?;
-        let worker = RunWorker::new(parts.common.clone(), parts.inbox);
+        let worker = RunWorker::new(parts.common.clone(), parts.commands);
         let opening = parts.opening;
         let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
         let handle = std::thread::Builder::new()
@@ -593,7 +594,7 @@ impl LockManagerBuilder {
             #[cfg(feature = "testkit")]
             sim: Default::default(),
         });
-        let (tx, inbox) = protocol::commands();
+        let (tx, commands, waker) = protocol::commands();
         let tx = Arc::new(tx);
         let opening = Opening {
             existing: self.existing,
@@ -606,7 +607,8 @@ impl LockManagerBuilder {
         Ok(Parts {
             common,
             tx,
-            inbox,
+            commands,
+            waker,
             opening,
         })
     }
@@ -617,8 +619,10 @@ impl LockManagerBuilder {
 pub(crate) struct Parts {
     pub(crate) common: Arc<Common>,
     pub(crate) tx: Arc<CommandTx>,
-    /// Where the commands wait for the worker.
-    pub(crate) inbox: Arc<Inbox<Command>>,
+    pub(crate) commands: Receiver<Command>,
+    /// Woken by every command sent, for a worker that awaits them rather than blocks.
+    #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+    pub(crate) waker: Arc<AtomicWaker>,
     pub(crate) opening: Opening,
 }
 

@@ -149,7 +149,7 @@ impl Guard {
         self.released = true;
         let entry = self.forget();
         let (reply, response) = oneshot::channel();
-        let sent = self.shared.run(Command::remove(self.request, Some(reply)));
+        let sent = self.shared.send(Command::remove(self.request, Some(reply)));
         self.trace_release();
         sent?;
         // The database decides: rows that were all live when deleted mean nobody else can have
@@ -220,9 +220,8 @@ impl Drop for Guard {
         if !self.released {
             self.forget();
             self.trace_release();
-            // Through the worker without awaiting it (served here if the worker is free, in one
-            // transaction that waits for nothing); it runs before any later command.
-            let _ = self.shared.run(Command::remove(self.request, None));
+            // Through the worker without waiting; it runs before any later command.
+            let _ = self.shared.send(Command::remove(self.request, None));
         }
     }
 }

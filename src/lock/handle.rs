@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use futures::channel::oneshot;
 
-use crate::lock::backend::callers_turn;
 use crate::sync::lock;
 
 use super::state::Common;
@@ -46,9 +45,7 @@ impl Drop for Shared {
         ));
         let worker = lock(&self.worker).take();
         let Some(worker) = worker else { return };
-        // Not on the storage thread, nor on a caller's thread that holds the worker (a reply it
-        // delivered dropped this last handle): the storage thread would wait for this one.
-        if worker.handle.thread().id() == std::thread::current().id() || callers_turn() {
+        if worker.handle.thread().id() == std::thread::current().id() {
             return;
         }
         match worker.ended.recv_timeout(self.common.heartbeat / 2) {
@@ -65,16 +62,8 @@ impl Drop for Shared {
 }
 
 impl Shared {
-    /// Sends `command` to the storage thread (a poke: work of the worker's own).
     pub(super) fn send(&self, command: Command) -> Result<(), LockError> {
         self.tx.send(command).map_err(|_| LockError::Shutdown)
-    }
-
-    /// Sends a caller's `command`: served on this thread, with whatever else is queued, if the
-    /// worker is free and its storage lets callers (one transaction that waits for nothing),
-    /// else by whoever holds the worker (see `worker/inbox.rs`).
-    pub(super) fn run(&self, command: Command) -> Result<(), LockError> {
-        self.tx.run(command).map_err(|_| LockError::Shutdown)
     }
 
     pub(super) async fn call<T>(
@@ -82,7 +71,7 @@ impl Shared {
         command: impl FnOnce(protocol::Reply<T>) -> Command,
     ) -> Result<T, LockError> {
         let (reply, response) = oneshot::channel();
-        self.run(command(reply))?;
+        self.send(command(reply))?;
         self.common.replies.wait(response).await
     }
 

@@ -634,7 +634,7 @@ impl<'a> RemoveOnDrop<'a> {
 impl Drop for RemoveOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.shared.run(Command::remove(self.request, None));
+            let _ = self.shared.send(Command::remove(self.request, None));
         }
     }
 }

@@ -23,35 +23,6 @@ use crate::schedule::Schedule;
 
 pub(crate) type Result<T> = std::result::Result<T, LockError>;
 
-crate::sync::const_thread_local! {
-    /// Whether this thread serves a manager's queue as a caller, now (see `CallersTurn`).
-    static CALLERS_TURN: std::cell::Cell<bool> = std::cell::Cell::new(false);
-}
-
-/// Whether this thread is a caller serving its manager's queue itself (`worker/inbox.rs`):
-/// storage then waits for nothing (a busy database is refused at once, and the batch goes to the
-/// storage thread), and a manager's last handle dropped here does not wait for its storage
-/// thread, which waits for this thread to give the worker back.
-pub(crate) fn callers_turn() -> bool {
-    CALLERS_TURN.with(|turn| turn.get())
-}
-
-/// Marks this thread as serving a caller's turn until dropped.
-pub(crate) struct CallersTurn(());
-
-impl CallersTurn {
-    pub(crate) fn begin() -> CallersTurn {
-        CALLERS_TURN.with(|turn| turn.set(true));
-        CallersTurn(())
-    }
-}
-
-impl Drop for CallersTurn {
-    fn drop(&mut self) {
-        CALLERS_TURN.with(|turn| turn.set(false));
-    }
-}
-
 /// What every backend opens itself with, on the storage thread (its own `serve`).
 pub(crate) struct Opening {
     /// Open only a store that is there, with this build's schema: never create or migrate it.
@@ -70,10 +41,9 @@ pub(crate) struct Opening {
 
 /// What runs over a backend's storage once it is open, on the storage thread: the worker. A
 /// backend's `serve` opens its storage, says whether it could, and hands it here, so that the
-/// backend imports nothing of the worker. `serve` returns once it is done with the storage,
-/// which it may have lent to callers' threads meanwhile (`Capabilities::callers_serve`).
+/// backend imports nothing of the worker.
 pub(crate) trait Serve {
-    fn serve<S: Storage + Send + 'static>(self, storage: S);
+    fn serve<S: Storage>(self, storage: S);
 }
 
 /// How a backend wakes its manager's worker when another manager announced a change (a
@@ -254,11 +224,6 @@ pub(crate) struct Capabilities {
     /// write transaction (saving one while a caller retries). Not where a waiter must be noted
     /// under the locks of its keys for commits to announce themselves to it (`watching`).
     pub(crate) refuses_by_reads: bool,
-    /// Whether a caller who finds the worker free may serve its queue itself, on its own
-    /// thread (see `worker/inbox.rs`): where a transaction costs less than the two thread
-    /// wake-ups of handing it to the storage thread and back (SQLite), and the storage can
-    /// refuse at once, rather than wait, when the database is busy (`callers_turn`).
-    pub(crate) callers_serve: bool,
 }
 
 /// Decisions in one round trip (PostgreSQL's function `decide`), for a backend that has them

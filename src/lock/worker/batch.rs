@@ -103,12 +103,6 @@ impl<S: Storage> Worker<S> {
         }
         if !writes.is_empty() {
             self.write(writes);
-            if !self.handed_back.is_empty() {
-                // A caller's turn that could not write without waiting: the reads, and the
-                // shutdown if there was one, come after those writes, on the storage thread.
-                self.handed_back.extend(reads);
-                return false;
-            }
         }
         for read in reads {
             self.read(read);
@@ -169,24 +163,14 @@ impl<S: Storage> Worker<S> {
         keys.into_iter().cloned().collect()
     }
 
-    /// Answers a read. In a caller's turn, one that failed is handed back to the storage
-    /// thread, which waits while the database is busy.
     pub(super) fn read(&mut self, command: Command) {
         let now = self.now();
         match command {
             Command::Inspect { key, reply } => {
-                let rows = self.storage.live_rows(key.as_deref(), now);
-                if rows.is_err() && callers_turn() {
-                    return self.handed_back.push(Command::Inspect { key, reply });
-                }
-                let _ = reply.send(rows);
+                let _ = reply.send(self.storage.live_rows(key.as_deref(), now));
             }
             Command::IsLocked { key, reply } => {
-                let held = self.storage.is_held(&key, now);
-                if held.is_err() && callers_turn() {
-                    return self.handed_back.push(Command::IsLocked { key, reply });
-                }
-                let _ = reply.send(held);
+                let _ = reply.send(self.storage.is_held(&key, now));
             }
             Command::Evict {
                 owner,
@@ -286,14 +270,6 @@ impl<S: Storage> Worker<S> {
             if self.began {
                 self.doubt_removals(&writes);
                 self.doubt_commit();
-            }
-            if callers_turn() {
-                // A caller's turn waits for nothing, and tries once: the storage thread does
-                // the batch again, whole, waiting while the database is busy.
-                tracing::debug!(%error, "a caller's batch failed; handed to the storage thread");
-                self.handed_back
-                    .extend(writes.into_iter().map(Command::Write));
-                return;
             }
             if !self.storage.again() {
                 self.retry_alone(writes, error);

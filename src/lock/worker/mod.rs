@@ -2,10 +2,8 @@
 //! for a manager inside a simulation (`open_simulated`), one task of the simulation that runs
 //! the same steps (`step`), awaiting the next command or deadline instead of blocking for it.
 //!
-//! Callers send `Command`s (see `protocol.rs`) and await a reply (see `reply.rs`). Commands
-//! wait in the manager's inbox (`inbox.rs`) for whoever holds the worker: the storage thread,
-//! or, where the storage lets callers (`Capabilities::callers_serve`: SQLite), a caller who
-//! found the worker free and serves the queue itself, in one batch, on its own thread.
+//! Callers send `Command`s (see `protocol.rs`) and await a reply (see `reply.rs`); no storage call
+//! happens on a caller's executor thread.
 //!
 //! Invariants:
 //!
@@ -32,31 +30,11 @@
 //!    own time, since a look judges by an estimate of it that may run ahead (PostgreSQL's).
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
-//! 6. Commands are taken from the inbox in the order they were sent, a batch at a time, only by
-//!    whoever holds the worker (its mutex, the seat), and a batch is handled whole before the
-//!    worker is given back: by the storage thread (`step`) or by a caller (`serve_callers`),
-//!    through the same `handle`, so 1 to 5 hold for both, with one writer on the connection
-//!    and tickets taken in grant order. The worker's own work stays with the storage thread:
-//!    looks, heartbeats' timing, the waiting marker, closing. A caller's batch that makes it
-//!    due sooner than the thread sleeps rings the thread.
-//! 7. A caller's turn waits for nothing (`callers_turn`): storage refuses at once where it
-//!    would wait (a busy database), and a turn tries each thing once. What it could not serve
-//!    so (a transaction refused or failed, a read that failed, an operator's removal, which
-//!    retries) it hands back unanswered, in order, to the head of the inbox, with everything
-//!    of its batch after it, and rings the storage thread, which serves it as a batch of its
-//!    own. A turn runs inside one poll or one drop, with no await, so a caller cancelled (its
-//!    future dropped) is never a combiner half-way: its transaction committed or rolled back
-//!    before the worker is given back. A turn that panics ends the worker, as a panic on its
-//!    thread does.
-//! 8. No command is left unserved: a sender pushes its command, then serves the queue or rings
-//!    the bell; the storage thread listens for the bell, then looks at the inbox once more,
-//!    then sleeps. A command pushed after that look rings a listener already there.
 
 mod at_once;
 mod batch;
 mod evict;
 mod grants;
-pub(crate) mod inbox;
 mod look;
 pub(crate) mod protocol;
 mod recovery;
@@ -67,24 +45,24 @@ pub(crate) mod watch;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::lock::backend::callers_turn;
+use crate::clock::{Clock, SystemClock};
 use crate::lock::backend::{
     AtOnce, Capabilities, Changes, Deleted, Outcome, OwnedRequest, Serve, Storage,
 };
 use crate::lock::grant::{grantable_now, other_keys, promotable_within, RowView};
 use crate::lock::state::Counters;
 use crate::lock::time::{from_micros, micros, monotonic_at};
-use crate::lock::worker::inbox::{Inbox, Work};
 use crate::lock::worker::protocol::{
     Acquired, Command, Grant, Removed, SlotState, Wait, WaitSlot, Write,
 };
 use crate::lock::worker::watch::{first_expiries, others_rows, Look, Waits};
 use crate::lock::{Common, LockError, LockRequest, StorageError};
-use crate::schedule::ScheduleRun;
-use crate::sync::{lock, Mutex};
+use crate::schedule::{Schedule, ScheduleRun};
+use crate::sync::lock;
 
 /// At most this many commands go into one transaction.
 const MAX_BATCH: usize = 256;
@@ -94,11 +72,19 @@ const MAX_BATCH: usize = 256;
 /// marker, rather than putting it up and taking it down at every turn.
 const MARKER_LINGER: Duration = Duration::from_secs(1);
 
+/// How long the worker keeps looking for the next command before it blocks.
+const SPIN: Duration = Duration::from_micros(100);
+
 /// How long a queued request waits before its heartbeat's fiber is forked (`WaitSlot::arm`): a
 /// quarter of a heartbeat, well before its first renewal is due (a heartbeat after it was
 /// sent). Most waits end sooner and never fork one.
 fn beat_after(heartbeat: Duration) -> Duration {
     heartbeat / 4
+}
+
+/// When the worker looks for the next command again before it blocks: at once, for [`SPIN`].
+fn spin_schedule() -> Schedule {
+    Schedule::spaced(Duration::ZERO).up_to(SPIN)
 }
 
 /// The change poll's next look.
@@ -168,35 +154,18 @@ enum Decided {
 /// storage thread, until the manager is shut down or every handle is gone.
 pub(crate) struct RunWorker {
     common: Arc<Common>,
-    inbox: Arc<Inbox<Command>>,
+    commands: Receiver<Command>,
 }
 
 impl RunWorker {
-    pub(crate) fn new(common: Arc<Common>, inbox: Arc<Inbox<Command>>) -> Self {
-        RunWorker { common, inbox }
+    pub(crate) fn new(common: Arc<Common>, commands: Receiver<Command>) -> Self {
+        RunWorker { common, commands }
     }
 }
 
 impl Serve for RunWorker {
-    /// Serves on this thread, with the worker in a seat that callers may take in turn where
-    /// the storage lets them (`Capabilities::callers_serve`). Returns once the worker is
-    /// dropped, and with it the storage.
-    fn serve<S: Storage + Send + 'static>(self, storage: S) {
-        let callers_serve = storage.capabilities().callers_serve;
-        let worker = Worker::new(storage, self.common.clone(), self.inbox.clone());
-        let seat = Arc::new(Mutex::new(Some(worker)));
-        if callers_serve {
-            self.inbox.open_desk(seat.clone());
-        }
-        let replies = &self.common.replies;
-        // Where callers serve themselves, a command pushed while the thread is awake is served
-        // by its sender: the thread need not spin for it.
-        inbox::serve_on_this_thread(&self.inbox, &*seat, !callers_serve, |asleep| match asleep {
-            true => replies.worker_sleeps(),
-            false => replies.worker_wakes(),
-        });
-        // However the loop ended, the worker (and its storage) is dropped here, on this thread.
-        drop(lock(&*seat).take());
+    fn serve<S: Storage>(self, storage: S) {
+        Worker::new(storage, self.common, self.commands).run();
     }
 }
 
@@ -205,17 +174,7 @@ pub(crate) struct Worker<S> {
     /// What the storage can do (`Storage::capabilities`), asked once.
     caps: Capabilities,
     common: Arc<Common>,
-    inbox: Arc<Inbox<Command>>,
-    /// Whether the worker is done: a caller's batch shut it down, and the storage thread is to
-    /// end it.
-    stopped: bool,
-    /// Commands of a caller's batch that it could not serve without waiting (the database
-    /// busy, a statement failed), in order: put back at the head of the queue for the storage
-    /// thread.
-    handed_back: Vec<Command>,
-    /// When the storage thread wakes for its own work, as it went to sleep (`None`: only when
-    /// rung): a caller's batch that makes that work due sooner rings it.
-    thread_wakes_at: Option<Duration>,
+    rx: Receiver<Command>,
     /// Request id -> its ticket and keys, for every request of this owner that has rows.
     requests: HashMap<u64, Written>,
     /// This owner's queued requests, and the keys it watches (see `watch.rs`).
@@ -225,6 +184,8 @@ pub(crate) struct Worker<S> {
     poll: ScheduleRun,
     next_look: NextLook,
     last_look: Duration,
+    /// Looking for the next command before blocking ([`spin_schedule`]), on real time.
+    spin: ScheduleRun,
     poked: bool,
     /// Keys this owner freed rows on by a call that announced them to other owners only
     /// (`Storage::decide_at_once`), where a request of its own on several keys waits: the next
@@ -268,22 +229,20 @@ pub(crate) struct Worker<S> {
 }
 
 impl<S: Storage> Worker<S> {
-    pub(crate) fn new(storage: S, common: Arc<Common>, inbox: Arc<Inbox<Command>>) -> Self {
+    pub(crate) fn new(storage: S, common: Arc<Common>, rx: Receiver<Command>) -> Self {
         let last_look = common.clock.monotonic();
         let poll = common.poll.start(last_look);
         Worker {
             caps: storage.capabilities(),
             storage,
             common,
-            inbox,
-            stopped: false,
-            handed_back: Vec::new(),
-            thread_wakes_at: None,
+            rx,
             requests: HashMap::new(),
             waits: Waits::default(),
             poll,
             next_look: NextLook::Idle,
             last_look,
+            spin: spin_schedule().start(Duration::ZERO),
             poked: false,
             own_changes: BTreeSet::new(),
             last_renewal: None,
@@ -335,52 +294,69 @@ impl<S: Storage> Worker<S> {
             || self.common.watchers.load(Ordering::SeqCst) > 0
     }
 
+    /// Serves commands on this thread until the manager is gone: spins a while for the next
+    /// one (see `spin`), then blocks until it comes or the next look, beat or marker is due.
+    pub(crate) fn run(mut self) {
+        loop {
+            let received = match self.spin() {
+                Some(received) => received,
+                None => {
+                    self.common.replies.worker_sleeps();
+                    // Blocks in real time for as long as the clock says is left, then reads the
+                    // clock again: on the system clock that is the moment of the look, and a
+                    // clock moved by hand (`TestClock`) is seen to move within one delay.
+                    let received = match self.left() {
+                        Some(left) => self.rx.recv_timeout(left),
+                        None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                    };
+                    self.common.replies.worker_wakes();
+                    received
+                }
+            };
+            if self.step(received) {
+                return;
+            }
+        }
+    }
+
     /// How long the worker may wait for a command before something of its own is due: the
     /// change poll's next look, a waiting request's heartbeat, the waiting marker's end.
-    /// Remembered as when the storage thread wakes, which is asked right before it sleeps.
     fn left(&mut self) -> Option<Duration> {
-        let now = self.common.clock.monotonic();
-        self.thread_wakes_at = self.due();
-        self.thread_wakes_at.map(|at| at.saturating_sub(now))
-    }
-
-    /// When something of the worker's own is due (the clock's monotonic time), if anything is:
-    /// a look asked for (poked) or scheduled, a waiting request's heartbeat, the waiting
-    /// marker's end.
-    fn due(&mut self) -> Option<Duration> {
-        let now = self.common.clock.monotonic();
-        let look = match self.next_look() {
-            _ if self.poked && self.has_waiters() => Some(now),
-            next => next,
-        };
-        let marker = self.marker_left(now).map(|left| now + left);
-        look.into_iter()
+        let due = self
+            .next_look()
+            .into_iter()
             .chain(self.waits.next_beat())
-            .chain(marker)
-            .min()
+            .min();
+        let now = self.common.clock.monotonic();
+        let left = due.map(|at| at.saturating_sub(now));
+        left.into_iter().chain(self.marker_left(now)).min()
     }
 
-    /// Takes a batch of what is queued: up to [`MAX_BATCH`] commands, in order. True if there
-    /// was none and the sender is gone.
-    fn take_batch(&mut self, batch: &mut Vec<Command>) -> bool {
-        self.inbox.take(MAX_BATCH, batch)
-    }
-
-    /// Handles what is queued (a batch), then whatever of the worker's own is due. True once
-    /// the worker is done: shut down, or every handle gone.
-    fn step(&mut self) -> bool {
-        if self.stopped {
-            return true;
-        }
-        // Room for a busy moment's batch at once, rather than growing it command by command.
-        let mut batch = Vec::with_capacity(32);
-        let gone = self.take_batch(&mut batch);
-        if gone {
-            self.close();
-            return true;
-        }
-        if !batch.is_empty() && self.handle(batch) {
-            return true;
+    /// Handles what waiting brought (a command, with whatever else is queued behind it, or
+    /// nothing by the deadline), then whatever of the worker's own is due. True once the worker
+    /// is done: shut down, or every handle gone.
+    fn step(&mut self, received: Result<Command, RecvTimeoutError>) -> bool {
+        match received {
+            Ok(first) => {
+                // Room for a busy moment's batch at once, rather than growing it command by
+                // command.
+                let mut batch = Vec::with_capacity(32);
+                batch.push(first);
+                while batch.len() < MAX_BATCH {
+                    match self.rx.try_recv() {
+                        Ok(command) => batch.push(command),
+                        Err(_) => break,
+                    }
+                }
+                if self.handle(batch) {
+                    return true;
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                self.close();
+                return true;
+            }
         }
         self.start_due_beats();
         if self.common.watchers.load(Ordering::SeqCst) > 0 {
@@ -405,96 +381,65 @@ impl<S: Storage> Worker<S> {
         false
     }
 
-    /// A caller's turn (see `inbox.rs`): serves one batch of what is queued, as `step` would,
-    /// never waiting: whatever it could not serve so is handed back, in order, at the head of
-    /// the queue. True if the storage thread is to be woken: for what was handed back or is
-    /// still queued, for its own work now due sooner than it sleeps, or to end the worker.
-    fn serve_callers(&mut self) -> bool {
-        if self.stopped {
-            return true;
-        }
-        let mut batch = Vec::with_capacity(8);
-        self.take_batch(&mut batch);
-        if batch.is_empty() {
-            // Served already, by whoever held the worker before.
-            return false;
-        }
-        if batch
-            .iter()
-            .any(|command| matches!(command, Command::Evict { .. }))
-        {
-            // An operator's removal retries on the busy schedule: the storage thread's.
-            self.inbox.put_back(batch);
-            return true;
-        }
-        if self.handle(batch) {
-            self.stopped = true;
-            return true;
-        }
-        if !self.handed_back.is_empty() {
-            let back = std::mem::take(&mut self.handed_back);
-            self.inbox.put_back(back);
-            return true;
-        }
-        // Due sooner than the thread wakes for it, or already: a clock moved by hand
-        // (`TestClock`) is seen by the thread when it wakes, as every command used to wake it.
-        let now = self.common.clock.monotonic();
-        let sooner = match (self.due(), self.thread_wakes_at) {
-            (Some(due), _) if due <= now => true,
-            (Some(due), Some(wakes)) => due < wakes,
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        sooner
-    }
-
     /// Serves commands as a task of a simulation (feature `testkit`): the same steps as `run`,
     /// awaiting the next command (woken through `waker` by every send) or the clock's deadline
     /// instead of blocking, and never spinning. `control` stops it for a while, as a stopped
     /// process, or kills it: it then ends at once, deleting nothing, as a killed process does.
     #[cfg(feature = "testkit")]
-    pub(crate) async fn run_simulated(mut self, control: Arc<crate::testkit::locks::Control>) {
-        use futures::future::select;
+    pub(crate) async fn run_simulated(
+        mut self,
+        waker: Arc<futures::task::AtomicWaker>,
+        control: Arc<crate::testkit::locks::Control>,
+    ) {
+        use futures::future::{select, Either};
         use std::task::Poll;
-        let inbox = self.inbox.clone();
-        // Woken by every push, by the close, and by a kill.
-        fn until<'a>(
-            inbox: &'a Inbox<Command>,
-            control: &'a crate::testkit::locks::Control,
-            ready: impl Fn() -> bool + 'a,
-        ) -> impl std::future::Future<Output = ()> + 'a {
-            std::future::poll_fn(move |cx| {
-                inbox.waker().register(cx.waker());
-                if control.killed() || ready() {
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending
-                }
-            })
-        }
         loop {
             if control.killed() {
                 return;
             }
             if let Some(left) = control.stopped_for(self.common.clock.monotonic()) {
-                // A kill during the stop ends it at once.
                 let sleep = self.common.clock.sleep(left);
-                select(sleep, std::pin::pin!(until(&inbox, &control, || false))).await;
+                // A kill during the stop ends it at once.
+                let killed = std::future::poll_fn(|cx| {
+                    waker.register(cx.waker());
+                    if control.killed() {
+                        Poll::Ready(())
+                    } else {
+                        Poll::Pending
+                    }
+                });
+                select(sleep, std::pin::pin!(killed)).await;
                 continue;
             }
             let left = self.left();
-            let work = until(&inbox, &control, || inbox.has_work());
-            match left {
+            let (rx, waker, control) = (&mut self.rx, &waker, &control);
+            let next = std::future::poll_fn(move |cx| {
+                waker.register(cx.waker());
+                if control.killed() {
+                    return Poll::Ready(Err(RecvTimeoutError::Disconnected));
+                }
+                match rx.try_recv() {
+                    Ok(command) => Poll::Ready(Ok(command)),
+                    Err(TryRecvError::Disconnected) => {
+                        Poll::Ready(Err(RecvTimeoutError::Disconnected))
+                    }
+                    Err(TryRecvError::Empty) => Poll::Pending,
+                }
+            });
+            let received = match left {
                 Some(left) => {
                     let sleep = self.common.clock.sleep(left);
-                    select(std::pin::pin!(work), sleep).await;
+                    match select(std::pin::pin!(next), sleep).await {
+                        Either::Left((received, _)) => received,
+                        Either::Right(((), _)) => Err(RecvTimeoutError::Timeout),
+                    }
                 }
-                None => work.await,
-            }
+                None => next.await,
+            };
             if control.killed() {
                 return;
             }
-            if self.step() {
+            if self.step(received) {
                 if let Some(sim) = self.common.sim.get() {
                     sim.record(crate::testkit::LockEvent::Ended {
                         owner: self.common.owner.clone(),
@@ -514,6 +459,26 @@ impl<S: Storage> Worker<S> {
             // queues again.
             if std::panic::catch_unwind(AssertUnwindSafe(|| slot.beat_due())).is_err() {
                 tracing::warn!(ticket, "starting a waiting request's heartbeat panicked");
+            }
+        }
+    }
+
+    /// Right after a batch, callers often send again at once (release after acquire, the next
+    /// request of a busy task). Waking a blocked thread costs tens of microseconds on small
+    /// virtual machines, more than a transaction, so look for a while before blocking. This
+    /// spends the worker's own time, never a caller's.
+    fn spin(&mut self) -> Option<Result<Command, RecvTimeoutError>> {
+        self.spin.reset(SystemClock.monotonic());
+        loop {
+            match self.rx.try_recv() {
+                Ok(command) => return Some(Ok(command)),
+                Err(TryRecvError::Disconnected) => {
+                    return Some(Err(RecvTimeoutError::Disconnected))
+                }
+                Err(TryRecvError::Empty) => match self.spin.next(SystemClock.monotonic()) {
+                    Some(_) => std::thread::yield_now(),
+                    None => return None,
+                },
             }
         }
     }
@@ -549,20 +514,6 @@ impl<S: Storage> Worker<S> {
     }
 }
 
-impl<S: Storage> Work for Worker<S> {
-    fn step(&mut self) -> bool {
-        Worker::step(self)
-    }
-
-    fn left(&mut self) -> Option<Duration> {
-        Worker::left(self)
-    }
-
-    fn serve_callers(&mut self) -> bool {
-        Worker::serve_callers(self)
-    }
-}
-
 /// What a promotion pass found to announce: the keys of other owners' requests it promoted (or
 /// must leave to their owners), and those owners.
 #[derive(Default)]
@@ -589,8 +540,6 @@ impl<S> Drop for Worker<S> {
     /// However the worker stops (shutdown, every handle gone, or a panic), no waiter is left
     /// waiting for it.
     fn drop(&mut self) {
-        // Whatever is still queued is never served: its callers hear the worker is gone.
-        self.inbox.shut();
         for slot in self.waits.drain() {
             slot.set(SlotState::Shutdown);
         }

@@ -2,17 +2,18 @@
 //! back. This is the interface between the public face (`manager.rs`, `guard.rs`,
 //! `heartbeat.rs`) and the worker; neither side needs to know more of the other.
 
+use std::sync::mpsc::{self, Receiver, SendError, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use event_listener::Event;
 use futures::channel::oneshot;
+use futures::task::AtomicWaker;
 
 use crate::abort::AbortSignal;
 use crate::lock::backend::Poke;
 use crate::lock::backend::Row;
 pub(crate) use crate::lock::backend::Wait;
-use crate::lock::worker::inbox::Inbox;
 use crate::lock::{LockError, LockRequest};
 use crate::sync::{lock, wait_for};
 
@@ -85,44 +86,52 @@ impl Command {
     }
 }
 
-/// The sending side of a worker's commands: its inbox (see `inbox.rs`), closed when this is
-/// dropped, which ends the worker.
+/// The sending side of a worker's commands. A worker on a thread of its own blocks on the
+/// channel; one that runs as a task (a simulated manager's) awaits it, and every send, and the
+/// drop of the last sender, wakes it (`waker`).
 pub(crate) struct CommandTx {
-    inbox: Arc<Inbox<Command>>,
+    /// `None` only while dropping: the channel disconnects before the waker is woken, so the
+    /// woken worker finds it disconnected.
+    tx: Option<Sender<Command>>,
+    waker: Arc<AtomicWaker>,
 }
 
-/// A channel of commands: the sender, and the inbox the worker serves.
-pub(crate) fn commands() -> (CommandTx, Arc<Inbox<Command>>) {
-    let inbox = Arc::new(Inbox::default());
+/// A channel of commands: the sender, the receiver, and the waker a task-run worker registers.
+pub(crate) fn commands() -> (CommandTx, Receiver<Command>, Arc<AtomicWaker>) {
+    let (tx, rx) = mpsc::channel();
+    let waker = Arc::new(AtomicWaker::new());
     let sender = CommandTx {
-        inbox: inbox.clone(),
+        tx: Some(tx),
+        waker: waker.clone(),
     };
-    (sender, inbox)
+    (sender, rx, waker)
 }
 
 impl CommandTx {
-    /// Sends `command` to the storage thread; gives it back once the worker is gone.
-    pub(crate) fn send(&self, command: Command) -> Result<(), Command> {
-        self.inbox.send(command)
-    }
-
-    /// Sends a caller's `command`, and serves the queue on this thread if the worker is free
-    /// and its storage lets callers; else as `send`. Gives it back once the worker is gone.
-    pub(crate) fn run(&self, command: Command) -> Result<(), Command> {
-        self.inbox.run(command)
+    /// Sends `command`; an error once the worker is gone.
+    pub(crate) fn send(&self, command: Command) -> Result<(), SendError<Command>> {
+        let sent = match &self.tx {
+            Some(tx) => tx.send(command),
+            None => Err(SendError(command)),
+        };
+        self.waker.wake();
+        sent
     }
 
     /// A sender that reaches no worker: what a handle that shut down keeps.
     pub(crate) fn disconnected() -> CommandTx {
-        let (tx, inbox) = commands();
-        inbox.shut();
-        tx
+        let (tx, _) = mpsc::channel();
+        CommandTx {
+            tx: Some(tx),
+            waker: Arc::new(AtomicWaker::new()),
+        }
     }
 }
 
 impl Drop for CommandTx {
     fn drop(&mut self) {
-        self.inbox.close();
+        drop(self.tx.take());
+        self.waker.wake();
     }
 }
 

@@ -356,7 +356,6 @@ impl Storage for Memory {
         Capabilities {
             keys_locked: false,
             refuses_by_reads: true,
-            callers_serve: false,
         }
     }
 

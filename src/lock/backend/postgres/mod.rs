@@ -384,7 +384,6 @@ impl Storage for Postgres {
             keys_locked: true,
             // A waiter without a row is noted (`watching`) under the locks of its keys.
             refuses_by_reads: false,
-            callers_serve: false,
         }
     }
 

@@ -10,36 +10,14 @@ use sqlite::{Connection, OpenFlags};
 
 use super::{retry_busy, storage_error, storage_failure, Db};
 use crate::clock::SystemClock;
-use crate::lock::backend::callers_turn;
 use crate::lock::backend::Result;
 use crate::lock::LockError;
 use crate::lock::StorageError;
 use crate::schedule::Schedule;
 
-/// How long the connection's busy handler waits for the write lock inside each try; between
-/// tries refused at once, the manager's busy schedule decides.
-const BUSY_TIMEOUT_MS: u64 = 5_000;
-
-/// The connection's busy handler, called by SQLite with how many times it was called before
-/// for the same wait: SQLite's own (what `sqlite3_busy_timeout` sets), sleeping 1, 2, 5, 10,
-/// 15, 20, 25, 25, 25, 50 and 50 ms, then 100 ms, between tries, until [`BUSY_TIMEOUT_MS`] have
-/// passed, except on a caller's turn (`callers_turn`), which waits for nothing: the refusal
-/// hands the caller's batch to the storage thread, which waits here.
-fn wait_while_busy(tries: usize) -> bool {
-    const DELAYS: [u64; 12] = [1, 2, 5, 10, 15, 20, 25, 25, 25, 50, 50, 100];
-    if callers_turn() {
-        return false;
-    }
-    let late = u64::try_from(tries.saturating_sub(DELAYS.len())).unwrap_or(u64::MAX);
-    let waited: u64 = DELAYS.iter().take(tries).sum::<u64>() + late.saturating_mul(100);
-    let delay = DELAYS.get(tries).copied().unwrap_or(100);
-    let delay = delay.min(BUSY_TIMEOUT_MS.saturating_sub(waited));
-    if delay == 0 {
-        return false;
-    }
-    std::thread::sleep(std::time::Duration::from_millis(delay));
-    true
-}
+/// How long SQLite's own busy handler waits for the write lock inside each try; between tries
+/// refused at once, the manager's busy schedule decides.
+const BUSY_TIMEOUT_MS: usize = 5_000;
 
 /// Every connection's settings: write-ahead logging, synced at checkpoints, and for a new file
 /// pages of 1 KiB (SQLite's default is 4 KiB; a file created with another page size keeps it).
@@ -81,8 +59,8 @@ pub(super) fn connect(
     let target = path.unwrap_or_else(|| Path::new(":memory:"));
     let mut conn =
         Connection::open_with_flags(target, flags).map_err(|e| open_error(target, &e))?;
-    conn.set_busy_handler(wait_while_busy)
-        .map_err(|e| storage_error("setting the busy handler", &e))?;
+    conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+        .map_err(|e| storage_error("setting the busy timeout", &e))?;
     let mut db = Db::new(&conn, Arc::new(SystemClock), None, busy.clone());
     if existing {
         db.check_version(target)?;

@@ -1,17 +1,9 @@
 //! SQLite storage: schema, migrations, transactions, and one method per statement.
 //!
-//! Policy (who is granted what) lives in `grant.rs`; the order of work lives in `worker/`.
-//! Everything here runs on the thread that holds the worker: the storage thread, or a caller
-//! serving its manager's queue itself (`worker/inbox.rs`), which waits for nothing here
-//! (`callers_turn`): a busy database is refused at once, and the batch goes to the storage
-//! thread.
+//! Policy (who is granted what) lives in `grant.rs`; the order of work lives in `worker.rs`.
+//! Everything here runs on the storage worker thread, never on a caller's executor thread.
 //!
 //! Times are stored as whole microseconds since the Unix epoch, from the manager's `Clock`.
-
-// The connection and its statements move between the threads that hold the worker in turn
-// (`Db` is `Send`), and the connection is freed once its `Db` is gone; each says why it is sound.
-#![allow(unsafe_code)]
-#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 mod connection;
 #[cfg(unix)]
@@ -32,8 +24,8 @@ use crate::lock::backend::codec::{
     by_ticket, decode_keys, key_hash, mode_code, mode_of, sql_ticket, stored_keys, ticket_of,
 };
 use crate::lock::backend::{
-    callers_turn, Capabilities, Changes, DecidesAtOnce, Deleted, Opening, OwnedRequest, Result,
-    Row, Serve, Storage,
+    Capabilities, Changes, DecidesAtOnce, Deleted, Opening, OwnedRequest, Result, Row, Serve,
+    Storage,
 };
 use crate::lock::grant::RowView;
 use crate::lock::time::micros;
@@ -95,12 +87,7 @@ pub(crate) fn serve(
     };
     let file = path.and_then(FileIdentity::of);
     opened(Ok(()));
-    // The worker may lend its storage to callers' threads (`Capabilities::callers_serve`), so
-    // the `Db` and its statements must not borrow from this thread's stack: the connection is
-    // put where it outlives them, and closed here once they are gone.
-    let conn: &'static Connection = Box::leak(Box::new(conn));
-    let kept = Arc::new(());
-    let db = Db::new(conn, opening.clock, file, opening.busy).kept_by(kept.clone());
+    let db = Db::new(&conn, opening.clock, file, opening.busy);
     // A manager of a store as it is (the command's views and repairs) makes no folder beside
     // it: it rings, and is rung, only where the store's own managers made one.
     #[cfg(unix)]
@@ -111,26 +98,7 @@ pub(crate) fn serve(
             }),
     );
     worker.serve(db);
-    match Arc::try_unwrap(kept) {
-        // SAFETY: `conn` came from `Box::leak` above, and the only things that borrowed it were
-        // the `Db` (with its statements and cursors, which live no longer than it) made from it
-        // here, each holding a clone of `kept`: the unwrap succeeding means every one of them is
-        // dropped, so nothing refers to the connection any more, and it is freed once.
-        Ok(()) => drop(unsafe { Box::from_raw(std::ptr::from_ref(conn).cast_mut()) }),
-        // Never, as `Serve` promises; should it happen, the connection is left open rather than
-        // freed under a `Db` that may still use it.
-        Err(_) => tracing::error!("the SQLite connection outlived its worker; left open"),
-    }
 }
-
-// SAFETY: SQLite is built thread-safe (the bundled build's default, `SQLITE_THREADSAFE=1`) and
-// the connection is opened with `SQLITE_OPEN_NOMUTEX`: a connection, and what is derived from
-// it (its prepared statements), may be used on any thread, one thread at a time. A `Db` is
-// the only user of its connection (`serve`) and owns every statement of it, so moving it moves
-// them all; it is not `Sync` (its `RefCell`s), so two threads never use it at once. The `Rc`s
-// inside the statements (their column names) are cloned only for the length of a call, never
-// kept outside the `Db`, so no count of theirs is shared with the thread it leaves.
-unsafe impl Send for Db<'_> {}
 
 /// A connection with the schema in place, and its prepared statements: parsing SQL costs more
 /// than running these statements, so each is prepared once per connection. They are found by
@@ -153,8 +121,6 @@ pub(crate) struct Db<'c> {
     ring: bool,
     /// The other owners whose requests the transaction promoted: rung by name.
     ring_owners: BTreeSet<String>,
-    /// Dropped with this `Db`: what tells `serve` that the connection may be closed.
-    _kept: Option<Arc<()>>,
     /// What this connection knows of the rows from its own write transactions.
     known: Known,
     /// Whether a write transaction is open (`begin` until `commit` or `rollback`).
@@ -251,16 +217,9 @@ impl<'c> Db<'c> {
             doorbell: None,
             ring: false,
             ring_owners: BTreeSet::new(),
-            _kept: None,
             known: Known::default(),
             in_write: false,
         }
-    }
-
-    /// Holds `kept` until dropped.
-    fn kept_by(mut self, kept: Arc<()>) -> Self {
-        self._kept = Some(kept);
-        self
     }
 
     /// Rings other processes' managers through `doorbell` after commits that free or promote.
@@ -491,7 +450,6 @@ impl Storage for Db<'_> {
         Capabilities {
             keys_locked: false,
             refuses_by_reads: true,
-            callers_serve: true,
         }
     }
 
@@ -980,8 +938,8 @@ impl Storage for Db<'_> {
 /// done: a busy database is a reason to wait, not an error. (SQLite's own busy handler waits
 /// inside each attempt, but some clashes it reports at once.)
 ///
-/// This waits only on the storage thread, never on a caller's turn (`callers_turn`), so it may
-/// block: the schedule's sleeps (on its own clock) are awaited with `block_on`.
+/// This runs on the storage thread, never on a caller's executor, so it may block it: the
+/// schedule's sleeps (on its own clock) are awaited with `block_on`.
 fn retry_busy(
     doing: &str,
     busy: &Schedule,
@@ -991,10 +949,7 @@ fn retry_busy(
     // costs allocations.
     let mut refused = match attempt() {
         Ok(()) => return Ok(()),
-        // A caller's turn waits for nothing: the storage thread tries again.
-        Err(error) if !is_busy(&error) || callers_turn() => {
-            return Err(storage_error(doing, &error))
-        }
+        Err(error) if !is_busy(&error) => return Err(storage_error(doing, &error)),
         Err(error) => Some(error),
     };
     tracing::debug!(doing, "database busy; retrying");
