@@ -120,22 +120,26 @@ const ACQUIRE_ONE: &str = "SELECT * FROM {s}.acquire_one($1, $2, $3, $4, $5, $6,
 const RELEASE_ONE: &str = "SELECT * FROM {s}.release_one($1, $2, $3, $4, $5, $6, $7)";
 
 /// The arguments of `acquire_one` or `release_one`, for a batch of one operation on one key.
-pub(super) struct OneArgs<'a> {
-    /// What the call does, and its text (`ACQUIRE_ONE` or `RELEASE_ONE`).
-    pub(super) doing: &'static str,
-    pub(super) sql: &'static str,
-    acquire: bool,
-    owner: &'a str,
-    lease: i64,
-    lock: i32,
-    schema_lock: i32,
-    key: &'a str,
-    mode: i16,
-    operation: &'a str,
-    wait: i16,
-    channel: String,
-    ticket: i64,
-    payload: String,
+pub(super) enum OneArgs<'a> {
+    Acquire {
+        owner: &'a str,
+        lease: i64,
+        lock: i32,
+        schema_lock: i32,
+        key: &'a str,
+        mode: i16,
+        operation: &'a str,
+        wait: i16,
+    },
+    Release {
+        owner: &'a str,
+        lock: i32,
+        schema_lock: i32,
+        channel: String,
+        key: &'a str,
+        ticket: i64,
+        payload: String,
+    },
 }
 
 impl<'a> OneArgs<'a> {
@@ -146,74 +150,67 @@ impl<'a> OneArgs<'a> {
         lease: i64,
         ops: &[AtOnce<'a>],
     ) -> Option<Self> {
-        let (doing, sql, key, mode, operation, wait, ticket) = match *ops {
+        let schema_lock = key_lock(schema, "");
+        match *ops {
             [AtOnce::Acquire {
                 requests: [ref request],
                 wait,
-            }] => (
-                "deciding an acquisition",
-                ACQUIRE_ONE,
-                request.key.as_str(),
-                mode_code(request.mode),
-                request.operation.as_str(),
-                wait_code(wait),
-                0,
-            ),
+            }] => Some(OneArgs::Acquire {
+                owner,
+                lease,
+                lock: key_lock(schema, &request.key),
+                schema_lock,
+                key: &request.key,
+                mode: mode_code(request.mode),
+                operation: &request.operation,
+                wait: wait_code(wait),
+            }),
             [AtOnce::Remove {
                 keys: [ref key],
                 ticket,
-            }] => (
-                "deciding a release",
-                RELEASE_ONE,
-                key.as_str(),
-                0,
-                "",
-                0,
-                sql_ticket(ticket),
-            ),
-            _ => return None,
-        };
-        Some(OneArgs {
-            doing,
-            sql,
-            acquire: sql == ACQUIRE_ONE,
-            owner,
-            lease,
-            lock: key_lock(schema, key),
-            schema_lock: key_lock(schema, ""),
-            key,
-            mode,
-            operation,
-            wait,
-            channel: channel(schema),
-            ticket,
-            payload: payload(&[key_hash(key)]),
-        })
+            }] => Some(OneArgs::Release {
+                owner,
+                lock: key_lock(schema, key),
+                schema_lock,
+                channel: channel(schema),
+                key,
+                ticket: sql_ticket(ticket),
+                payload: payload(&[key_hash(key)]),
+            }),
+            _ => None,
+        }
     }
 
-    /// The parameters of `sql`, in order.
+    /// What the call does, and its text (`ACQUIRE_ONE` or `RELEASE_ONE`).
+    pub(super) fn call(&self) -> (&'static str, &'static str) {
+        match self {
+            OneArgs::Acquire { .. } => ("deciding an acquisition", ACQUIRE_ONE),
+            OneArgs::Release { .. } => ("deciding a release", RELEASE_ONE),
+        }
+    }
+
+    /// The parameters of the call, in order.
     pub(super) fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
-        if self.acquire {
-            vec![
-                &self.owner,
-                &self.lease,
-                &self.lock,
-                &self.schema_lock,
-                &self.key,
-                &self.mode,
-                &self.operation,
-                &self.wait,
-            ]
-        } else {
-            vec![
-                &self.owner,
-                &self.lock,
-                &self.schema_lock,
-                &self.channel,
-                &self.key,
-                &self.ticket,
-                &self.payload,
-            ]
+        match self {
+            OneArgs::Acquire {
+                owner,
+                lease,
+                lock,
+                schema_lock,
+                key,
+                mode,
+                operation,
+                wait,
+            } => vec![owner, lease, lock, schema_lock, key, mode, operation, wait],
+            OneArgs::Release {
+                owner,
+                lock,
+                schema_lock,
+                channel,
+                key,
+                ticket,
+                payload,
+            } => vec![owner, lock, schema_lock, channel, key, ticket, payload],
         }
     }
 }
@@ -257,15 +254,19 @@ impl Postgres {
         lease: i64,
     ) -> Result<Vec<Outcome>> {
         self.transient = false;
-        let one = OneArgs::new(&self.schema, owner, lease, ops);
-        let many;
-        let (doing, sql, params) = match &one {
-            Some(one) => (one.doing, one.sql, one.params()),
-            None => {
-                many = DecideArgs::new(&self.schema, owner, lease, ops);
-                ("deciding", DECIDE, many.params().to_vec())
-            }
-        };
+        let (one, many);
+        let (doing, sql, params): (_, _, Vec<&(dyn ToSql + Sync)>) =
+            match OneArgs::new(&self.schema, owner, lease, ops) {
+                Some(args) => {
+                    let (doing, sql) = args.call();
+                    one = args;
+                    (doing, sql, one.params())
+                }
+                None => {
+                    many = DecideArgs::new(&self.schema, owner, lease, ops);
+                    ("deciding", DECIDE, many.params().into())
+                }
+            };
         let statement = self.statement(doing, sql)?;
         let sent = self.monotonic();
         let rows = self.with(doing, |client| client.query(&statement, &params))?;

@@ -209,7 +209,10 @@ END $$;
 -- parameters (in `decide`'s columns and order) for a table, so that the server does less
 -- around them (about half of `decide`'s time for such a call). `acquire_one` is `decide` for
 -- one acquisition of one key, `release_one` for one release of a request on one key; their
--- answers mean what `decide`'s do.
+-- answers mean what `decide`'s do. Their statements are copies of `decide`'s, not calls of
+-- shared functions, since a nested call is the cost they save: a change to one is made to the
+-- other, and the property test `an_operation_on_one_key_is_decided_by_its_function_as_by_decide`
+-- (`tests.rs`) compares every answer, row and announcement of the two.
 CREATE OR REPLACE FUNCTION {s}.acquire_one(
     p_owner text, p_lease bigint, p_lock int4, p_schema_lock int4, p_key text, p_mode int2,
     p_operation text, p_wait int2,

@@ -168,7 +168,7 @@ mod the_rule_in_sql {
             let s = quote(&self.schema);
             if one {
                 let args = OneArgs::new(&self.schema, owner, 1_000_000, &[op])?;
-                let sql = args.sql.replace("{s}", &s);
+                let sql = args.call().1.replace("{s}", &s);
                 return Some(self.client.query_one(&sql, &args.params()).unwrap());
             }
             let args = DecideArgs::new(&self.schema, owner, 1_000_000, &[op]);
