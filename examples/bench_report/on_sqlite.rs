@@ -20,7 +20,9 @@ pub(crate) fn sqlite_report(plan: &Plan) -> Result<Report, Error> {
     conn.execute(
         "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;
          PRAGMA busy_timeout = 5000;
-         CREATE TABLE t (id INTEGER PRIMARY KEY, key TEXT NOT NULL);",
+         CREATE TABLE t (id INTEGER PRIMARY KEY, key TEXT NOT NULL);
+         CREATE TABLE l (key TEXT NOT NULL, ticket INTEGER NOT NULL, owner TEXT NOT NULL,
+                         PRIMARY KEY (key, ticket)) WITHOUT ROWID;",
     )?;
     // The storage floor: one write transaction with the `sqlite` crate and the lock manager's
     // pragmas (its page size included: a commit's cost follows the bytes of the pages it
@@ -34,9 +36,35 @@ pub(crate) fn sqlite_report(plan: &Plan) -> Result<Report, Error> {
             Ok(())
         }),
     );
+    // The cycle's physical part: what an acquisition and a release must each write, in a
+    // write transaction of its own, with prepared statements (as the manager runs them) and
+    // nothing else. The rest of the cycle is the manager's own path.
+    let prepared = [
+        "BEGIN IMMEDIATE",
+        "INSERT INTO l (key, ticket, owner) VALUES ('probe', 1, 'bench')",
+        "COMMIT",
+        "BEGIN IMMEDIATE",
+        "DELETE FROM l WHERE key = 'probe' AND ticket = 1 AND owner = 'bench'",
+        "COMMIT",
+    ]
+    .map(|sql| conn.prepare(sql));
+    let mut two_txns = Vec::with_capacity(prepared.len());
+    for statement in prepared {
+        two_txns.push(statement?);
+    }
+    let two: Floor<'_> = (
+        "two_txns_us",
+        Box::new(move || {
+            for statement in &mut two_txns {
+                statement.reset()?;
+                while statement.next()? == sqlite::State::Row {}
+            }
+            Ok(())
+        }),
+    );
     let mut measures = vec![cycle_against_floor(
         open("uncontended", LockManager::builder())?,
-        vec![raw],
+        vec![raw, two],
         plan.per_round(10_000, 2_000),
     )];
     measures.extend(scale_measures(plan, &open));

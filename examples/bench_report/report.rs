@@ -319,6 +319,21 @@ pub(crate) fn shared_targets(
 /// Issue 14's targets for SQLite.
 pub(crate) fn sqlite_targets(report: &mut Report) {
     shared_targets(report, 2.5, 50.0, 1.5);
+    let (raw, two, cycle) = (
+        report.get("raw_txn_us"),
+        report.get("two_txns_us"),
+        report.get("uncontended_cycle_us"),
+    );
+    report.notes.push(format!(
+        "two_txns_us: an acquisition's and a release's write transactions alone, prepared: \
+         {:.2} x raw.\n  The uncontended cycle is {:.2} x that; the {:.2} us beyond it \
+         ({:.2} x raw) are the manager's\n  own path: the caller's, the worker's, and the \
+         thread round trips between them.",
+        two / raw,
+        cycle / two,
+        cycle - two,
+        (cycle - two) / raw
+    ));
     let cross = report.get("handoff_cross_process_p50_us");
     report.target(
         "handoff_cross_process_p50_us",
