@@ -20,16 +20,17 @@
 //! correctness never depends on it.
 //!
 //! Ringing costs one `stat` of the folder when no marker is up (its listing is read again only
-//! when the folder changed), and a `sendto` per promoted owner and per marked manager. A socket
+//! when the folder changed, and at every ring for a short while after a change: see invariant
+//! 1), and a `sendto` per promoted owner and per marked manager. A socket
 //! whose owner died (nobody bound: `ECONNREFUSED`) is removed with its marker by whoever rings
 //! it.
 //!
 //! Invariants:
 //!
 //! 1. A listing is trusted only while the folder's modification time is the one it was read
-//!    at, and that time was over [`COARSE`] older than the reading: filesystems keep coarse
-//!    times (a kernel tick, a second, two on FAT), and a marker made in the same tick as the
-//!    change before it leaves the time as it was.
+//!    at, and that time was older than the reading by more than the filesystem's tick can be
+//!    ([`trusted_after`]): filesystems keep coarse times (a kernel tick, a second, two on FAT),
+//!    and a marker made in the same tick as the change before it leaves the time as it was.
 //! 2. A manager's socket is where others ring it, or its listening thread binds it again
 //!    within [`CHECK_EVERY`] (the folder was deleted, or the socket file): it then pokes the
 //!    worker, which puts its marker up again if it waits, and looks for what it missed.
@@ -41,7 +42,7 @@ use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::lock::backend::codec::fnv1a;
 use crate::lock::backend::Poke;
@@ -53,6 +54,30 @@ const CHECK_EVERY: Duration = Duration::from_millis(500);
 /// The coarsest modification times a filesystem keeps (FAT's two seconds): a listing read this
 /// long after the folder last changed is trusted until it changes again (invariant 1).
 const COARSE: Duration = Duration::from_secs(2);
+
+/// The same for a time stamped by a fine clock: the kernel's tick, which is at most 10 ms
+/// (Linux's lowest rate is 100 a second), with room for the tick the stamp lagged behind and
+/// more.
+const FINE: Duration = Duration::from_millis(50);
+
+/// How long after `modified`, the folder's last change, a listing must have been read to be
+/// trusted (invariant 1). A time with digits below the millisecond was stamped by a fine
+/// clock, so a later change gets a later time once a tick has passed: [`FINE`]. Any other time
+/// (whole seconds, two on FAT, hundredths on exFAT, or before 1970) may come from a coarse one:
+/// [`COARSE`]. One in a million fine times falls on a whole millisecond, and waits the longer.
+///
+/// Until then every ring reads the listing again (an `opendir` and its reads, some 10 µs), and
+/// the folder changes whenever a manager opens, closes or puts up a marker.
+fn trusted_after(modified: SystemTime) -> Duration {
+    let below_a_milli = modified
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.subsec_nanos() % 1_000_000);
+    if below_a_milli == 0 {
+        COARSE
+    } else {
+        FINE
+    }
+}
 
 /// The longest socket path a `sockaddr_un` holds (108 bytes with the final NUL on Linux, 104 on
 /// the BSDs: the smaller).
@@ -181,7 +206,7 @@ impl Doorbell {
             self.listed = modified.filter(|&modified| {
                 read_at
                     .duration_since(modified)
-                    .is_ok_and(|since| since > COARSE)
+                    .is_ok_and(|since| since > trusted_after(modified))
             });
         }
         let named = owners.iter().map(|owner| id_of(owner));
@@ -378,5 +403,59 @@ mod tests {
             .unwrap();
         doorbell.ring(&BTreeSet::new());
         second.recv(&mut byte).expect("the second peer was rung");
+    }
+
+    #[test]
+    fn a_time_below_the_millisecond_is_trusted_after_a_tick_any_other_after_two_seconds() {
+        let at = |nanos| UNIX_EPOCH + Duration::new(1_700_000_000, nanos);
+        assert_eq!(trusted_after(at(123_456_789)), FINE);
+        assert_eq!(trusted_after(at(1)), FINE);
+        for coarse in [0, 500_000_000, 10_000_000, 7_000_000] {
+            assert_eq!(trusted_after(at(coarse)), COARSE, "{coarse} ns");
+        }
+        assert_eq!(trusted_after(UNIX_EPOCH - Duration::from_nanos(1)), COARSE);
+    }
+
+    /// Whether a ring since the last look reached `peer`, without waiting: a ring sends before
+    /// it returns.
+    fn was_rung(peer: &UnixDatagram) -> bool {
+        peer.set_nonblocking(true).unwrap();
+        let mut rung = false;
+        while peer.recv(&mut [0u8; 1]).is_ok() {
+            rung = true;
+        }
+        rung
+    }
+
+    /// A listing read more than [`FINE`] after a change stamped by a fine clock is trusted, and
+    /// not read again while the folder's time stays; one read as long after a change stamped in
+    /// whole milliseconds is not. (Seen through a marker taken down with the folder's time put
+    /// back: a trusted listing still names its peer.)
+    #[test]
+    fn a_listing_is_trusted_once_the_tick_of_the_last_change_has_passed() {
+        for (nanos, trusted) in [(123_457, true), (0, false)] {
+            let folder = tempfile::tempdir().unwrap();
+            let db = folder.path().join("locks.db");
+            let mut doorbell = Doorbell::open(&db, "ringer", 0o600, Arc::new(NoWorker)).unwrap();
+            let dir = doorbell.dir.clone();
+            let peer = waiting_peer(&dir, "peer");
+            let since = SystemTime::now().duration_since(UNIX_EPOCH).unwrap() - 3 * FINE;
+            let changed = UNIX_EPOCH + Duration::new(since.as_secs(), nanos);
+            let set_time = || {
+                let folder = std::fs::File::open(&dir).unwrap();
+                folder.set_modified(changed).unwrap();
+            };
+            set_time();
+            doorbell.ring(&BTreeSet::new());
+            assert!(was_rung(&peer), "a marked peer is rung");
+            std::fs::remove_file(dir.join("peer.wait")).unwrap();
+            set_time();
+            doorbell.ring(&BTreeSet::new());
+            assert_eq!(
+                was_rung(&peer),
+                trusted,
+                "changed at {nanos} ns past the second"
+            );
+        }
     }
 }
