@@ -447,6 +447,8 @@ mod tests {
                 folder.set_modified(changed).unwrap();
             };
             set_time();
+            // What the filesystem kept, read apart from the rule under test (were it asked,
+            // a rule that never trusts would expect itself).
             let kept = std::fs::metadata(&dir).unwrap().modified().unwrap();
             let trusted = kept.duration_since(UNIX_EPOCH).unwrap().subsec_nanos() % 1_000_000 != 0;
             doorbell.ring(&BTreeSet::new());
