@@ -4,6 +4,10 @@
 //! leases; it may be stepped (by NTP, or when a suspended machine wakes). Monotonic time
 //! ([`Clock::monotonic`]) only moves forward, at the rate of real time: schedules, timeouts and
 //! sleeps are measured on it, so a step of the wall clock never changes when they fire.
+//!
+//! A clock may also tell the time since its machine booted ([`Clock::boot_time`]), a time line
+//! that every process on the machine shares and that no step moves: SQLite stores, which the
+//! processes of one machine share, judge leases by it.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -66,6 +70,44 @@ pub trait Clock: Send + Sync + 'static {
 
     /// A future that resolves once `duration` has passed on this clock's monotonic time line.
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()>;
+
+    /// The time since this machine booted, as every process on it reads it, and which boot
+    /// that is; `None` where the clock cannot tell (the default).
+    ///
+    /// Unlike [`now`](Clock::now) it is never stepped, and unlike
+    /// [`monotonic`](Clock::monotonic) its origin is the same for every process of the
+    /// machine, so processes can compare readings. A SQLite store judges leases by it
+    /// (recording the boot in the file, so that rows of an earlier boot are known dead); a
+    /// manager whose clock gives none judges them by its wall time, which a step of the
+    /// system clock moves for every process at once (see the README on clock steps).
+    ///
+    /// It must move at the rate of [`monotonic`](Clock::monotonic), and no slower: a
+    /// clock that overrides one of them should override both from one source.
+    fn boot_time(&self) -> Option<BootTime> {
+        None
+    }
+}
+
+/// A reading of the time since a machine booted ([`Clock::boot_time`]).
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{Clock, SystemClock};
+///
+/// if let Some(first) = SystemClock.boot_time() {
+///     let second = SystemClock.boot_time().unwrap();
+///     assert_eq!(first.boot, second.boot);
+///     assert!(second.since_boot >= first.since_boot);
+/// }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BootTime {
+    /// Which boot of the machine this is: a different number after every restart (on Linux,
+    /// `/proc/sys/kernel/random/boot_id`).
+    pub boot: u128,
+    /// The time since that boot, time spent suspended included.
+    pub since_boot: Duration,
 }
 
 /// The clock for work that was given none: the one of the scope whose body is running here
@@ -84,7 +126,8 @@ pub(crate) fn ambient() -> Arc<dyn Clock> {
 
 /// Real time: `SystemTime` for `now`, `Instant` for `monotonic`, the `async-io` timer for
 /// `sleep` (it runs its own driver thread, so it works under any executor, and waits on
-/// monotonic time).
+/// monotonic time), and on Linux `CLOCK_BOOTTIME` with the kernel's boot id for
+/// [`boot_time`](Clock::boot_time) (elsewhere none: see [`Clock::boot_time`]).
 ///
 /// # Examples
 ///
@@ -120,6 +163,50 @@ impl Clock for SystemClock {
             timer.await;
         })
     }
+
+    fn boot_time(&self) -> Option<BootTime> {
+        system_boot_time()
+    }
+}
+
+/// `CLOCK_BOOTTIME`, with the boot id the kernel gives (read once).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+#[allow(unsafe_code)]
+fn system_boot_time() -> Option<BootTime> {
+    static BOOT: OnceLock<Option<u128>> = OnceLock::new();
+    let boot = (*BOOT.get_or_init(|| {
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        parse_boot_id(&text)
+    }))?;
+    let mut time = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `clock_gettime` writes one `timespec`, which `time` is, and reads nothing else.
+    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut time) } != 0 {
+        return None;
+    }
+    let since_boot = Duration::new(
+        u64::try_from(time.tv_sec).ok()?,
+        u32::try_from(time.tv_nsec).ok()?,
+    );
+    Some(BootTime { boot, since_boot })
+}
+
+/// No shared clock that never steps is read here (yet): leases are judged by wall time.
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn system_boot_time() -> Option<BootTime> {
+    None
+}
+
+/// A boot id as the kernel writes it (a UUID, `8-4-4-4-12` hexadecimal digits), as a number.
+#[cfg_attr(not(any(target_os = "linux", target_os = "android")), allow(dead_code))]
+fn parse_boot_id(text: &str) -> Option<u128> {
+    let digits: String = text.trim().chars().filter(|c| *c != '-').collect();
+    if digits.len() != 32 {
+        return None;
+    }
+    u128::from_str_radix(&digits, 16).ok()
 }
 
 /// A clock for tests: it starts at a fixed epoch (2024-01-01 00:00:00 UTC) and moves only when
@@ -127,7 +214,9 @@ impl Clock for SystemClock {
 /// wakes every sleeper whose deadline has come. [`set_wall_time`](TestClock::set_wall_time)
 /// steps the wall time alone, either way, as NTP would.
 ///
-/// Clones share one time line.
+/// Clones share one time line. Its [`boot_time`](Clock::boot_time) is its monotonic time, on
+/// one boot that every `TestClock` shares ([`TestClock::BOOT`]): the managers of a test that
+/// share a clone share a machine, as the processes of one machine do.
 ///
 /// # Examples
 ///
@@ -161,6 +250,9 @@ struct TestClockState {
 const TEST_EPOCH: Duration = Duration::from_secs(1_704_067_200);
 
 impl TestClock {
+    /// The boot every `TestClock` reports in [`boot_time`](Clock::boot_time).
+    pub const BOOT: u128 = 0x7e57_c10c;
+
     /// A clock standing at 2024-01-01 00:00:00 UTC.
     pub fn new() -> Self {
         TestClock {
@@ -277,6 +369,14 @@ impl Clock for TestClock {
     /// Starts at zero; moved only by [`advance`](TestClock::advance).
     fn monotonic(&self) -> Duration {
         lock(&self.inner).monotonic
+    }
+
+    /// The monotonic time, on the boot [`TestClock::BOOT`]: no wall-clock step moves it.
+    fn boot_time(&self) -> Option<BootTime> {
+        Some(BootTime {
+            boot: TestClock::BOOT,
+            since_boot: self.monotonic(),
+        })
     }
 
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {

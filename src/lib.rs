@@ -186,7 +186,7 @@ mod sync;
 pub mod testkit;
 
 pub use abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted, TimedOut};
-pub use clock::{Clock, SystemClock, TestClock};
+pub use clock::{BootTime, Clock, SystemClock, TestClock};
 pub use fiber::{fork_daemon, Exit, Fiber};
 pub use lock::{
     EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,

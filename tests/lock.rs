@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leasehold::{
-    fork_daemon, AbortController, AbortReason, Clock, EntryState, Exit, Fiber, Guard, LeaseLost,
-    LockEntry, LockError, LockManager, LockRequest, Mode, SystemClock,
+    fork_daemon, AbortController, AbortReason, EntryState, Exit, Fiber, Guard, LeaseLost,
+    LockEntry, LockError, LockManager, LockRequest, Mode,
 };
 
 /// The entries of `key`, as (operation, state) pairs in ticket order.
@@ -771,8 +771,7 @@ fn a_guard_hears_its_lease_lost_by_its_end_while_the_storage_thread_is_stuck() {
         let stall = store.stall(locks.owner_id());
         // When the store's row runs out, renewed as it may have been before the stall (by the
         // machine's clock, which the server shares here).
-        let expires_at = Duration::from_micros(store.latest_expiry(locks.owner_id()) as u64);
-        let left = expires_at.saturating_sub(SystemClock.now());
+        let left = store.lease_left(locks.owner_id());
         let runs_out = Instant::now() + left + Duration::from_millis(1);
         let renewals = locks.stats().heartbeats;
         let ticks = AtomicUsize::new(0);

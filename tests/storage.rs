@@ -59,7 +59,16 @@ fn a_version_1_database_is_migrated_keeping_its_rows_and_its_ticket_sequence() {
         let connection = sqlite::open(&path).unwrap();
         let mut version = connection.prepare("PRAGMA user_version").unwrap();
         version.next().unwrap();
-        assert_eq!(version.read::<i64, _>(0).unwrap(), 3);
+        assert_eq!(version.read::<i64, _>(0).unwrap(), 4);
+        // Leases are judged by the machine's boot clock from now on, recorded with its boot.
+        let mut line = connection
+            .prepare("SELECT line FROM time_line WHERE id = 1")
+            .unwrap();
+        line.next().unwrap();
+        let line = line.read::<String, _>(0).unwrap();
+        if cfg!(target_os = "linux") {
+            assert!(line.starts_with("boot "), "{line}");
+        }
         let mut tables = connection
             .prepare("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'tickets'")
             .unwrap();

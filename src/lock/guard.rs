@@ -58,7 +58,7 @@ impl Guard {
         started: Option<Duration>,
     ) -> Guard {
         let ticket = grant.ticket;
-        let now = shared.common.clock.now();
+        let now = shared.common.clock.monotonic();
         if !grant.lost.is_aborted() {
             heartbeat::ensure_daemon(shared, grant.began);
         }

@@ -121,7 +121,8 @@ impl Shared {
         Ok(None)
     }
 
-    /// Renews this owner's rows (or finds them renewed recently); returns when, in clock time.
+    /// Renews this owner's rows (or finds them renewed recently); returns when, on the clock's
+    /// monotonic time line.
     pub(super) async fn renew(&self) -> Result<Duration, LockError> {
         let at = self
             .call(|reply| {

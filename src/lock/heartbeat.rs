@@ -17,7 +17,6 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::time::monotonic_at;
 use super::{Common, Shared};
 
 use crate::fiber::fork_daemon_on;
@@ -43,10 +42,10 @@ impl<'a> Beats<'a> {
     }
 
     /// How long to wait for the next beat, now that the renewal it asked for was made at
-    /// `renewed_at` (the clock's wall time, as the worker reports it): one heartbeat after that,
-    /// even when that renewal was made for another caller (the worker coalesces renewals).
+    /// `renewed_at` (the clock's monotonic time, as the worker reports it): one heartbeat after
+    /// that, even when that renewal was made for another caller (the worker coalesces renewals).
     fn after_renewal(&mut self, renewed_at: Duration) -> Duration {
-        self.after(monotonic_at(&*self.common.clock, renewed_at))
+        self.after(renewed_at)
     }
 
     /// How long to wait for the next beat after a renewal that failed now: a whole heartbeat.

@@ -505,7 +505,7 @@ async fn acquire_in_scope(
     policy: Policy,
 ) -> Result<Guard, LockError> {
     validate(&requests)?;
-    let started = shared.common.clock.now();
+    let started = shared.common.clock.monotonic();
     let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
     let undo = shared.clone();
     scope.add_finalizer(move |status| async move {

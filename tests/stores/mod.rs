@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::path::PathBuf;
 
-use leasehold::{LockManager, LockManagerBuilder, MemoryStore};
+use leasehold::{Clock, LockManager, LockManagerBuilder, MemoryStore, SystemClock};
 
 #[cfg(all(feature = "postgres", feature = "testkit"))]
 use leasehold::testkit::postgres as pg_support;
@@ -142,12 +142,18 @@ impl Store {
         self.read_number(&format!("SELECT COUNT(*) FROM locks WHERE {condition}"))
     }
 
-    /// The latest lease expiry of `owner`'s rows (micros since the Unix epoch, by the clock the
-    /// store judges leases with), read past the managers.
-    pub fn latest_expiry(&self, owner: &str) -> i64 {
-        self.read_number(&format!(
+    /// How long until the last of `owner`'s rows runs out, read past the managers, by the
+    /// clock the store judges leases with: the machine's boot clock for SQLite, the server's
+    /// (this machine's wall clock) for PostgreSQL.
+    pub fn lease_left(&self, owner: &str) -> std::time::Duration {
+        let expires_at = self.read_number(&format!(
             "SELECT MAX(expires_at) FROM locks WHERE owner = '{owner}'"
-        ))
+        ));
+        let now = match self {
+            Store::Sqlite { .. } => SystemClock.boot_time().expect("a boot clock").since_boot,
+            _ => SystemClock.now(),
+        };
+        std::time::Duration::from_micros(expires_at as u64).saturating_sub(now)
     }
 
     /// The one number `query` (of the table `locks`) reads.

@@ -67,12 +67,12 @@ pub(crate) trait Storage {
     /// The time leases are judged by, now.
     fn now(&self) -> i64;
 
-    /// How far that time is ahead of `clock`'s: the worker tells callers, who judge by their
-    /// own clock, of expiries in theirs. Never less than it is: `clock` is read first, so a
-    /// pause between the two readings makes a lease end earlier as the caller knows it, never
-    /// later.
+    /// How far that time is ahead of `clock`'s monotonic time: the worker keeps every deadline,
+    /// and tells callers every time, on that line, which no step of a wall clock moves. Never
+    /// less than it is: `clock` is read first, so a pause between the two readings makes a
+    /// lease end earlier as the caller knows it, never later.
     fn ahead_of(&self, clock: &dyn Clock) -> i64 {
-        let theirs = micros(clock.now());
+        let theirs = micros(clock.monotonic());
         self.now() - theirs
     }
 

@@ -69,15 +69,14 @@ impl<S: Storage> Worker<S> {
                         joined.extend(replies);
                         continue;
                     }
-                    let now = self.now();
-                    let half_beat = micros(self.common.heartbeat / 2);
+                    let now = self.common.clock.monotonic();
                     match self.last_renewal {
                         // Every live row got a full lease then (or since, when written). The
                         // caller is told when, and beats again one heartbeat after that, so the
                         // rows keep their whole margin; lost leases are looked for then.
-                        Some(at) if now < at + half_beat => {
+                        Some(at) if now < at + self.common.heartbeat / 2 => {
                             for reply in replies {
-                                let _ = reply.send(Ok(self.local(at)));
+                                let _ = reply.send(Ok(micros(at)));
                             }
                         }
                         _ => {
@@ -337,14 +336,15 @@ impl<S: Storage> Worker<S> {
                 }
             }
             (Write::Renew { replies }, decided) => {
-                self.last_renewal = Some(now);
+                let renewed_at = self.monotonic_of(now);
+                self.last_renewal = Some(renewed_at);
                 Counters::bump(&self.counters().heartbeats);
                 let renewed = match decided {
                     Decided::Renewed(renewed) => renewed,
                     _ => Vec::new(),
                 };
                 self.settle_renewed(now, &renewed);
-                send_all(replies, Ok(self.local(now)));
+                send_all(replies, Ok(micros(renewed_at)));
             }
             (Write::Shutdown { reply }, _) => {
                 self.requests.clear();

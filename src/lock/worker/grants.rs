@@ -90,7 +90,7 @@ impl<S: Storage> Worker<S> {
     /// `expires_at`, the storage's time at which a lease of this owner runs out, on the clock's
     /// monotonic time line, where its deadline is kept (see `Guards::granted`).
     pub(super) fn deadline(&self, expires_at: i64) -> Duration {
-        monotonic_at(&*self.common.clock, from_micros(self.local(expires_at)))
+        self.monotonic_of(expires_at)
     }
 
     /// The grant of `ticket` on `keys`, whose rows' lease runs out at `expires_at` (the

@@ -37,10 +37,7 @@ impl<S: Storage> Worker<S> {
             .filter(|_| !self.look_all)
             .map(|deadline| {
                 // From the storage's time to the manager's clock's monotonic time.
-                let clock = &*self.common.clock;
-                let local = deadline - self.storage.ahead_of(clock);
-                let left = local.saturating_sub(micros(clock.now()));
-                clock.monotonic() + from_micros(left)
+                self.monotonic_of(deadline)
             });
         match (polled, freed) {
             (Some(a), Some(b)) => Some(a.min(b)),

@@ -55,7 +55,7 @@ use crate::lock::backend::{
 };
 use crate::lock::grant::{grantable_now, other_keys, promotable_within, RowView};
 use crate::lock::state::Counters;
-use crate::lock::time::{from_micros, micros, monotonic_at};
+use crate::lock::time::{from_micros, micros};
 use crate::lock::worker::protocol::{
     Acquired, Command, Grant, Removed, SlotState, Wait, WaitSlot, Write,
 };
@@ -191,7 +191,10 @@ pub(crate) struct Worker<S> {
     /// (`Storage::decide_at_once`), where a request of its own on several keys waits: the next
     /// look reads them.
     own_changes: BTreeSet<String>,
-    last_renewal: Option<i64>,
+    /// When the last renewal renewed every live row of this owner, on the clock's monotonic
+    /// time line: whether to renew again is judged on it alone, so that no step of a wall
+    /// clock (nor of the store's) makes the worker skip renewals that are due.
+    last_renewal: Option<Duration>,
     /// Whether the current transaction deleted a row (of this owner, or of the one an operator
     /// evicts).
     deleted: bool,
@@ -265,9 +268,10 @@ impl<S: Storage> Worker<S> {
         self.storage.now()
     }
 
-    /// `at`, a time of the storage's clock, in the manager's clock: what callers judge by.
-    fn local(&self, at: i64) -> i64 {
-        at - self.storage.ahead_of(&*self.common.clock)
+    /// `at`, a time of the storage's clock, on the manager's clock's monotonic time line, where
+    /// deadlines are kept and callers judge: never later than it is (`Storage::ahead_of`).
+    fn monotonic_of(&self, at: i64) -> Duration {
+        from_micros(at - self.storage.ahead_of(&*self.common.clock))
     }
 
     fn counters(&self) -> &Counters {

@@ -1,7 +1,8 @@
 //! The memory backend: rows in ordered maps in this process's memory, tickets from a counter,
 //! for tests and for owners of one process that want no file. It is what the simulation kit
 //! steps, so it keeps no thread and reads no time of its own: it judges leases by the manager's
-//! clock, as SQLite does.
+//! clock, on the time line SQLite would (`TimeLine`: its boot clock, which no step moves, or,
+//! for a clock without one, its wall time).
 //!
 //! Several managers may share one store (`MemoryStore`), each an owner, as processes share a
 //! SQLite file; the managers of one store wake each other as the managers of one file in one
@@ -22,11 +23,11 @@
 //!
 //! 4. The store's time never goes back: it is the later of the reading connection's clock and
 //!    the latest time any connection read. So a row judged lapsed stays lapsed for every
-//!    connection, however a wall clock is stepped back (else another connection could find it
-//!    live again and promote it beside the holder granted over it), and a connection whose
-//!    clock is behind judges by the store's time (the worker converts it to its manager's clock
-//!    for callers: `Storage::ahead_of`). The store is one process's: its managers share one
-//!    time, as the processes of one machine share one clock.
+//!    connection, however a wall clock (where leases are judged by one) is stepped back (else
+//!    another connection could find it live again and promote it beside the holder granted
+//!    over it), and a connection whose clock is behind judges by the store's time (the worker
+//!    converts it to its manager's clock for callers: `Storage::ahead_of`). The store is one
+//!    process's: its managers share one time, as the processes of one machine share one clock.
 //!
 //! Lock order: `writer`, then `tables` (a read outside a transaction holds both); nothing takes
 //! `writer` while it holds `tables`.
@@ -43,7 +44,7 @@ use crate::lock::backend::{
     Storage,
 };
 use crate::lock::grant::RowView;
-use crate::lock::time::micros;
+use crate::lock::time::TimeLine;
 use crate::lock::{LockRequest, Mode, StorageError};
 use crate::sync::lock;
 
@@ -201,6 +202,8 @@ pub(crate) struct Memory {
     store: Arc<Store>,
     id: u64,
     clock: Arc<dyn Clock>,
+    /// The time line leases are judged by: the clock's.
+    line: TimeLine,
     undo: Vec<Undo>,
     in_write: bool,
     /// The store's version and change log as this connection last saw them.
@@ -229,6 +232,7 @@ impl Memory {
         Memory {
             store: shared,
             id,
+            line: TimeLine::of(&*clock),
             clock,
             undo: Vec::new(),
             in_write: false,
@@ -343,7 +347,11 @@ impl Storage for Memory {
     /// (invariant 4): a wall clock stepped back must not make a row that was judged lapsed live
     /// again, after another owner was granted over it.
     fn now(&self) -> i64 {
-        let now = micros(self.clock.now());
+        // A clock that stopped giving its boot (a `Clock` of the user's) judges by the time the
+        // store last judged by: nothing lapses on the strength of it.
+        let Some(now) = self.line.now(&*self.clock) else {
+            return self.store.latest.load(Ordering::SeqCst);
+        };
         if now > LAST_TIME {
             // Past the time line: the worker refuses it (and it must not stick).
             return now;
@@ -640,6 +648,7 @@ impl Storage for Memory {
                 ),
                 None => Box::new(tables.rows.iter()),
             };
+            let wall = |at: i64| self.line.wall_time(&*self.clock, at, now);
             rows.filter(|(_, row)| row.expires_at > now)
                 .map(|((key, ticket), row)| Row {
                     key: key.clone(),
@@ -648,12 +657,12 @@ impl Storage for Memory {
                     owner: row.owner.to_string(),
                     ticket: *ticket,
                     held: row.held,
-                    since: if row.held {
+                    since: wall(if row.held {
                         row.acquired_at.unwrap_or(row.requested_at)
                     } else {
                         row.requested_at
-                    },
-                    expires_at: row.expires_at,
+                    }),
+                    expires_at: wall(row.expires_at),
                 })
                 .collect()
         }))

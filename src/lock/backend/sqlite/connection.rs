@@ -9,7 +9,7 @@ use std::time::Duration;
 use sqlite::{Connection, OpenFlags};
 
 use super::{retry_busy, storage_error, storage_failure, Db};
-use crate::clock::SystemClock;
+use crate::clock::Clock;
 use crate::lock::backend::Result;
 use crate::lock::LockError;
 use crate::lock::StorageError;
@@ -41,6 +41,7 @@ pub(super) fn connect(
     file_mode: u32,
     busy: &Schedule,
     existing: bool,
+    clock: &Arc<dyn Clock>,
 ) -> Result<Connection> {
     let mut flags = OpenFlags::new().with_read_write().with_no_mutex();
     match path {
@@ -61,7 +62,7 @@ pub(super) fn connect(
         Connection::open_with_flags(target, flags).map_err(|e| open_error(target, &e))?;
     conn.set_busy_timeout(BUSY_TIMEOUT_MS)
         .map_err(|e| storage_error("setting the busy timeout", &e))?;
-    let mut db = Db::new(&conn, Arc::new(SystemClock), None, busy.clone());
+    let mut db = Db::new(&conn, clock.clone(), None, busy.clone());
     if existing {
         db.check_version(target)?;
         drop(db);

@@ -3,7 +3,13 @@
 //! Policy (who is granted what) lives in `grant.rs`; the order of work lives in `worker.rs`.
 //! Everything here runs on the storage worker thread, never on a caller's executor thread.
 //!
-//! Times are stored as whole microseconds since the Unix epoch, from the manager's `Clock`.
+//! Times are stored as whole microseconds on the store's time line (`TimeLine`), recorded in the
+//! file (table `time_line`): the machine's boot clock (`Clock::boot_time`), which no step of the
+//! wall clock moves and which every process of the machine reads alike, on the boot recorded;
+//! or, where the manager's clock has none, its wall time (since the Unix epoch). A write-ahead
+//! log is shared only by the processes of one machine, so a file whose recorded boot is not
+//! this one's was last written before a restart: its rows' owners are gone, and opening it
+//! deletes them (`reconcile_time_line`). `inspect` shows times on the wall clock.
 
 mod connection;
 #[cfg(unix)]
@@ -28,12 +34,17 @@ use crate::lock::backend::{
     Storage,
 };
 use crate::lock::grant::RowView;
-use crate::lock::time::micros;
+use crate::lock::time::{micros, TimeLine};
 use crate::lock::{LockError, LockRequest, StorageError};
 use crate::schedule::Schedule;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i64 = 3;
+pub(crate) const SCHEMA_VERSION: i64 = 4;
+
+/// The time by which a manager that opened a store as it is (`Opening::existing`) judges its
+/// rows when they are on another time line than its clock's (an earlier boot's): every row has
+/// lapsed by it, and it is within the worker's time line (`LAST_TIME`).
+const STALE_NOW: i64 = i64::MAX / 4;
 
 const SQLITE_BUSY: isize = 5;
 const SQLITE_LOCKED: isize = 6;
@@ -81,13 +92,27 @@ pub(crate) fn serve(
     opened: impl FnOnce(Result<()>),
     worker: impl Serve,
 ) {
-    let conn = match connect(path, file_mode, &opening.busy, opening.existing) {
+    let conn = match connect(
+        path,
+        file_mode,
+        &opening.busy,
+        opening.existing,
+        &opening.clock,
+    ) {
         Ok(conn) => conn,
         Err(error) => return opened(Err(error)),
     };
     let file = path.and_then(FileIdentity::of);
+    let mut db = Db::new(&conn, opening.clock, file, opening.busy);
+    if opening.existing {
+        // Opened as it is, on another time line (its rows are of an earlier boot): nothing
+        // of it is live, and nothing is changed.
+        match db.stored_time_line() {
+            Ok(found) => db.stale = found != Some(db.line),
+            Err(error) => return opened(Err(error)),
+        }
+    }
     opened(Ok(()));
-    let db = Db::new(&conn, opening.clock, file, opening.busy);
     // A manager of a store as it is (the command's views and repairs) makes no folder beside
     // it: it rings, and is rung, only where the store's own managers made one.
     #[cfg(unix)]
@@ -108,6 +133,12 @@ pub(crate) struct Db<'c> {
     conn: &'c Connection,
     statements: RefCell<Vec<(&'static str, Statement<'c>)>>,
     clock: Arc<dyn Clock>,
+    /// The time line leases are judged by (the clock's), and its last reading.
+    line: TimeLine,
+    last_now: std::cell::Cell<i64>,
+    /// Whether the store records another time line, which this manager (one that opened it as
+    /// it is) judges every row lapsed by.
+    stale: bool,
     /// The database file as opened; checked before every write and every look.
     file: Option<FileIdentity>,
     /// How to wait while the database is busy (`LockManagerBuilder::busy_schedule`).
@@ -208,6 +239,9 @@ impl<'c> Db<'c> {
         Db {
             conn,
             statements: RefCell::new(Vec::new()),
+            line: TimeLine::of(&*clock),
+            last_now: std::cell::Cell::new(0),
+            stale: false,
             clock,
             file,
             busy,
@@ -416,6 +450,87 @@ impl<'c> Db<'c> {
                  PRAGMA user_version = 3;",
             )?;
         }
+        if found < 4 {
+            // The time line the rows' times are on (see the module's docs). Every earlier
+            // version judged leases by the wall clock; `reconcile_time_line` moves the rows to
+            // this manager's line right after.
+            self.exec(
+                "migrating the schema to version 4",
+                "CREATE TABLE time_line (
+                     id INTEGER PRIMARY KEY CHECK (id = 1),
+                     line TEXT NOT NULL
+                 );
+                 INSERT INTO time_line (id, line) VALUES (1, 'wall');
+                 PRAGMA user_version = 4;",
+            )?;
+        }
+        self.reconcile_time_line()
+    }
+
+    /// The time line the store records; `None` before version 4, or for one not understood.
+    fn stored_time_line(&self) -> Result<Option<TimeLine>> {
+        if self.user_version()? < 4 {
+            return Ok(None);
+        }
+        let doing = "reading the store's time line";
+        let mut statement = self.prepare(doing, "SELECT line FROM time_line WHERE id = 1")?;
+        if !step(doing, &mut statement)? {
+            return Ok(None);
+        }
+        Ok(TimeLine::parse(&read::<String>(doing, &statement, 0)?))
+    }
+
+    /// Puts the store on this manager's time line, in the migration's transaction:
+    ///
+    /// - on the same line, nothing changes;
+    /// - from the wall clock (a store of an earlier version, or of managers whose clocks give
+    ///   no boot time) to this boot's, every row's times move by the difference of the two
+    ///   clocks now, so that each lease keeps what it had left;
+    /// - from another boot's, every row is deleted: a write-ahead log is shared only by the
+    ///   processes of one machine, so that boot ended, and its owners with it (the ticket
+    ///   sequence stays, so fencing tokens still only grow);
+    /// - from a boot's to the wall clock, only while the store has no rows: another manager
+    ///   judges its rows by that boot, which this manager cannot read.
+    fn reconcile_time_line(&self) -> Result<()> {
+        let found = self.stored_time_line()?;
+        if found == Some(self.line) {
+            return Ok(());
+        }
+        let doing = "moving the store to this manager's time line";
+        match (found, self.line) {
+            (Some(TimeLine::Wall) | None, TimeLine::Boot(_)) => {
+                let now = self.now();
+                let shift = now - micros(self.clock.now());
+                let mut statement = self.prepare(
+                    doing,
+                    "UPDATE locks SET requested_at = requested_at + ?1,
+                                      acquired_at = acquired_at + ?1,
+                                      expires_at = expires_at + ?1,
+                                      heartbeat_at = heartbeat_at + ?1
+                     WHERE key <> ''",
+                )?;
+                bind(doing, &mut statement, 1, shift)?;
+                step(doing, &mut statement)?;
+            }
+            (Some(TimeLine::Boot(_)), TimeLine::Boot(_)) => {
+                self.exec(doing, "DELETE FROM locks WHERE key <> ''")?;
+            }
+            (_, TimeLine::Wall) => {
+                let mut statement =
+                    self.prepare(doing, "SELECT EXISTS (SELECT 1 FROM locks WHERE key <> '')")?;
+                step(doing, &mut statement)?;
+                if read::<i64>(doing, &statement, 0)? != 0 {
+                    let why = "its leases are judged by the machine's boot clock, which this \
+                               manager's clock (a `Clock` without `boot_time`) cannot read, and \
+                               it has rows; open it with a clock that gives `boot_time` (as \
+                               `SystemClock` does on Linux)";
+                    return Err(StorageError::new(doing, why).into());
+                }
+            }
+        }
+        let mut statement = self.prepare(doing, "UPDATE time_line SET line = ? WHERE id = 1")?;
+        bind(doing, &mut statement, 1, self.line.stored().as_str())?;
+        step(doing, &mut statement)?;
         Ok(())
     }
 
@@ -437,13 +552,20 @@ impl<'c> Db<'c> {
 }
 
 impl Storage for Db<'_> {
+    /// The store's time line by the manager's clock (see the module's docs).
     fn now(&self) -> i64 {
-        micros(self.clock.now())
-    }
-
-    /// Leases are judged by the manager's own clock.
-    fn ahead_of(&self, _clock: &dyn Clock) -> i64 {
-        0
+        if self.stale {
+            return STALE_NOW;
+        }
+        match self.line.now(&*self.clock) {
+            Some(now) => {
+                self.last_now.set(now);
+                now
+            }
+            // A clock that stopped giving the time line it gave (a `Clock` of the user's):
+            // time stands still, so that nothing lapses on the strength of it.
+            None => self.last_now.get(),
+        }
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -897,6 +1019,7 @@ impl Storage for Db<'_> {
         if let Some(key) = key {
             bind(doing, &mut statement, 2, key)?;
         }
+        let wall = |at: i64| self.line.wall_time(&*self.clock, at, now);
         let mut rows = Vec::new();
         while step(doing, &mut statement)? {
             let held = read::<i64>(doing, &statement, 5)? != 0;
@@ -909,12 +1032,12 @@ impl Storage for Db<'_> {
                 owner: read(doing, &statement, 3)?,
                 ticket: ticket_of(read(doing, &statement, 4)?),
                 held,
-                since: if held {
+                since: wall(if held {
                     acquired_at.unwrap_or(requested_at)
                 } else {
                     requested_at
-                },
-                expires_at: read(doing, &statement, 8)?,
+                }),
+                expires_at: wall(read(doing, &statement, 8)?),
             });
         }
         Ok(rows)

@@ -154,11 +154,11 @@ proptest! {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("known.db");
         let busy = Schedule::recurs(0);
-        let (first, second) = (
-            connect(Some(&path), 0o600, &busy, false).unwrap(),
-            connect(Some(&path), 0o600, &busy, false).unwrap(),
-        );
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let (first, second) = (
+            connect(Some(&path), 0o600, &busy, false, &clock).unwrap(),
+            connect(Some(&path), 0o600, &busy, false, &clock).unwrap(),
+        );
         let mut dbs = [
             (Db::new(&first, clock.clone(), None, busy.clone()), "owner a"),
             (Db::new(&second, clock, None, busy), "owner b"),
@@ -182,4 +182,128 @@ proptest! {
             }
         }
     }
+}
+
+/// A `TestClock` on a boot of the test's choosing, or on none (`None`: its wall time).
+struct OnBoot(crate::clock::TestClock, Option<u128>);
+
+impl Clock for OnBoot {
+    fn now(&self) -> std::time::Duration {
+        self.0.now()
+    }
+    fn monotonic(&self) -> std::time::Duration {
+        self.0.monotonic()
+    }
+    fn sleep(&self, duration: std::time::Duration) -> futures::future::BoxFuture<'static, ()> {
+        self.0.sleep(duration)
+    }
+    fn boot_time(&self) -> Option<crate::clock::BootTime> {
+        let boot = self.1?;
+        Some(crate::clock::BootTime {
+            boot,
+            since_boot: self.0.monotonic(),
+        })
+    }
+}
+
+/// Opens the file at `path` with `clock` (migrating it), writes one held row of `owner` on
+/// `key` with a lease of `lease` micros, and commits; returns its ticket.
+fn hold(path: &Path, clock: &Arc<dyn Clock>, owner: &str, key: &str, lease: i64) -> u64 {
+    let busy = Schedule::recurs(0);
+    let conn = connect(Some(path), 0o600, &busy, false, clock).unwrap();
+    let mut db = Db::new(&conn, clock.clone(), None, busy);
+    let now = db.begin(&[]).unwrap();
+    let ticket = db.next_ticket().unwrap();
+    let request = LockRequest::exclusive(key, "op");
+    db.insert_request(owner, ticket, &[request], true, now, now + lease)
+        .unwrap();
+    db.commit().unwrap();
+    ticket
+}
+
+/// The live rows of the file at `path`, as a manager with `clock` reads them; opened as it is
+/// with `existing`.
+fn live(path: &Path, clock: &Arc<dyn Clock>, existing: bool) -> Result<Vec<Row>> {
+    let busy = Schedule::recurs(0);
+    let conn = connect(Some(path), 0o600, &busy, existing, clock)?;
+    let mut db = Db::new(&conn, clock.clone(), None, busy);
+    if existing {
+        db.stale = db.stored_time_line()? != Some(db.line);
+    }
+    let now = db.now();
+    db.live_rows(None, now)
+}
+
+#[test]
+fn rows_of_an_earlier_boot_are_dead_and_tickets_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("boot.db");
+    let test = crate::clock::TestClock::new();
+    let first: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), Some(1)));
+    let before = hold(&path, &first, "a", "k", 60_000_000);
+    assert_eq!(live(&path, &first, false).unwrap().len(), 1);
+    // After a restart: a new boot, its clock near zero again. A view of the store as it is
+    // finds nothing live (and changes nothing); a manager deletes the rows.
+    let second: Arc<dyn Clock> = Arc::new(OnBoot(crate::clock::TestClock::new(), Some(2)));
+    assert!(live(&path, &second, true).unwrap().is_empty());
+    assert_eq!(
+        live(&path, &first, true).unwrap().len(),
+        1,
+        "a view changed nothing"
+    );
+    assert!(live(&path, &second, false).unwrap().is_empty());
+    assert!(live(&path, &first, true).unwrap().is_empty(), "deleted");
+    let after = hold(&path, &second, "b", "k", 60_000_000);
+    assert!(after > before, "ticket {after} after {before}");
+}
+
+#[test]
+fn a_store_judged_by_the_wall_clock_moves_to_the_boot_clock_with_each_lease_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wall.db");
+    let test = crate::clock::TestClock::new();
+    test.advance(std::time::Duration::from_secs(100));
+    let wall: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), None));
+    hold(&path, &wall, "a", "k", 30_000_000);
+    let shown = live(&path, &wall, false).unwrap();
+    let boot: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), Some(7)));
+    let moved = live(&path, &boot, false).unwrap();
+    assert_eq!(moved.len(), 1);
+    // The same times on the wall clock, and the lease runs out 30 s on, by the boot clock.
+    assert_eq!(
+        (moved[0].since, moved[0].expires_at),
+        (shown[0].since, shown[0].expires_at)
+    );
+    test.set_wall_time(test.now() + std::time::Duration::from_secs(3600));
+    assert_eq!(
+        live(&path, &boot, false).unwrap().len(),
+        1,
+        "no step lapses it"
+    );
+    test.advance(std::time::Duration::from_secs(31));
+    assert!(
+        live(&path, &boot, false).unwrap().is_empty(),
+        "lapsed by its lease"
+    );
+}
+
+#[test]
+fn a_manager_without_a_boot_clock_is_refused_a_store_with_rows_on_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mixed.db");
+    let test = crate::clock::TestClock::new();
+    let boot: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), Some(7)));
+    let wall: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), None));
+    hold(&path, &boot, "a", "k", 30_000_000);
+    let refused = live(&path, &wall, false).unwrap_err().to_string();
+    assert!(refused.contains("boot_time"), "{refused}");
+    // Once the store has no rows, it may move to the wall clock.
+    let busy = Schedule::recurs(0);
+    let conn = connect(Some(&path), 0o600, &busy, false, &boot).unwrap();
+    let mut db = Db::new(&conn, boot.clone(), None, busy);
+    db.begin(&[]).unwrap();
+    assert_eq!(db.delete_owner("a").unwrap(), 1);
+    db.commit().unwrap();
+    drop(db);
+    assert!(live(&path, &wall, false).unwrap().is_empty());
 }
