@@ -745,6 +745,12 @@ fn doctor_finds_nothing_wrong_with_a_fresh_store(sandbox: &Sandbox) {
     let doctor = finish(&mut sandbox.leasehold("doctor", &[], &[]));
     doctor.assert_exit(0);
     assert!(doctor.problems().is_empty(), "{doctor}");
+    // A running holder is counted live (judged on the store's own time line).
+    let holder = sandbox.hold("holder", &[], "k");
+    let doctor = finish(&mut sandbox.leasehold("doctor", &[], &[]));
+    doctor.assert_exit(0);
+    assert!(doctor.stdout.contains("1 held, 0 waiting"), "{doctor}");
+    holder.let_go().assert_exit(0);
 }
 
 fn release_by_owner_takes_the_lock_from_a_running_command(sandbox: &Sandbox) {

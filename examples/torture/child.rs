@@ -66,11 +66,16 @@ pub fn child_main() {
         .expect("the child's TORTURE_SKEW_MS is not a number");
     let place = Place::from_env(&folder);
     let counters = Counters::default();
+    let steps = follow_clock_steps(&folder);
     let locks = loop {
-        let mut builder = LockManager::builder().lease(lease).heartbeat(heartbeat);
-        if skew != 0 {
-            builder = builder.clock(Arc::new(SkewedClock(skew)));
-        }
+        let clock = ChildClock {
+            skew,
+            steps: steps.clone(),
+        };
+        let builder = LockManager::builder()
+            .lease(lease)
+            .heartbeat(heartbeat)
+            .clock(Arc::new(clock));
         let since = unix_micros();
         match smol::block_on(place.manager(builder)) {
             Ok(locks) => break locks,

@@ -5,7 +5,7 @@ use super::*;
 pub(crate) const USAGE: &str =
     "usage: torture [--seconds N] [--processes N] [--tasks N] [--seed N] \
                      [--lease-ms N] [--heartbeat-ms N] [--backend sqlite|postgres] [--url URL] \
-                     [--runtime smol|tokio] [--hold-ms N] [--no-cuts] [--json]";
+                     [--runtime smol|tokio] [--hold-ms N] [--no-cuts] [--no-steps] [--json]";
 
 /// Where the locks are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +48,8 @@ pub struct Config {
     pub url: Option<String>,
     /// On PostgreSQL, cut children's connections now and then.
     pub cut_connections: bool,
+    /// Step every child's wall clock back and forth, all at once, now and then.
+    pub clock_steps: bool,
     /// What runs each child's tasks.
     pub runtime: Runtime,
     /// The longest pause inside a hold, between entering the register and writing, and between
@@ -70,6 +72,10 @@ impl Config {
                 }
                 "--no-cuts" => {
                     config.cut_connections = false;
+                    continue;
+                }
+                "--no-steps" => {
+                    config.clock_steps = false;
                     continue;
                 }
                 _ => {}
@@ -142,6 +148,7 @@ impl Default for Config {
             backend: Backend::Sqlite,
             url: None,
             cut_connections: true,
+            clock_steps: true,
             runtime: Runtime::Smol,
             hold: Duration::from_millis(20),
             child_command: vec![exe],

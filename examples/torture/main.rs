@@ -15,6 +15,11 @@
 //!   once it resumes;
 //! - at the end every owner shuts down, and after one lease the database holds no rows at all.
 //!
+//! Besides the kills and pauses, every child's wall clock (its [`Clock`](leasehold::Clock)'s
+//! `now`) is stepped now and then, forward and back by 2 to 5 s, all children at once, as an
+//! NTP step or `date -s` is seen by every process of a machine (not with `--no-steps`; the JSON
+//! line says `clock_steps`). Leases must not care.
+//!
 //! Run it with `cargo run --release --example torture -- --seconds 20 --processes 4 --json`;
 //! `--seconds 600` is the soak run. The process exits with status 1 if any check failed.
 //! Its tests (`tests.rs`, run by `cargo test`) run a few seconds of it.
@@ -33,7 +38,8 @@
 //! `--hold-ms` (the longest pause inside a hold, twice per hold; default 20, so holds of seconds
 //! with 1500), `--runtime smol|tokio` (what runs each child's tasks: smol's global executor, or a
 //! tokio runtime of two threads), `--backend sqlite|postgres` (default `sqlite`), `--url URL` and
-//! `--no-cuts` (with `postgres`, see below), `--json` (one JSON object as the last line).
+//! `--no-cuts` (with `postgres`, see below), `--no-steps` (no clock steps), `--json` (one JSON
+//! object as the last line).
 //!
 //! # What counts as harm
 //!
@@ -72,7 +78,7 @@ use std::fs;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

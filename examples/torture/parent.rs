@@ -33,6 +33,8 @@ pub struct Summary {
     pub server_restarts: u64,
     /// Children (by slot, whatever their incarnation) whose clock was skewed.
     pub skewed_children: u64,
+    /// Steps of every child's wall clock, at once (either way).
+    pub clock_steps: u64,
     /// Where the locks were: `sqlite` or `postgres`.
     pub backend: &'static str,
     /// Rows left in the database after every owner shut down and one lease passed.
@@ -95,6 +97,7 @@ impl Summary {
             ("connection_kills", self.connection_kills),
             ("server_restarts", self.server_restarts),
             ("skewed_children", self.skewed_children),
+            ("clock_steps", self.clock_steps),
             ("restart_storage_errors", t.restart_storage_errors),
         ];
         let body: Vec<String> = fields
@@ -108,7 +111,7 @@ impl Summary {
     pub fn describe(&self) -> String {
         let mut text = format!(
             "torture run on {}: seed {}, {:.1} s, {} kills, {} stops, {} connection kills, \
-             {} restarts, {} skewed children, {} rows left\n",
+             {} restarts, {} skewed children, {} clock steps, {} rows left\n",
             self.backend,
             self.seed,
             self.elapsed.as_secs_f64(),
@@ -117,6 +120,7 @@ impl Summary {
             self.connection_kills,
             self.server_restarts,
             self.skewed_children,
+            self.clock_steps,
             self.leaked_rows
         );
         for (name, value) in self.totals.fields() {
@@ -200,11 +204,28 @@ pub fn run(config: &Config, store: &Store) -> Summary {
         .map(|(at, immediate)| (run_start + (config.seconds * at * 1e6) as u64, immediate))
         .collect();
     let mut windows: Vec<(u64, u64)> = Vec::new();
+    // The children's shared wall-clock offset, stepped every few seconds, alternately forward
+    // and back by 2 to 5 s, as an NTP step (or `date -s`) is seen by every process at once.
+    let mut offset = 0i64;
+    let mut next_step = run_start + (config.seconds * 0.1e6) as u64;
     while unix_micros() < deadline {
         std::thread::sleep(Duration::from_millis(20));
         let now = unix_micros();
         if now > fault_window_end {
             continue;
+        }
+        if config.clock_steps && now >= next_step {
+            let by = micros(rng.millis(2_000, 5_000)) as i64;
+            let by = if summary.clock_steps % 2 == 0 {
+                by
+            } else {
+                -by
+            };
+            offset += by;
+            publish(&folder.join(CLOCK_FILE), &offset.to_string());
+            note_fault(&format!("clock stepped by {} ms", by / 1_000), "");
+            summary.clock_steps += 1;
+            next_step = now + micros(rng.millis(1_000, 3_000));
         }
         if let Some(&(at, immediate)) = restarts.get(summary.server_restarts as usize) {
             if now >= at {

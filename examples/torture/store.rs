@@ -63,18 +63,21 @@ impl Place {
     }
 }
 
-/// The system clock as seen on a machine whose wall clock is off by this many milliseconds
-/// (ahead when positive). Its monotonic time and sleeps are the real ones, as they would be.
-pub(crate) struct SkewedClock(pub(crate) i64);
+/// A child's clock: the system clock as seen on a machine whose wall clock is off by `skew`
+/// milliseconds (ahead when positive), and stepped by the run's shared offset (`steps`, micros,
+/// which the parent steps back and forth in the file `CLOCK_FILE`: every child sees a step at
+/// once, as the processes of one machine see NTP's). Its monotonic and boot times and its sleeps
+/// are the real ones, as they would be.
+pub(crate) struct ChildClock {
+    pub(crate) skew: i64,
+    pub(crate) steps: Arc<AtomicI64>,
+}
 
-impl Clock for SkewedClock {
+impl Clock for ChildClock {
     fn now(&self) -> Duration {
-        let by = Duration::from_millis(self.0.unsigned_abs());
-        if self.0 >= 0 {
-            SystemClock.now() + by
-        } else {
-            SystemClock.now().saturating_sub(by)
-        }
+        let by = self.skew * 1_000 + self.steps.load(Ordering::Relaxed);
+        let now = SystemClock.now().as_micros() as i64 + by;
+        Duration::from_micros(now.max(0) as u64)
     }
 
     fn monotonic(&self) -> Duration {
@@ -84,6 +87,30 @@ impl Clock for SkewedClock {
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         SystemClock.sleep(duration)
     }
+
+    fn boot_time(&self) -> Option<leasehold::BootTime> {
+        SystemClock.boot_time()
+    }
+}
+
+/// The file in the run's folder that holds the wall-clock offset every child adds (micros).
+pub(crate) const CLOCK_FILE: &str = "clock-offset";
+
+/// The offset the parent keeps in `folder`'s `CLOCK_FILE`, read every few milliseconds by a
+/// thread of this process's own for as long as it lives.
+pub(crate) fn follow_clock_steps(folder: &Path) -> Arc<AtomicI64> {
+    let steps = Arc::new(AtomicI64::new(0));
+    let (path, seen) = (folder.join(CLOCK_FILE), steps.clone());
+    std::thread::spawn(move || loop {
+        if let Some(offset) = fs::read_to_string(&path)
+            .ok()
+            .and_then(|text| text.trim().parse().ok())
+        {
+            seen.store(offset, Ordering::Relaxed);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    });
+    steps
 }
 
 /// How far the clock of child `id` is off (milliseconds): on PostgreSQL, child 0 runs 10 s ahead
@@ -286,14 +313,21 @@ impl Store {
             ));
             return Ok(format!("{header}\n{}", rows.replace('|', "\t")));
         }
+        // SQLite rows keep their expiry on the machine's boot clock: shown on the wall clock,
+        // by how far it is ahead of the boot clock now (the run steps no real clock).
+        let boot = SystemClock
+            .boot_time()
+            .map_or(0, |time| time.since_boot.as_micros());
+        let shift = SystemClock.now().as_micros() as i64 - boot as i64;
         let connection = sqlite::open(folder.join("locks.db"))?;
         let mut statement = connection.prepare(
-            "SELECT at, op, ticket, owner, held, expires_at, expires_at - at FROM history
-             WHERE key = ? AND at BETWEEN ? AND ? ORDER BY at",
+            "SELECT at, op, ticket, owner, held, expires_at + ?4, expires_at + ?4 - at FROM history
+             WHERE key = ?1 AND at BETWEEN ?2 AND ?3 ORDER BY at",
         )?;
         statement.bind((1, key))?;
         statement.bind((2, from as i64))?;
         statement.bind((3, to as i64))?;
+        statement.bind((4, shift))?;
         let mut text = header.to_owned();
         while let sqlite::State::Row = statement.next()? {
             text.push('\n');

@@ -1,5 +1,6 @@
 //! A few seconds of the torture run on every `cargo test` (the example is tested: `test = true`
-//! in `Cargo.toml`): two child processes, a kill and a pause, and every check of the full run;
+//! in `Cargo.toml`): two child processes, a kill, a pause and clock steps both ways, and every
+//! check of the full run;
 //! and with the `postgres` and `testkit` features, a few seconds of it on a throwaway PostgreSQL
 //! server, with a cut connection, both kinds of restart and skewed clocks besides (skipped with a
 //! printed reason when the server programs are missing, unless `LEASEHOLD_REQUIRE_POSTGRES=1`).
@@ -32,6 +33,7 @@ fn short_run(seconds: f64, backend: Backend) -> Config {
         backend,
         url: None,
         cut_connections: true,
+        clock_steps: true,
         runtime: Runtime::Smol,
         hold: Duration::from_millis(20),
         child_command: vec![
@@ -50,6 +52,11 @@ fn assert_clean(summary: &Summary) {
     for (what, count) in [("killed", summary.kills), ("paused", summary.stops)] {
         assert!(count >= 1, "no child was {what}:\n{}", summary.describe());
     }
+    assert!(
+        summary.clock_steps >= 2,
+        "the clocks were not stepped both ways:\n{}",
+        summary.describe()
+    );
     assert!(
         summary.totals.grants >= 50,
         "too little happened:\n{}",

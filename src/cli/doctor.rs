@@ -2,10 +2,11 @@
 //! nothing is changed, and a store that is not there is not made.
 
 use std::path::Path;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::args::Doctor;
 use super::{store_failed, Store};
+use crate::clock::SystemClock;
+use crate::lock::time::TimeLine;
 use crate::lock::{LockError, StorageError};
 
 pub(crate) fn doctor(args: Doctor) -> u8 {
@@ -95,9 +96,10 @@ impl Findings {
 }
 
 /// Microseconds since the Unix epoch, by this machine's clock.
+#[cfg(feature = "postgres")]
 fn unix_micros() -> i64 {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     i64::try_from(now.as_micros()).unwrap_or(i64::MAX)
 }
@@ -118,6 +120,28 @@ fn sqlite(path: &Path, findings: &mut Findings) -> Result<(), LockError> {
     if !findings.schema(Some(version), ours) {
         return Ok(());
     }
+    // Leases are judged on the time line the store records: this machine's boot clock (or, for
+    // managers whose clocks have none, the wall clock). Rows of an earlier boot are all dead.
+    let recorded = {
+        let mut statement = conn
+            .prepare("SELECT line FROM time_line WHERE id = 1")
+            .map_err(failed)?;
+        match statement.next().map_err(failed)? {
+            sqlite::State::Row => TimeLine::parse(&statement.read::<String, _>(0).map_err(failed)?),
+            sqlite::State::Done => None,
+        }
+    };
+    let now = match recorded {
+        Some(line) => line.now(&SystemClock),
+        None => None,
+    };
+    let Some(now) = now else {
+        findings.ok(
+            "its rows are of an earlier boot of this machine (or of another machine): none is \
+             live, and the next manager to open it deletes them",
+        );
+        return Ok(());
+    };
     // The row with the empty key keeps the ticket counter, and is no lock.
     let mut statement = conn
         .prepare(
@@ -128,7 +152,7 @@ fn sqlite(path: &Path, findings: &mut Findings) -> Result<(), LockError> {
              FROM locks WHERE key <> ''",
         )
         .map_err(failed)?;
-    statement.bind((1, unix_micros())).map_err(failed)?;
+    statement.bind((1, now)).map_err(failed)?;
     statement.next().map_err(failed)?;
     let count = |i: usize| statement.read::<i64, _>(i);
     let (held, waiting, lapsed) = (

@@ -38,7 +38,7 @@ mod handle;
 mod heartbeat;
 mod manager;
 mod state;
-mod time;
+pub(crate) mod time;
 mod types;
 pub(crate) mod worker;
 
