@@ -259,6 +259,8 @@ on_each_store!(
     shared_runs_overlap,
     no_wait_on_a_held_key_runs_nothing_and_exits_with_the_conflict_code,
     a_wait_that_runs_out_runs_nothing_and_exits_with_the_conflict_code,
+    a_zero_or_tiny_wait_takes_a_free_key,
+    a_zero_wait_on_a_held_key_runs_nothing_and_exits_with_the_conflict_code_at_once,
     a_waiter_stopped_by_a_signal_leaves_the_queue_and_exits_128_plus_the_signal,
     a_killed_holders_lock_goes_to_the_next_waiter_within_about_one_lease,
     a_command_whose_lease_is_lost_gets_sigterm_and_leasehold_exits_4,
@@ -394,6 +396,53 @@ fn a_wait_that_runs_out_runs_nothing_and_exits_with_the_conflict_code(sandbox: &
         operations(&sandbox.rows(None)),
         ["holder"],
         "the waiter left a row"
+    );
+    holder.let_go().assert_exit(0);
+}
+
+/// `-w 0s` is flock(1)'s `--nonblock`: a free key is taken. So is it with any wait shorter than
+/// one acquisition takes.
+fn a_zero_or_tiny_wait_takes_a_free_key(sandbox: &Sandbox) {
+    for wait in ["0s", "0ms", "1ms"] {
+        let ran = format!("ran-{wait}");
+        let taken = finish(&mut sandbox.run(&["-w", wait], "k", &format!("touch {ran}; exit 42")));
+        taken.assert_exit(42);
+        assert!(sandbox.exists(&ran), "-w {wait} did not run its COMMAND");
+        assert_eq!(
+            taken.stderr, "",
+            "-w {wait} on a free key said something: {taken}"
+        );
+        assert!(sandbox.rows(None).is_empty(), "-w {wait} left a row");
+    }
+}
+
+fn a_zero_wait_on_a_held_key_runs_nothing_and_exits_with_the_conflict_code_at_once(
+    sandbox: &Sandbox,
+) {
+    let holder = sandbox.hold("holder", &[], "k");
+    let started = Instant::now();
+    let refused = finish(&mut sandbox.run(&["-w", "0s", "-E", "6"], "k", "touch ran"));
+    let took = started.elapsed();
+    refused.assert_exit(6);
+    // Starting the process and opening the store take most of it; nothing is waited for.
+    assert!(
+        took < Duration::from_secs(5),
+        "refused after {took:?}: {refused}"
+    );
+    assert!(
+        !sandbox.exists("ran"),
+        "-w 0s ran its COMMAND on a held key"
+    );
+    assert_eq!(
+        refused.stderr.lines().count(),
+        1,
+        "not one line on stderr: {refused}"
+    );
+    assert!(refused.stderr.contains("is held"), "{refused}");
+    assert_eq!(
+        operations(&sandbox.rows(None)),
+        ["holder"],
+        "the refused run left a row"
     );
     holder.let_go().assert_exit(0);
 }

@@ -70,7 +70,8 @@ pub(crate) struct Run {
     /// Take an exclusive lock (the default)
     #[arg(short = 'x', long)]
     pub(crate) exclusive: bool,
-    /// Wait at most this long for the lock, then run nothing and exit with the conflict code
+    /// Wait at most this long for the lock, then run nothing and exit with the conflict code;
+    /// 0s takes a free lock and waits for none (as -n)
     #[arg(short = 'w', long, value_name = "DURATION", value_parser = parse_duration)]
     pub(crate) wait: Option<Duration>,
     /// Do not wait: if the lock is held, run nothing and exit with the conflict code

@@ -134,10 +134,29 @@ async fn take(
             Err(error) => Err(store_failed(&error)),
         };
     }
+    // A `-w` shorter than one acquisition takes (`0s`, as flock(1) reads it: do not wait)
+    // must never report a free key as held: an attempt that does not wait comes first, and
+    // only a key it finds held is waited for, with what is left of the wait.
+    let started = std::time::Instant::now();
+    let mut left = None;
+    if let Some(wait) = args.wait {
+        match locks.try_acquire(request.clone()).await {
+            Ok(Some(guard)) => return Ok(guard),
+            Ok(None) => {}
+            Err(error) => return Err(store_failed(&error)),
+        }
+        let rest = wait.saturating_sub(started.elapsed());
+        if rest.is_zero() {
+            let waited = super::show_duration(wait);
+            eprintln!("leasehold: {key:?} is held; gave up after {waited} (-w)");
+            return Err(args.conflict_exit_code);
+        }
+        left = Some(rest);
+    }
     let interrupt = AbortController::new();
     let mut acquiring = locks.acquire(request).with_signal(&interrupt.signal());
-    if let Some(wait) = args.wait {
-        acquiring = acquiring.timeout(wait);
+    if let Some(left) = left {
+        acquiring = acquiring.timeout(left);
     }
     let mut acquiring = acquiring.fuse();
     let mut signal = None;
