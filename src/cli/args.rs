@@ -53,7 +53,8 @@ pub(crate) struct StoreArgs {
 /// leaves the queue (no row is left) and exits 130, 143 or 129; while COMMAND runs they are
 /// passed on to it. If the lease is lost while COMMAND runs (this process was stopped past it,
 /// or an operator released it), COMMAND is sent SIGTERM, then SIGKILL after --grace, and the
-/// exit code is 4.
+/// exit code is 4. If this process dies (even of SIGKILL), COMMAND is killed at once, and off a
+/// terminal every process in its group (Linux; elsewhere COMMAND runs on without the lock).
 #[derive(Debug, ClapArgs)]
 #[command(
     group(ArgGroup::new("mode").args(["shared", "exclusive"])),

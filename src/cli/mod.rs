@@ -21,6 +21,7 @@
 
 mod args;
 mod doctor;
+mod lifeline;
 mod release;
 mod run;
 mod show;

@@ -18,6 +18,10 @@
 //! 5. A lost lease ends COMMAND (SIGTERM, then SIGKILL after `--grace`), with its group off a
 //!    terminal; the rows are not released on anyone's behalf (they are gone, or lapsed and
 //!    another may hold them now).
+//! 6. This process dying, however (SIGKILL included, which it cannot catch), ends COMMAND at
+//!    once with SIGKILL, and off a terminal COMMAND's group: on Linux, by a death signal and a
+//!    watcher set up before COMMAND's program starts (`lifeline.rs`, which says why SIGKILL and
+//!    what is not covered: on a terminal, what COMMAND started; other platforms).
 
 use std::io::IsTerminal;
 use std::os::unix::process::CommandExt;
@@ -228,8 +232,21 @@ async fn hold(
     if own_group {
         command.process_group(0);
     }
-    let mut child = match command.spawn() {
-        Ok(child) => child,
+    // COMMAND (and off a terminal its group) dies with this process, however it dies (see
+    // `lifeline.rs`). The kernel's death signal follows the thread that forks: this is the
+    // main thread, which lives as long as the process, as `run` runs this future on the thread
+    // that called it (`smol::block_on`, no executor threads) and `cli::main` calls `run` from
+    // the binary's `main`.
+    let lifeline = super::lifeline::Lifeline::attach(&mut command, own_group);
+    let spawned = lifeline.and_then(|lifeline| match command.spawn() {
+        Ok(child) => Ok((child, lifeline)),
+        Err(error) => {
+            lifeline.stand_down();
+            Err(error)
+        }
+    });
+    let (mut child, lifeline) = match spawned {
+        Ok(spawned) => spawned,
         Err(error) => {
             eprintln!("leasehold: cannot run {:?}: {error}", args.command[0]);
             let _ = guard.release().await;
@@ -290,6 +307,8 @@ async fn hold(
             }
         }
     }
+    // COMMAND ended: what it left running is not killed when this process ends.
+    lifeline.stand_down();
     let code = match child.wait() {
         Ok(status) => exit_code(status),
         Err(error) => {
