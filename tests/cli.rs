@@ -274,6 +274,7 @@ on_each_store!(
     a_signal_to_leasehold_is_forwarded_to_its_command,
     inspect_json_describes_each_row,
     inspect_filters_by_key_prefix_and_prints_a_table_without_json,
+    a_key_that_would_steer_the_terminal_is_shown_escaped,
     doctor_finds_nothing_wrong_with_a_fresh_store,
     release_by_owner_takes_the_lock_from_a_running_command,
     release_without_yes_removes_nothing,
@@ -832,6 +833,46 @@ fn inspect_filters_by_key_prefix_and_prints_a_table_without_json(sandbox: &Sandb
 
     prune.let_go().assert_exit(0);
     backup.let_go().assert_exit(0);
+}
+
+/// Keys (and operations and owners) are written by any process that may take a lock: shown to a
+/// person, one cannot clear the screen, colour it, or break the table into lines that look like
+/// rows. `--json` gives it exactly.
+fn a_key_that_would_steer_the_terminal_is_shown_escaped(sandbox: &Sandbox) {
+    const KEY: &str = "evil\u{1b}[2J\u{1b}[31mkey\nrepo/photos  held";
+    const SHOWN: &str = r"evil\u{1b}[2J\u{1b}[31mkey\nrepo/photos  held";
+    let holder = sandbox.hold("job", &[], KEY);
+
+    let table = finish(&mut sandbox.leasehold("inspect", &[], &[]));
+    table.assert_exit(0);
+    assert!(
+        !table.stdout.contains('\u{1b}'),
+        "an ESC in the table: {table}"
+    );
+    let lines: Vec<&str> = table.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "the row broken into lines: {table}");
+    assert!(lines[1].starts_with(SHOWN), "{table}");
+
+    let rows = sandbox.rows(None);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(
+        rows[0].text("key"),
+        KEY,
+        "--json does not give the key exactly"
+    );
+
+    // Where else it is shown: a refusal's message, and the rows `release` asks about.
+    let refused = finish(&mut sandbox.run(&["-n"], KEY, "true"));
+    refused.assert_exit(1);
+    let asked = finish(&mut sandbox.leasehold("release", &[], &["--owner", rows[0].text("owner")]));
+    asked.assert_exit(1);
+    for said in [&refused, &asked] {
+        assert!(
+            !said.stderr.contains('\u{1b}') && said.stderr.contains(r"\u{1b}[2J"),
+            "not escaped: {said}"
+        );
+    }
+    holder.let_go().assert_exit(0);
 }
 
 fn doctor_finds_nothing_wrong_with_a_fresh_store(sandbox: &Sandbox) {

@@ -108,7 +108,9 @@ pub(crate) struct Run {
 
 /// Show the holders and waiters of every key (or of the keys that start with KEY_PREFIX)
 ///
-/// Read-only: it never creates a store that is not there.
+/// Read-only: it never creates a store that is not there. Keys, operations and owners are
+/// written by whoever takes a lock: the table shows their control and other non-printing
+/// characters escaped (\n, \u{1b}, and a backslash as \\); --json gives them exactly.
 #[derive(Debug, ClapArgs)]
 #[command(after_help = "Examples:\n  \
         leasehold inspect locks.db\n  \
