@@ -53,7 +53,8 @@ pub(crate) struct StoreArgs {
 /// leaves the queue (no row is left) and exits 130, 143 or 129; while COMMAND runs they are
 /// passed on to it. If the lease is lost while COMMAND runs (this process was stopped past it,
 /// or an operator released it), COMMAND is sent SIGTERM, then SIGKILL after --grace, and the
-/// exit code is 4.
+/// exit code is 4. If this process dies (even of SIGKILL), COMMAND is killed at once, and off a
+/// terminal every process in its group (Linux; elsewhere COMMAND runs on without the lock).
 #[derive(Debug, ClapArgs)]
 #[command(
     group(ArgGroup::new("mode").args(["shared", "exclusive"])),
@@ -70,7 +71,8 @@ pub(crate) struct Run {
     /// Take an exclusive lock (the default)
     #[arg(short = 'x', long)]
     pub(crate) exclusive: bool,
-    /// Wait at most this long for the lock, then run nothing and exit with the conflict code
+    /// Wait at most this long for the lock, then run nothing and exit with the conflict code;
+    /// 0s takes a free lock and waits for none (as -n)
     #[arg(short = 'w', long, value_name = "DURATION", value_parser = parse_duration)]
     pub(crate) wait: Option<Duration>,
     /// Do not wait: if the lock is held, run nothing and exit with the conflict code
@@ -106,7 +108,9 @@ pub(crate) struct Run {
 
 /// Show the holders and waiters of every key (or of the keys that start with KEY_PREFIX)
 ///
-/// Read-only: it never creates a store that is not there.
+/// Read-only: it never creates a store that is not there. Keys, operations and owners are
+/// written by whoever takes a lock: the table shows their control and other non-printing
+/// characters escaped (\n, \u{1b}, and a backslash as \\); --json gives them exactly.
 #[derive(Debug, ClapArgs)]
 #[command(after_help = "Examples:\n  \
         leasehold inspect locks.db\n  \

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use super::args::Doctor;
-use super::{store_failed, Store};
+use super::{printable, store_failed, Store};
 use crate::clock::SystemClock;
 use crate::lock::time::TimeLine;
 use crate::lock::{LockError, StorageError};
@@ -105,7 +105,7 @@ fn unix_micros() -> i64 {
 }
 
 fn sqlite(path: &Path, findings: &mut Findings) -> Result<(), LockError> {
-    let doing = format!("checking the store {}", path.display());
+    let doing = format!("checking the store {}", shown(path));
     if !path.is_file() {
         return Err(StorageError::new(doing, "there is no such file").into());
     }
@@ -194,18 +194,18 @@ fn file_access(path: &Path, findings: &mut Findings) {
                 format!(
                     "{what} {} is world-writable (mode {mode:03o}): any user can take, hold or \
                      forge any lock",
-                    file.display()
+                    shown(&file)
                 ),
-                format!("chmod o-rw {}", file.display()),
+                format!("chmod o-rw {}", shown(&file)),
             );
         } else if mode & 0o004 != 0 {
             findings.problem(
                 format!(
                     "{what} {} is world-readable (mode {mode:03o}): any user sees every key, \
                      operation and owner",
-                    file.display()
+                    shown(&file)
                 ),
-                format!("chmod o-r {}", file.display()),
+                format!("chmod o-r {}", shown(&file)),
             );
         } else if file == path {
             findings.ok(format!("the file's mode is {mode:03o}"));
@@ -228,12 +228,17 @@ fn file_access(path: &Path, findings: &mut Findings) {
                 format!(
                     "its folder {} is writable by every user (mode {mode:04o}): another user \
                      can create the file first, or (without the sticky bit) replace it",
-                    folder.display()
+                    shown(folder)
                 ),
                 "keep the store in a folder of the service's own, such as /var/lib/<service>",
             );
         }
     }
+}
+
+/// `path` as it can be shown (see [`printable`]).
+fn shown(path: &Path) -> String {
+    printable(&path.to_string_lossy())
 }
 
 fn with_suffix(path: &Path, suffix: &str) -> std::path::PathBuf {

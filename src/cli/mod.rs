@@ -21,6 +21,7 @@
 
 mod args;
 mod doctor;
+mod lifeline;
 mod release;
 mod run;
 mod show;
@@ -186,6 +187,34 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(total)
 }
 
+/// `text` (a key, an operation, an owner: written by any process that may take a lock) as it can
+/// be shown to a person without steering the terminal: the characters `str::escape_debug`
+/// escapes (controls such as ESC, newline, DEL and the C1 set; Unicode's format characters, such
+/// as the bidirectional overrides and the zero-width ones; separators other than the space; a
+/// combining mark that begins it, which would join what comes before) are written as Rust
+/// writes them (`\n`, `\u{1b}`), and the backslash as `\\`, so that the escaped form reads
+/// one way only. Quotes are shown as they are. (Messages that quote a name use `{:?}`, which
+/// escapes the same, and every combining mark too.)
+pub(crate) fn printable(text: &str) -> String {
+    let escaped = text.escape_debug().to_string();
+    let mut shown = String::with_capacity(escaped.len());
+    let mut chars = escaped.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            shown.push(c);
+            continue;
+        }
+        // An escape: of a quote (shown as it is here), or one kept as it is.
+        if let Some(escaped) = chars.next() {
+            if !matches!(escaped, '"' | '\'') {
+                shown.push('\\');
+            }
+            shown.push(escaped);
+        }
+    }
+    shown
+}
+
 /// `duration` as a person reads it: `850ms`, `12.3s`, `4m05s`, `2h10m`.
 pub(crate) fn show_duration(duration: Duration) -> String {
     let ms = duration.as_millis();
@@ -226,6 +255,38 @@ mod tests {
         assert_eq!(show_duration(Duration::from_millis(12_345)), "12.3s");
         assert_eq!(show_duration(Duration::from_secs(245)), "4m05s");
         assert_eq!(show_duration(Duration::from_secs(7_800)), "2h10m");
+    }
+
+    #[test]
+    fn what_could_steer_a_terminal_is_shown_escaped() {
+        for (text, shown) in [
+            ("evil\u{1b}[2J\u{1b}[31mkey", "evil\\u{1b}[2J\\u{1b}[31mkey"),
+            ("two\nlines\r", "two\\nlines\\r"),
+            ("tab\there", "tab\\there"),
+            ("del\u{7f}", "del\\u{7f}"),
+            ("c1 csi \u{9b}31m", "c1 csi \\u{9b}31m"),
+            ("bidi \u{202e}txt.exe", "bidi \\u{202e}txt.exe"),
+            ("zero\u{200b}width\u{feff}", "zero\\u{200b}width\\u{feff}"),
+            ("\u{301}leading mark", "\\u{301}leading mark"),
+            ("back\\slash", "back\\\\slash"),
+        ] {
+            assert_eq!(printable(text), shown, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn ordinary_text_is_shown_as_it_is() {
+        for text in [
+            "repo/photos",
+            "café",
+            "cafe\u{301}",
+            "हिन्दी",
+            "日本語のキー",
+            "a \"quoted\" 'word'",
+            "",
+        ] {
+            assert_eq!(printable(text), text);
+        }
     }
 
     #[test]

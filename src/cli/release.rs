@@ -63,7 +63,7 @@ pub(crate) fn release(args: Release) -> u8 {
                 1
             }
             Ok(removed) => {
-                println!("removed {removed} row(s) of {owner}");
+                println!("removed {removed} row(s) of {}", super::printable(&owner));
                 0
             }
             Err(error) => store_failed(&error),

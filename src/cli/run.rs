@@ -18,6 +18,10 @@
 //! 5. A lost lease ends COMMAND (SIGTERM, then SIGKILL after `--grace`), with its group off a
 //!    terminal; the rows are not released on anyone's behalf (they are gone, or lapsed and
 //!    another may hold them now).
+//! 6. This process dying, however (SIGKILL included, which it cannot catch), ends COMMAND at
+//!    once with SIGKILL, and off a terminal COMMAND's group: on Linux, by a death signal and a
+//!    watcher set up before COMMAND's program starts (`lifeline.rs`, which says why SIGKILL and
+//!    what is not covered: on a terminal, what COMMAND started; other platforms).
 
 use std::io::IsTerminal;
 use std::os::unix::process::CommandExt;
@@ -134,10 +138,29 @@ async fn take(
             Err(error) => Err(store_failed(&error)),
         };
     }
+    // A `-w` shorter than one acquisition takes (`0s`, as flock(1) reads it: do not wait)
+    // must never report a free key as held: an attempt that does not wait comes first, and
+    // only a key it finds held is waited for, with what is left of the wait.
+    let started = std::time::Instant::now();
+    let mut left = None;
+    if let Some(wait) = args.wait {
+        match locks.try_acquire(request.clone()).await {
+            Ok(Some(guard)) => return Ok(guard),
+            Ok(None) => {}
+            Err(error) => return Err(store_failed(&error)),
+        }
+        let rest = wait.saturating_sub(started.elapsed());
+        if rest.is_zero() {
+            let waited = super::show_duration(wait);
+            eprintln!("leasehold: {key:?} is held; gave up after {waited} (-w)");
+            return Err(args.conflict_exit_code);
+        }
+        left = Some(rest);
+    }
     let interrupt = AbortController::new();
     let mut acquiring = locks.acquire(request).with_signal(&interrupt.signal());
-    if let Some(wait) = args.wait {
-        acquiring = acquiring.timeout(wait);
+    if let Some(left) = left {
+        acquiring = acquiring.timeout(left);
     }
     let mut acquiring = acquiring.fuse();
     let mut signal = None;
@@ -209,8 +232,21 @@ async fn hold(
     if own_group {
         command.process_group(0);
     }
-    let mut child = match command.spawn() {
-        Ok(child) => child,
+    // COMMAND (and off a terminal its group) dies with this process, however it dies (see
+    // `lifeline.rs`). The kernel's death signal follows the thread that forks: this is the
+    // main thread, which lives as long as the process, as `run` runs this future on the thread
+    // that called it (`smol::block_on`, no executor threads) and `cli::main` calls `run` from
+    // the binary's `main`.
+    let lifeline = super::lifeline::Lifeline::attach(&mut command, own_group);
+    let spawned = lifeline.and_then(|lifeline| match command.spawn() {
+        Ok(child) => Ok((child, lifeline)),
+        Err(error) => {
+            lifeline.stand_down();
+            Err(error)
+        }
+    });
+    let (mut child, lifeline) = match spawned {
+        Ok(spawned) => spawned,
         Err(error) => {
             eprintln!("leasehold: cannot run {:?}: {error}", args.command[0]);
             let _ = guard.release().await;
@@ -271,6 +307,8 @@ async fn hold(
             }
         }
     }
+    // COMMAND ended: what it left running is not killed when this process ends.
+    lifeline.stand_down();
     let code = match child.wait() {
         Ok(status) => exit_code(status),
         Err(error) => {

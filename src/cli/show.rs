@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::FutureExt;
 
 use super::args::{Inspect, Watch};
-use super::{show_duration, store_failed, Store};
+use super::{printable, show_duration, store_failed, Store};
 use crate::lock::{EntryState, LockEntry, LockManager, Mode};
 
 pub(crate) fn inspect(args: Inspect) -> u8 {
@@ -92,7 +92,7 @@ pub(crate) async fn entries(
 
 fn heading(store: &Store, prefix: Option<&str>) -> String {
     let store = match store {
-        Store::File(path) => path.display().to_string(),
+        Store::File(path) => printable(&path.to_string_lossy()),
         #[cfg(feature = "postgres")]
         Store::Postgres { schema, .. } => {
             format!(
@@ -121,7 +121,9 @@ fn mode_name(mode: Mode) -> &'static str {
     }
 }
 
-/// The rows as a table, one line per row, with a heading; "no locks" for none.
+/// The rows as a table, one line per row, with a heading; "no locks" for none. Keys,
+/// operations and owners are shown [`printable`]: one of them cannot break a row into lines,
+/// move the cursor or clear the screen.
 pub(crate) fn table(entries: &[LockEntry], now: Duration) -> String {
     if entries.is_empty() {
         return "no locks held or waited for\n".to_owned();
@@ -144,11 +146,11 @@ pub(crate) fn table(entries: &[LockEntry], now: Duration) -> String {
                 EntryState::Waiting { position } => format!("waiting #{}", position + 1),
             };
             [
-                entry.key.clone(),
+                printable(&entry.key),
                 state,
                 mode_name(entry.mode).to_owned(),
-                entry.operation.clone(),
-                entry.owner.clone(),
+                printable(&entry.operation),
+                printable(&entry.owner),
                 entry.ticket.to_string(),
                 show_duration(now.saturating_sub(entry.since)),
                 show_duration(entry.expires_at.saturating_sub(now)),
@@ -198,7 +200,8 @@ pub(crate) fn json_line(entry: &LockEntry, now: Duration) -> String {
     )
 }
 
-/// `text` as a JSON string, quoted and escaped.
+/// `text` as a JSON string, quoted and escaped: exact, and with every control character
+/// (C0, DEL, C1) escaped, so that it cannot steer a terminal it is printed on either.
 fn json_string(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);
     out.push('"');
@@ -209,7 +212,7 @@ fn json_string(text: &str) -> String {
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 => {
+            c if c.is_control() => {
                 let _ = write!(out, "\\u{:04x}", u32::from(c));
             }
             c => out.push(c),
@@ -249,6 +252,32 @@ mod tests {
              \"ticket\":7,\"since_ms\":100000,\"expires_at_ms\":130000,\"lease_left_ms\":20000}"
         );
         assert!(json_line(&entry("k", EntryState::Held), now).contains("\"position\":null"));
+        assert_eq!(
+            json_string("\u{1b}[2J\n\u{7f}\u{9b}é"),
+            "\"\\u001b[2J\\n\\u007f\\u009bé\""
+        );
+    }
+
+    #[test]
+    fn the_table_shows_a_key_that_would_steer_the_terminal_escaped_and_lined_up() {
+        let now = Duration::from_secs(112);
+        let shown = table(
+            &[
+                entry("evil\u{1b}[2J\u{1b}[31mkey\nk  held", EntryState::Held),
+                entry("k", EntryState::Waiting { position: 0 }),
+            ],
+            now,
+        );
+        assert!(!shown.contains('\u{1b}'), "{shown}");
+        let lines: Vec<&str> = shown.lines().collect();
+        assert_eq!(lines.len(), 3, "{shown}");
+        let escaped = "evil\\u{1b}[2J\\u{1b}[31mkey\\nk  held";
+        // The second column starts after the widest key as shown, on every line.
+        let column = escaped.len() + 2;
+        assert!(lines[1].starts_with(escaped), "{shown}");
+        assert!(lines[0][column..].starts_with("STATE"), "{shown}");
+        assert!(lines[1][column..].starts_with("held"), "{shown}");
+        assert!(lines[2][column..].starts_with("waiting"), "{shown}");
     }
 
     #[test]
