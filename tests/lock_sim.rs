@@ -7,9 +7,11 @@
 //! some interrupted while they wait (by a timeout, or by being dropped), some releasing by
 //! `release`, by drop, or by the scope that adopted the guard; and a controller that kills one
 //! process or stops one past its lease. Every process's connection meets drawn faults: busy
-//! refusals, failed commits, lost answers, lost connections, latency and wall-clock steps. The
-//! simulation's order of polls is drawn from the same seed, so a failure is one seed, printed
-//! with the simulation's trace and the store's history.
+//! refusals, failed commits, lost answers, lost connections, latency and wall-clock steps, on a
+//! store that judges leases as SQLite does (by the boot clock, which steps do not move) for odd
+//! seeds and as PostgreSQL does (by its own stepped clock, estimated by its managers) for even
+//! ones. The simulation's order of polls is drawn from the same seed, so a failure is one seed,
+//! printed with the simulation's trace and the store's history.
 
 #![cfg(feature = "testkit")]
 
@@ -232,16 +234,33 @@ async fn run_task(locks: LockManager, clock: Arc<dyn Clock>, steps: Vec<Step>) {
 /// as on PostgreSQL, whose clock judges leases while a process estimates it from its own.
 const ESTIMATE_AHEAD: Duration = Duration::from_millis(5);
 
-/// Runs `workload` in a simulation of `seed`, with `mutation` if any, the managers' estimates
-/// of the store's time up to `estimate_ahead` ahead of it; `Err` says what broke, with what to
-/// replay it by.
-fn run(seed: u64, mutation: Option<Mutation>, estimate_ahead: Duration) -> Result<Run, String> {
+/// The store a drawn workload runs on, by its seed: odd seeds on one that judges leases as
+/// SQLite does (`None`: by the boot clock, which the plan's clock steps do not move), even ones
+/// on a PostgreSQL-like one (its own wall clock, which they step, estimated by its managers up
+/// to `ESTIMATE_AHEAD` ahead).
+fn like(seed: u64) -> Option<Duration> {
+    (seed % 2 == 0).then_some(ESTIMATE_AHEAD)
+}
+
+/// Runs `workload` in a simulation of `seed`, with `mutation` if any, on a store that judges
+/// leases as SQLite does (`postgres_like` `None`) or as PostgreSQL does, the managers'
+/// estimates of its time up to `postgres_like` ahead of it; `Err` says what broke, with what
+/// to replay it by.
+fn run(
+    seed: u64,
+    mutation: Option<Mutation>,
+    postgres_like: Option<Duration>,
+) -> Result<Run, String> {
     let workload = Workload::drawn(seed);
     let mut config = SimConfig::default();
     config.seed = seed;
     config.max_steps = 2_000_000;
     let mut sim = Sim::with_config(config);
-    let store = SimStore::new(&sim);
+    let store = match postgres_like {
+        None => SimStore::new(&sim),
+        Some(_) => SimStore::like_postgres(&sim),
+    };
+    let estimate_ahead = postgres_like.unwrap_or_default();
     let clock: Arc<dyn Clock> = Arc::new(sim.clock());
     let spawner = sim.spawner();
     let owners = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -386,7 +405,7 @@ proptest! {
     /// which `one_seed` replays).
     #[test]
     fn random_workloads_with_kills_stops_and_faults_keep_every_promise(seed in any::<u64>()) {
-        let run = run(seed, None, ESTIMATE_AHEAD);
+        let run = run(seed, None, like(seed));
         prop_assert!(run.is_ok(), "{}", run.unwrap_err());
     }
 }
@@ -396,7 +415,7 @@ proptest! {
 fn the_first_workloads_keep_every_promise() {
     let mut grants = 0;
     for seed in 0..cases() / 4 {
-        match run(seed, None, ESTIMATE_AHEAD) {
+        match run(seed, None, like(seed)) {
             Ok(run) => grants += run.grants,
             Err(why) => panic!("{why}"),
         }
@@ -411,7 +430,7 @@ fn the_first_workloads_keep_every_promise() {
 /// message must say `what` broke.
 fn found(mutation: Mutation, what: &str) {
     let found = (0..cases()).find_map(|seed| {
-        run(seed, Some(mutation), ESTIMATE_AHEAD)
+        run(seed, Some(mutation), Some(ESTIMATE_AHEAD))
             .err()
             .map(|why| (seed, why))
     });
@@ -493,6 +512,80 @@ fn listed_faults_are_applied_at_their_transactions_and_ridden_over() {
     }
 }
 
+/// On a store that judges leases as SQLite does, steps of the wall clock far past the lease,
+/// forward and back, while one manager holds and another waits, let no one in: the waiter is
+/// granted only once the holder releases, the holder renews all along and hears no `lost()`.
+#[test]
+fn on_a_sqlite_like_store_no_clock_step_lets_a_waiter_in() {
+    let mut sim = Sim::new(3);
+    let store = SimStore::new(&sim);
+    let clock = sim.clock();
+    sim.block_on({
+        let store = store.clone();
+        async move {
+            let step = 20 * LEASE;
+            // Each manager's every transaction after its first steps the clock, one way then
+            // the other (the store's clock is shared: each step is seen by both).
+            let steps = |plan: FaultPlan| {
+                (1..40).fold(plan, |plan, n| {
+                    plan.with(
+                        n,
+                        if n % 2 == 0 {
+                            Fault::ClockBack(step)
+                        } else {
+                            Fault::ClockForward(step)
+                        },
+                    )
+                })
+            };
+            let open = || {
+                LockManager::builder()
+                    .lease(LEASE)
+                    .heartbeat(HEARTBEAT)
+                    .open_simulated(&store, steps(FaultPlan::none()))
+            };
+            let (holder, waiter) = (open()?, open()?);
+            let held = holder.exclusive("k", "hold").await?;
+            let waiting = waiter.exclusive("k", "wait");
+            let waited = async {
+                clock.sleep(4 * LEASE).await;
+                None
+            };
+            futures::pin_mut!(waiting, waited);
+            match select(waiting, waited).await {
+                Either::Left((granted, _)) => {
+                    panic!(
+                        "granted over a live holder: {:?}",
+                        granted.map(|g| g.fencing_token())
+                    )
+                }
+                Either::Right((None::<()>, waiting)) => {
+                    assert!(!held.lost().is_aborted(), "the holder lost its lease");
+                    let token = held.fencing_token();
+                    held.release().await?;
+                    let next = waiting.await?;
+                    assert!(next.fencing_token() > token);
+                    next.release().await?;
+                }
+                Either::Right((Some(()), _)) => unreachable!(),
+            }
+            Ok::<_, LockError>(())
+        }
+    })
+    .unwrap()
+    .unwrap();
+    let history = store.history();
+    let steps = history
+        .events()
+        .iter()
+        .filter(
+            |event| matches!(event, LockEvent::Fault { fault, .. } if fault.starts_with("Clock")),
+        )
+        .count();
+    assert!(steps >= 4, "{steps} clock steps");
+    check_locks(&history).unwrap();
+}
+
 /// The seeds on which the search found bugs, kept as they were found (while the workload
 /// generator stays as it is, each replays the same run): 1399, a `many` waiter of the same
 /// manager never woken after a release whose answer was lost; 768, shared grants out of ticket
@@ -518,11 +611,11 @@ fn the_seeds_that_found_bugs_pass() {
         1504486325539948817,
         4016030577864982332,
     ] {
-        if let Err(why) = run(seed, None, Duration::ZERO) {
+        if let Err(why) = run(seed, None, Some(Duration::ZERO)) {
             panic!("{why}");
         }
     }
-    if let Err(why) = run(17138760511752577244, None, ESTIMATE_AHEAD) {
+    if let Err(why) = run(17138760511752577244, None, Some(ESTIMATE_AHEAD)) {
         panic!("{why}");
     }
 }
@@ -531,13 +624,9 @@ fn the_seeds_that_found_bugs_pass() {
 #[test]
 fn a_workload_is_its_seed() {
     for seed in [3, 17, 40] {
-        let first = run(seed, None, ESTIMATE_AHEAD).unwrap();
+        let first = run(seed, None, like(seed)).unwrap();
         assert!(first.grants > 0);
-        assert_eq!(
-            first,
-            run(seed, None, ESTIMATE_AHEAD).unwrap(),
-            "seed {seed}"
-        );
+        assert_eq!(first, run(seed, None, like(seed)).unwrap(), "seed {seed}");
     }
 }
 
@@ -597,7 +686,7 @@ fn one_seed() {
         .ok()
         .and_then(|seed| seed.parse().ok())
         .expect("LEASEHOLD_SIM_SEED, a number");
-    if let Err(why) = run(seed, None, ESTIMATE_AHEAD) {
+    if let Err(why) = run(seed, None, like(seed)) {
         panic!("{why}");
     }
 }

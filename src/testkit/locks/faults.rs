@@ -35,9 +35,12 @@ pub enum Fault {
     ConnectionLost,
     /// The transaction's start takes this long (virtual time passes while it runs).
     Latency(Duration),
-    /// The store's wall clock (the one leases are judged by) steps forward by this much.
+    /// The store's wall clock steps forward by this much: every lease with it on a store that
+    /// judges leases by it ([`SimStore::like_postgres`](super::SimStore::like_postgres)); on
+    /// one that judges them as SQLite does ([`SimStore::new`](super::SimStore::new)), only
+    /// the times shown.
     ClockForward(Duration),
-    /// The store's wall clock steps back by this much.
+    /// The store's wall clock steps back by this much (see `ClockForward`).
     ClockBack(Duration),
 }
 

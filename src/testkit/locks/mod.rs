@@ -89,14 +89,30 @@ struct Inner {
 }
 
 impl SimStore {
-    /// A new, empty store inside `sim`.
+    /// A new, empty store inside `sim` that judges leases as a SQLite file does: by the
+    /// machine's boot clock (the simulation's monotonic time), which the plan's clock steps
+    /// (`Fault::ClockForward`, `Fault::ClockBack`) do not move; they step the wall clock its
+    /// managers show times by.
     pub fn new(sim: &Sim) -> SimStore {
+        SimStore::with_clock(sim, true)
+    }
+
+    /// A new, empty store inside `sim` that judges leases by a wall clock of its own, as a
+    /// PostgreSQL server does by its `clock_timestamp()`: the plan's clock steps move it, and
+    /// every lease with it. With [`FaultPlan::estimate_ahead`], its managers estimate that
+    /// clock as PostgreSQL's clients do.
+    pub fn like_postgres(sim: &Sim) -> SimStore {
+        SimStore::with_clock(sim, false)
+    }
+
+    fn with_clock(sim: &Sim, boot: bool) -> SimStore {
         SimStore {
             inner: Arc::new(Inner {
                 memory: MemoryStore::new(),
                 clock: Arc::new(StoreClock {
                     sim: sim.clock(),
                     offset: AtomicI64::new(0),
+                    boot,
                 }),
                 spawner: sim.spawner(),
                 history: Arc::default(),
@@ -207,6 +223,10 @@ pub(crate) struct StoreClock {
     sim: TestClock,
     /// Microseconds added to the simulation's wall time.
     offset: AtomicI64,
+    /// Whether it gives a boot time (the monotonic time), by which the store then judges
+    /// leases (`SimStore::new`), or none, so that it judges them by the stepped wall time
+    /// (`SimStore::like_postgres`).
+    boot: bool,
 }
 
 impl StoreClock {
@@ -232,6 +252,13 @@ impl Clock for StoreClock {
 
     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
         self.sim.sleep(duration)
+    }
+
+    fn boot_time(&self) -> Option<crate::clock::BootTime> {
+        self.boot.then(|| crate::clock::BootTime {
+            boot: TestClock::BOOT,
+            since_boot: self.sim.monotonic(),
+        })
     }
 }
 
