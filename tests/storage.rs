@@ -59,7 +59,7 @@ fn a_version_1_database_is_migrated_keeping_its_rows_and_its_ticket_sequence() {
         let connection = sqlite::open(&path).unwrap();
         let mut version = connection.prepare("PRAGMA user_version").unwrap();
         version.next().unwrap();
-        assert_eq!(version.read::<i64, _>(0).unwrap(), 3);
+        assert_eq!(version.read::<i64, _>(0).unwrap(), 4);
         let mut tables = connection
             .prepare("SELECT COUNT(*) FROM sqlite_schema WHERE name = 'tickets'")
             .unwrap();

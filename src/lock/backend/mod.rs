@@ -157,9 +157,28 @@ pub(crate) trait Storage {
     /// Deletes the lapsed rows on `keys`; returns how many.
     fn delete_expired(&mut self, keys: &[String], now: i64) -> Result<usize>;
     /// Housekeeping, once per heartbeat: deletes lapsed rows on every key (of owners that
-    /// died, on keys no one touches since), and whatever else the backend keeps that grows.
-    /// Lapsed rows are invisible to every decision already, so nothing waits for this.
+    /// died, on keys no one touches since), the tombstones of removals kept past their time
+    /// (`record_removal`), and whatever else the backend keeps that grows. Lapsed rows are
+    /// invisible to every decision already, so nothing waits for this.
     fn sweep(&mut self, now: i64) -> Result<()>;
+    /// In the write transaction of an operator's removal of `owner`'s request `ticket`, before
+    /// its rows are deleted: records that `by` (the remover's owner id) removed it, if it has a
+    /// waiting row (a tombstone). Its owner, finding its rows gone, tells so a removal, which
+    /// ends its wait, from a lapse of its own rows, after which it queues again (`removals`).
+    /// A holder's removal records nothing: its guard hears `lost()` either way.
+    ///
+    /// A tombstone is kept until the owner has heard of it (`forget_removals`), or, at the
+    /// latest, until the removed row's lease would have run out and as long again (`sweep`): an
+    /// owner that renews finds its rows gone before their lease runs out, and one that did not
+    /// renew by then would have lost them to a lapse anyway.
+    fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()>;
+    /// Of `owner`'s requests `tickets`, whose rows it found gone, those an operator removed
+    /// (`record_removal`), each with who removed it. A read: the tombstones stay until
+    /// `forget_removals`, so that an answer lost on the way is asked again.
+    fn removals(&mut self, owner: &str, tickets: &[u64]) -> Result<Vec<(u64, String)>>;
+    /// Deletes the tombstones of `owner`'s requests `tickets`, whose removal it has heard of;
+    /// outside a write transaction, in a statement of its own.
+    fn forget_removals(&mut self, owner: &str, tickets: &[u64]) -> Result<()>;
     /// Renews every live row of `owner` until `expires_at`; never touches an expired row.
     /// Returns what it renewed, by request: every live request of `owner`, as the storage
     /// judged "live" as it renewed.

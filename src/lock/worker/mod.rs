@@ -30,6 +30,10 @@
 //!    own time, since a look judges by an estimate of it that may run ahead (PostgreSQL's).
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
+//! 6. A wait whose rows are found gone ends by what the store recorded, never by a guess: with
+//!    `LockError::Removed` if an operator removed it (a tombstone written in the transaction
+//!    that deleted its rows: `evict.rs`), else as lapsed, and its caller queues again. While
+//!    the store cannot say which, the wait goes on, and the next look asks again (`grants.rs`).
 
 mod at_once;
 mod batch;

@@ -33,7 +33,7 @@ use crate::lock::{LockError, LockRequest, StorageError};
 use crate::schedule::Schedule;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i64 = 3;
+pub(crate) const SCHEMA_VERSION: i64 = 4;
 
 const SQLITE_BUSY: isize = 5;
 const SQLITE_LOCKED: isize = 6;
@@ -414,6 +414,25 @@ impl<'c> Db<'c> {
                 "ALTER TABLE locks ADD COLUMN keys TEXT;
                  CREATE TABLE changes (seq INTEGER PRIMARY KEY, key_hash INTEGER NOT NULL);
                  PRAGMA user_version = 3;",
+            )?;
+        }
+        if found < 4 {
+            // Tombstones of operators' removals of waiting requests (`Storage::record_removal`),
+            // by which an owner tells a removal, which ends its wait, from a lapse of its own
+            // rows, after which it queues again. A row per removed request, until its owner has
+            // heard of it or the sweep finds it past `kept_until`: a handful at most, scanned
+            // by the sweep without an index. A process of version 3 refuses this database
+            // (`SchemaTooNew`); processes sharing a file must be upgraded together.
+            self.exec(
+                "migrating the schema to version 4",
+                "CREATE TABLE removed (
+                     owner TEXT NOT NULL,
+                     ticket INTEGER NOT NULL,
+                     by_owner TEXT NOT NULL,
+                     kept_until INTEGER NOT NULL,
+                     PRIMARY KEY (owner, ticket)
+                 ) WITHOUT ROWID;
+                 PRAGMA user_version = 4;",
             )?;
         }
         Ok(())
@@ -808,8 +827,8 @@ impl Storage for Db<'_> {
         Ok(deleted)
     }
 
-    /// Deletes every lapsed row (a scan of the table, as the heartbeat's renewal is), and
-    /// trims the change log to its last [`LOG_KEPT`] entries.
+    /// Deletes every lapsed row (a scan of the table, as the heartbeat's renewal is) and the
+    /// tombstones past their time, and trims the change log to its last [`LOG_KEPT`] entries.
     fn sweep(&mut self, now: i64) -> Result<()> {
         let doing = "deleting expired rows";
         let mut statement = self.prepare(doing, "DELETE FROM locks WHERE expires_at <= ?")?;
@@ -826,6 +845,62 @@ impl Storage for Db<'_> {
         )?;
         bind(doing, &mut statement, 1, LOG_KEPT)?;
         step(doing, &mut statement)?;
+        drop(statement);
+        let doing = "sweeping the tombstones of removals";
+        let mut statement = self.prepare(doing, "DELETE FROM removed WHERE kept_until <= ?")?;
+        bind(doing, &mut statement, 1, now)?;
+        step(doing, &mut statement)?;
+        Ok(())
+    }
+
+    /// Kept until the latest of the request's waiting rows' leases would have run out, and
+    /// as long again (the lease is the row's own: the length its last renewal gave it).
+    fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()> {
+        let doing = "recording a removal";
+        let mut statement = self.prepare(
+            doing,
+            "INSERT OR REPLACE INTO removed (owner, ticket, by_owner, kept_until)
+             SELECT owner, ticket, ?3, MAX(MAX(expires_at, ?4) + (expires_at - heartbeat_at))
+             FROM locks WHERE owner = ?1 AND ticket = ?2 AND held = 0
+             GROUP BY owner, ticket",
+        )?;
+        bind(doing, &mut statement, 1, owner)?;
+        bind(doing, &mut statement, 2, sql_ticket(ticket))?;
+        bind(doing, &mut statement, 3, by)?;
+        bind(doing, &mut statement, 4, now)?;
+        step(doing, &mut statement)?;
+        Ok(())
+    }
+
+    fn removals(&mut self, owner: &str, tickets: &[u64]) -> Result<Vec<(u64, String)>> {
+        let doing = "reading whether an operator removed waiting requests";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT by_owner FROM removed WHERE owner = ? AND ticket = ?",
+        )?;
+        let mut found = Vec::new();
+        for &ticket in tickets {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, owner)?;
+            bind(doing, &mut statement, 2, sql_ticket(ticket))?;
+            if step(doing, &mut statement)? {
+                found.push((ticket, read::<String>(doing, &statement, 0)?));
+            }
+        }
+        Ok(found)
+    }
+
+    /// One statement per tombstone, each committed alone (there are one or two).
+    fn forget_removals(&mut self, owner: &str, tickets: &[u64]) -> Result<()> {
+        let doing = "forgetting removals heard of";
+        let mut statement =
+            self.prepare(doing, "DELETE FROM removed WHERE owner = ? AND ticket = ?")?;
+        for &ticket in tickets {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, owner)?;
+            bind(doing, &mut statement, 2, sql_ticket(ticket))?;
+            step(doing, &mut statement)?;
+        }
         Ok(())
     }
 
