@@ -18,6 +18,8 @@
 //! 5. A lost lease ends COMMAND (SIGTERM, then SIGKILL after `--grace`), with its group off a
 //!    terminal; the rows are not released on anyone's behalf (they are gone, or lapsed and
 //!    another may hold them now).
+//! 6. A wait ended by an operator's removal (`leasehold release`) runs nothing: it says who
+//!    removed it and exits 5, without queueing again.
 
 use std::io::IsTerminal;
 use std::os::unix::process::CommandExt;
@@ -38,6 +40,10 @@ use crate::lock::{Guard, LockError, LockManager, LockRequest};
 
 /// The exit code when the lease was lost while COMMAND ran.
 const LEASE_LOST: u8 = 4;
+
+/// The exit code when an operator removed the waiting request (`leasehold release`): COMMAND
+/// never ran.
+const REMOVED: u8 = 5;
 
 /// The shortest lease `--lease` takes: renewed every third of it, a heartbeat of 100 ms.
 const MIN_LEASE: Duration = Duration::from_millis(300);
@@ -171,6 +177,13 @@ async fn take(
             let waited = args.wait.map(super::show_duration).unwrap_or_default();
             eprintln!("leasehold: {key:?} is held; gave up after {waited} (-w)");
             Err(args.conflict_exit_code)
+        }
+        (Err(LockError::Removed { by }), None) => {
+            eprintln!(
+                "leasehold: {by} removed this request while it waited for {key:?}; not running {:?}",
+                args.command[0]
+            );
+            Err(REMOVED)
         }
         (Err(error), None) => Err(store_failed(&error)),
     }
