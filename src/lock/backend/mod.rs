@@ -388,3 +388,75 @@ pub(crate) struct Deleted {
     pub(crate) rows: usize,
     pub(crate) live: usize,
 }
+
+/// The life of a tombstone, on any store (`Storage::record_removal`): recorded for a waiting
+/// request and not for a held one, answered by `removals` until its owner forgets it, and swept
+/// once past its time (a lease after the removed row's own lease would have run out), never
+/// before. Rolled back with the removal's transaction. `storage` is a fresh store.
+#[cfg(test)]
+pub(crate) fn tombstones_live_until_heard_or_swept(storage: &mut impl Storage) {
+    // An hour: the removal comes well within the rows' lease, by any clock.
+    let lease = 3_600_000_000;
+    let request = |key: &str| [LockRequest::exclusive(key, "op")];
+    let keys = ["k".to_owned()];
+    let now = storage.begin(&keys).unwrap();
+    let written_at = now;
+    let held = storage.next_ticket().unwrap();
+    storage
+        .insert_request("holder", held, &request("k"), true, now, now + lease)
+        .unwrap();
+    let (heard, unheard, undone) = (
+        storage.next_ticket().unwrap(),
+        storage.next_ticket().unwrap(),
+        storage.next_ticket().unwrap(),
+    );
+    for ticket in [heard, unheard, undone] {
+        storage
+            .insert_request("waiter", ticket, &request("k"), false, now, now + lease)
+            .unwrap();
+    }
+    storage.commit().unwrap();
+
+    let now = storage.begin(&keys).unwrap();
+    for (owner, ticket) in [("holder", held), ("waiter", heard), ("waiter", unheard)] {
+        storage
+            .record_removal(owner, ticket, "operator", now)
+            .unwrap();
+        storage
+            .delete_request(owner, &["k".into()], ticket, now)
+            .unwrap();
+    }
+    storage.commit().unwrap();
+    let now = storage.begin(&keys).unwrap();
+    storage
+        .record_removal("waiter", undone, "operator", now)
+        .unwrap();
+    storage.rollback();
+
+    let operator = || "operator".to_owned();
+    let all = [held, heard, unheard, undone];
+    assert_eq!(storage.removals("holder", &all).unwrap(), []);
+    assert_eq!(
+        storage.removals("waiter", &all).unwrap(),
+        [(heard, operator()), (unheard, operator())]
+    );
+    storage.forget_removals("waiter", &[heard]).unwrap();
+    assert_eq!(
+        storage.removals("waiter", &all).unwrap(),
+        [(unheard, operator())]
+    );
+
+    // Kept until the row's lease would have run out, and a lease after that.
+    let kept_until = written_at + 2 * lease;
+    storage.begin(&keys).unwrap();
+    storage.sweep(kept_until - 1).unwrap();
+    storage.commit().unwrap();
+    assert_eq!(
+        storage.removals("waiter", &all).unwrap(),
+        [(unheard, operator())]
+    );
+    storage.begin(&keys).unwrap();
+    storage.sweep(kept_until).unwrap();
+    storage.commit().unwrap();
+    assert_eq!(storage.removals("waiter", &all).unwrap(), []);
+}

@@ -783,6 +783,13 @@ mod tests {
     }
 
     #[test]
+    fn tombstones_live_until_heard_or_swept() {
+        crate::lock::backend::tombstones_live_until_heard_or_swept(&mut connection(
+            &MemoryStore::new(),
+        ));
+    }
+
+    #[test]
     fn a_rollback_undoes_every_change_of_its_transaction() {
         let store = MemoryStore::new();
         let mut a = connection(&store);

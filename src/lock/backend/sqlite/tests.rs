@@ -1,6 +1,14 @@
 //! The SQLite backend's own tests.
 
 use super::*;
+
+#[test]
+fn tombstones_live_until_heard_or_swept() {
+    let busy = Schedule::recurs(0);
+    let conn = connect(None, 0o600, &busy, false).unwrap();
+    let mut db = Db::new(&conn, Arc::new(SystemClock), None, busy);
+    crate::lock::backend::tombstones_live_until_heard_or_swept(&mut db);
+}
 use crate::clock::SystemClock;
 use crate::lock::Mode;
 use proptest::prelude::*;
