@@ -122,6 +122,28 @@ fn a_waiter_removed_by_key_and_ticket_fails_with_removed_and_its_other_requests_
     });
 }
 
+/// The removal is announced to the removed owner, as a promotion would be: its waiter hears of
+/// it at once, not at its next heartbeat (here 40 s away).
+#[test]
+fn a_removed_waiter_hears_of_it_long_before_its_next_heartbeat() {
+    stores::on_every_store(|store| async move {
+        let holder = store.open().await;
+        let slow = LockManager::builder()
+            .lease(Duration::from_secs(120))
+            .heartbeat(Duration::from_secs(40));
+        let waiting = store.open_with(slow).await;
+        let operator = store.open().await;
+        let held = holder.exclusive("k", "holder").await.unwrap();
+        let waiter = queue(&waiting, "k", "waiter", 2).await;
+        operator
+            .remove(Removal::Owner(waiting.owner_id().to_owned()))
+            .await
+            .unwrap();
+        assert_removed_by(waiter, operator.owner_id()).await;
+        held.release().await.unwrap();
+    });
+}
+
 #[test]
 fn a_removed_holder_hears_lost_and_the_next_waiter_is_granted() {
     stores::on_every_store(|store| async move {

@@ -397,8 +397,9 @@ impl LockManager {
     /// through, as a release by their owner would. Returns how many rows went (0 if there were
     /// none, or no live row on `key` has `ticket`).
     ///
-    /// A removed waiting request's acquisition fails with [`LockError::Removed`], naming this
-    /// manager's [`owner_id`](Self::owner_id): it does not queue again. A removed holder's
+    /// The removal is announced to the removed owner: a removed waiting request's acquisition
+    /// fails at once with [`LockError::Removed`], naming this manager's
+    /// [`owner_id`](Self::owner_id), and does not queue again. A removed holder's
     /// guard hears [`lost`](Guard::lost) at its next heartbeat; until then it goes on as the
     /// holder, so a resource that must not see two holders checks
     /// [fencing tokens](Guard::fencing_token). Meant for the rows of an owner whose process is
@@ -417,18 +418,13 @@ impl LockManager {
     /// # Examples
     ///
     /// ```
-    /// use std::time::Duration;
     /// use leasehold::{LockError, LockManager, MemoryStore, Removal};
     ///
     /// # futures::executor::block_on(async {
     /// let store = MemoryStore::new();
-    /// // The waiter hears of its removal at its next heartbeat.
-    /// let beating = LockManager::builder()
-    ///     .lease(Duration::from_secs(1))
-    ///     .heartbeat(Duration::from_millis(100));
     /// let (holder, waiter, operator) = (
     ///     LockManager::builder().open_in(&store)?,
-    ///     beating.open_in(&store)?,
+    ///     LockManager::builder().open_in(&store)?,
     ///     LockManager::builder().open_in(&store)?,
     /// );
     /// let held = holder.exclusive("k", "work").await?;
