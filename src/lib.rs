@@ -190,7 +190,7 @@ pub use clock::{BootTime, Clock, SystemClock, TestClock};
 pub use fiber::{fork_daemon, Exit, Fiber};
 pub use lock::{
     EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
-    LockRequest, MemoryStore, Mode, StorageError, StorageStats, MAX_NAME_BYTES,
+    LockRequest, MemoryStore, Mode, Removal, StorageError, StorageStats, MAX_NAME_BYTES,
 };
 pub use race::{all, race, RaceLost};
 pub use schedule::{Schedule, ScheduleRun};

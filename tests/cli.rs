@@ -278,6 +278,7 @@ on_each_store!(
     release_by_owner_takes_the_lock_from_a_running_command,
     release_without_yes_removes_nothing,
     release_by_key_and_ticket_removes_only_that_request,
+    a_waiter_removed_by_release_exits_5_says_who_and_runs_nothing,
     watch_shows_a_new_holder_of_its_prefix_only,
 );
 
@@ -910,6 +911,39 @@ fn release_by_key_and_ticket_removes_only_that_request(sandbox: &Sandbox) {
         "the other request lost its lock too"
     );
     kept.let_go().assert_exit(0);
+}
+
+/// An operator's removal of a waiting `run` ends its wait: it exits 5, names the remover (the
+/// owner id of the `release`, which holds its pid), and its COMMAND never runs, not even once
+/// the key is free.
+fn a_waiter_removed_by_release_exits_5_says_who_and_runs_nothing(sandbox: &Sandbox) {
+    let holder = sandbox.hold("holder", &[], "k");
+    // A short lease: renewed every 200 ms, the waiter finds its row gone soon.
+    let mut waiter = Running::start(&mut sandbox.run(
+        &["--lease", "600ms", "--operation", "waiter"],
+        "k",
+        "touch waiter.ran",
+    ));
+    sandbox.await_waiting("waiter");
+    let owner = sandbox.row_of("waiter").text("owner").to_owned();
+    let mut release =
+        Running::start(&mut sandbox.leasehold("release", &[], &["--owner", &owner, "--yes"]));
+    let remover = release.pid();
+    release.wait().assert_exit(0);
+
+    let removed = waiter.wait();
+    removed.assert_exit(5);
+    assert!(
+        removed.stderr.contains(&format!(":{remover}:")) && removed.stderr.contains("removed"),
+        "does not say that the release ({remover}) removed it: {removed}"
+    );
+    assert_eq!(operations(&sandbox.rows(None)), ["holder"]);
+    holder.let_go().assert_exit(0);
+    assert!(sandbox.rows(None).is_empty(), "the waiter queued again");
+    assert!(
+        !sandbox.exists("waiter.ran"),
+        "the removed waiter's COMMAND ran"
+    );
 }
 
 fn watch_shows_a_new_holder_of_its_prefix_only(sandbox: &Sandbox) {

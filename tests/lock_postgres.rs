@@ -632,14 +632,14 @@ fn a_schema_written_by_a_newer_version_is_refused() {
 
 /// A schema of version 3 (an acquisition and a release each had a function, with no `decide`),
 /// 4 (a `decide` without shortcuts), 5 (a `decide` that could judge on a stale read), 6 (no
-/// `renew`) or 7 (no `acquire_one` and `release_one`) is brought up to date when a manager
-/// connects, keeping its rows.
+/// `renew`), 7 (no `acquire_one` and `release_one`) or 8 (no tombstones of removals) is brought
+/// up to date when a manager connects, keeping its rows.
 #[test]
 fn a_schema_of_an_older_version_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    for old_version in [3, 4, 5, 6, 7] {
+    for old_version in [3, 4, 5, 6, 7, 8] {
         block_on(migrated_from(server, old_version));
     }
 }
@@ -651,11 +651,13 @@ async fn migrated_from(server: &pg_support::Server, old_version: i32) {
     server.sql(&format!(
         "DROP FUNCTION {schema}.decide; DROP FUNCTION {schema}.renew; \
          DROP FUNCTION {schema}.acquire_one; DROP FUNCTION {schema}.release_one; \
-         UPDATE {schema}.meta SET version = {old_version}"
+         DROP TABLE {schema}.removed; UPDATE {schema}.meta SET version = {old_version}"
     ));
     let new = manager(server.url(), &schema).await;
     let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
-    assert_eq!(version.trim(), "8");
+    assert_eq!(version.trim(), "9");
+    let tombstones = server.sql(&format!("SELECT count(*) FROM {schema}.removed"));
+    assert_eq!(tombstones.trim(), "0");
     let busy = new
         .try_acquire(LockRequest::exclusive("kept", "after"))
         .await;

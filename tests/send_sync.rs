@@ -12,7 +12,7 @@ use leasehold::{
 };
 use leasehold::{
     EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
-    LockRequest, Mode, StorageStats,
+    LockRequest, Mode, Removal, StorageStats,
 };
 
 const fn send<T: Send>() {}
@@ -121,6 +121,7 @@ const _: () = send_sync::<EntryState>();
 const _: () = send_sync::<Mode>();
 const _: () = send_sync::<StorageStats>();
 const _: () = send_sync::<LeaseLost>();
+const _: () = send_sync::<Removal>();
 const _: () = send_unpin::<Scoped<Guard, LockError>>();
 
 fn try_acquire_future(
@@ -139,6 +140,12 @@ fn inspect_future(
     locks: &LockManager,
 ) -> impl Future<Output = Result<Vec<LockEntry>, LockError>> + Send + '_ {
     locks.inspect(Some("k"))
+}
+
+fn remove_future(
+    locks: &LockManager,
+) -> impl Future<Output = Result<usize, LockError>> + Send + '_ {
+    locks.remove(Removal::Owner("gone".into()))
 }
 
 fn shutdown_future(locks: &LockManager) -> impl Future<Output = Result<(), LockError>> + Send + '_ {

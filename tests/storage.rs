@@ -59,7 +59,7 @@ fn a_version_1_database_is_migrated_keeping_its_rows_and_its_ticket_sequence() {
         let connection = sqlite::open(&path).unwrap();
         let mut version = connection.prepare("PRAGMA user_version").unwrap();
         version.next().unwrap();
-        assert_eq!(version.read::<i64, _>(0).unwrap(), 4);
+        assert_eq!(version.read::<i64, _>(0).unwrap(), 5);
         // Leases are judged by the machine's boot clock from now on, recorded with its boot.
         let mut line = connection
             .prepare("SELECT line FROM time_line WHERE id = 1")

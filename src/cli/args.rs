@@ -53,8 +53,10 @@ pub(crate) struct StoreArgs {
 /// leaves the queue (no row is left) and exits 130, 143 or 129; while COMMAND runs they are
 /// passed on to it. If the lease is lost while COMMAND runs (this process was stopped past it,
 /// or an operator released it), COMMAND is sent SIGTERM, then SIGKILL after --grace, and the
-/// exit code is 4. If this process dies (even of SIGKILL), COMMAND is killed at once, and off a
-/// terminal every process in its group (Linux; elsewhere COMMAND runs on without the lock).
+/// exit code is 4. If an operator removes the request while it waits (`leasehold release`), it
+/// says who did, runs nothing and exits 5. If this process dies (even of SIGKILL), COMMAND is
+/// killed at once, and off a terminal every process in its group (Linux; elsewhere COMMAND runs
+/// on without the lock).
 #[derive(Debug, ClapArgs)]
 #[command(
     group(ArgGroup::new("mode").args(["shared", "exclusive"])),

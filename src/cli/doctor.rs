@@ -361,7 +361,9 @@ mod pg {
                     has_sequence_privilege($5, 'USAGE'),
                     coalesce((SELECT bool_and(has_function_privilege(p.oid, 'EXECUTE'))
                               FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-                              WHERE n.nspname = $6), true)",
+                              WHERE n.nspname = $6), true),
+                    (SELECT bool_and(has_table_privilege($7, p))
+                     FROM unnest('{SELECT,INSERT,UPDATE,DELETE}'::text[]) AS p)",
             &[
                 &schema.to_owned(),
                 &format!("{s}.locks"),
@@ -369,6 +371,7 @@ mod pg {
                 &format!("{s}.watchers"),
                 &format!("{s}.tickets"),
                 &schema.to_owned(),
+                &format!("{s}.removed"),
             ],
         )?;
         let missing: Vec<&str> = [
@@ -378,6 +381,7 @@ mod pg {
             "SELECT, INSERT, UPDATE, DELETE on its table watchers",
             "USAGE on its sequence tickets",
             "EXECUTE on its functions",
+            "SELECT, INSERT, UPDATE, DELETE on its table removed",
         ]
         .into_iter()
         .enumerate()

@@ -16,6 +16,7 @@
 //! | 2 | the arguments are wrong |
 //! | 3 | the store could not be opened or failed (missing, a schema of another version, a storage error) |
 //! | 4 | `run`: the lease was lost while COMMAND ran (it was sent SIGTERM, then SIGKILL after `--grace`) |
+//! | 5 | `run`: an operator removed the waiting request (`release`); COMMAND never ran |
 //! | 126, 127 | `run`: COMMAND could not be run, or was not found |
 //! | 129, 130, 143 | `run`: SIGHUP, SIGINT or SIGTERM came while waiting (the queue was left) |
 

@@ -22,6 +22,8 @@
 //!    once with SIGKILL, and off a terminal COMMAND's group: on Linux, by a death signal and a
 //!    watcher set up before COMMAND's program starts (`lifeline.rs`, which says why SIGKILL and
 //!    what is not covered: on a terminal, what COMMAND started; other platforms).
+//! 7. A wait ended by an operator's removal (`leasehold release`) runs nothing: it says who
+//!    removed it and exits 5, without queueing again.
 
 use std::io::IsTerminal;
 use std::os::unix::process::CommandExt;
@@ -42,6 +44,10 @@ use crate::lock::{Guard, LockError, LockManager, LockRequest};
 
 /// The exit code when the lease was lost while COMMAND ran.
 const LEASE_LOST: u8 = 4;
+
+/// The exit code when an operator removed the waiting request (`leasehold release`): COMMAND
+/// never ran.
+const REMOVED: u8 = 5;
 
 /// The shortest lease `--lease` takes: renewed every third of it, a heartbeat of 100 ms.
 const MIN_LEASE: Duration = Duration::from_millis(300);
@@ -194,6 +200,13 @@ async fn take(
             let waited = args.wait.map(super::show_duration).unwrap_or_default();
             eprintln!("leasehold: {key:?} is held; gave up after {waited} (-w)");
             Err(args.conflict_exit_code)
+        }
+        (Err(LockError::Removed { by }), None) => {
+            eprintln!(
+                "leasehold: {by} removed this request while it waited for {key:?}; not running {:?}",
+                args.command[0]
+            );
+            Err(REMOVED)
         }
         (Err(error), None) => Err(store_failed(&error)),
     }

@@ -38,6 +38,14 @@ pub enum LockError {
     /// overlapped with theirs. (A resource that checks [fencing tokens](crate::Guard::fencing_token)
     /// has refused the stale writes.)
     LeaseLost(LeaseLost),
+    /// An operator removed this waiting request (the command's `release`, or
+    /// [`LockManager::remove`](crate::LockManager::remove) on another manager): it does not
+    /// queue again. `by` is the remover's owner id, as the store recorded it. (A request whose
+    /// waiting row lapsed instead, its process paused past its lease, queues again by itself.)
+    Removed {
+        /// The owner id of the manager that removed the request.
+        by: String,
+    },
 }
 
 impl LockError {
@@ -83,6 +91,10 @@ impl fmt::Display for LockError {
             LockError::LeaseLost(lost) => write!(
                 f,
                 "{lost}; the work it protected may have overlapped with another holder's"
+            ),
+            LockError::Removed { by } => write!(
+                f,
+                "an operator ({by}) removed this waiting request; it does not queue again"
             ),
         }
     }

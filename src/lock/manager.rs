@@ -17,7 +17,9 @@ use super::state::Common;
 use super::types::validate;
 use super::worker::protocol::{Acquired, Command, Wait, Write};
 use super::{grant, heartbeat};
-use super::{EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, StorageStats};
+use super::{
+    EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, Removal, StorageStats,
+};
 use crate::lock::time::from_micros;
 
 /// Shared/exclusive lease locks keyed by strings, kept in one SQLite file so that several
@@ -390,17 +392,92 @@ impl LockManager {
             .collect())
     }
 
-    /// An operator's removal of another owner's rows of the requests `tickets`, held or
-    /// waiting, in one transaction that promotes the waiters it lets through; returns how many
-    /// rows there were. The owner, if alive, finds them gone at its next heartbeat: its guards'
-    /// `lost` signals abort. For the command's `release`.
+    /// An operator's removal of another owner's rows: all of an owner's, or one request's by
+    /// key and ticket, held or waiting, in one transaction that promotes the waiters it lets
+    /// through, as a release by their owner would. Returns how many rows went (0 if there were
+    /// none, or no live row on `key` has `ticket`).
+    ///
+    /// The removal is announced to the removed owner: a removed waiting request's acquisition
+    /// fails at once with [`LockError::Removed`], naming this manager's
+    /// [`owner_id`](Self::owner_id), and does not queue again. A removed holder's
+    /// guard hears [`lost`](Guard::lost) at its next heartbeat; until then it goes on as the
+    /// holder, so a resource that must not see two holders checks
+    /// [fencing tokens](Guard::fencing_token). Meant for the rows of an owner whose process is
+    /// gone, or stuck.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Storage`], [`LockError::Shutdown`].
+    ///
+    /// # Cancel safety
+    ///
+    /// The removal is sent when this future is first polled (after the read of `key`'s rows,
+    /// for a [`Removal::Request`]), and then happens whether or not the future is awaited to
+    /// the end.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{LockError, LockManager, MemoryStore, Removal};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let store = MemoryStore::new();
+    /// let (holder, waiter, operator) = (
+    ///     LockManager::builder().open_in(&store)?,
+    ///     LockManager::builder().open_in(&store)?,
+    ///     LockManager::builder().open_in(&store)?,
+    /// );
+    /// let held = holder.exclusive("k", "work").await?;
+    /// let waiting = waiter.exclusive("k", "more work");
+    /// let remove = async {
+    ///     // Once the waiter is queued behind the holder.
+    ///     while operator.inspect(Some("k")).await?.len() < 2 {
+    ///         futures::pending!();
+    ///     }
+    ///     operator.remove(Removal::Owner(waiter.owner_id().into())).await
+    /// };
+    /// let (waited, removed) = futures::join!(waiting, remove);
+    /// assert_eq!(removed?, 1);
+    /// assert!(matches!(waited, Err(LockError::Removed { by }) if by == operator.owner_id()));
+    /// held.release().await?;
+    /// # Ok::<(), leasehold::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn remove(&self, target: Removal) -> Result<usize, LockError> {
+        let (owner, tickets) = match target {
+            Removal::Owner(owner) => (owner, None),
+            Removal::Request { key, ticket } => {
+                let rows = (self.shared)
+                    .call(|reply| Command::Inspect {
+                        key: Some(key),
+                        reply,
+                    })
+                    .await?;
+                match rows.into_iter().find(|row| row.ticket == ticket) {
+                    Some(row) => (row.owner, Some(vec![ticket])),
+                    None => return Ok(0),
+                }
+            }
+        };
+        (self.shared)
+            .call(|reply| Command::Evict {
+                owner,
+                tickets,
+                reply,
+            })
+            .await
+    }
+
+    /// An operator's removal of another owner's rows of the requests `tickets` (see
+    /// [`remove`](Self::remove)). For the command's `release`, which removes the requests it
+    /// showed the operator, and no other.
     #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub(crate) async fn evict(&self, owner: &str, tickets: Vec<u64>) -> Result<usize, LockError> {
         let owner = owner.to_owned();
         (self.shared)
             .call(|reply| Command::Evict {
                 owner,
-                tickets,
+                tickets: Some(tickets),
                 reply,
             })
             .await

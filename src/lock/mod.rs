@@ -47,7 +47,9 @@ pub use self::builder::LockManagerBuilder;
 pub use self::error::{LeaseLost, LockError, StorageError};
 pub use self::guard::Guard;
 pub use self::manager::LockManager;
-pub use self::types::{EntryState, LockEntry, LockRequest, Mode, StorageStats, MAX_NAME_BYTES};
+pub use self::types::{
+    EntryState, LockEntry, LockRequest, Mode, Removal, StorageStats, MAX_NAME_BYTES,
+};
 
 pub(crate) use self::handle::Shared;
 pub(crate) use self::state::Common;

@@ -250,6 +250,21 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
     (year, month, day)
 }
 
+/// Whose rows an operator removes ([`LockManager::remove`](crate::LockManager::remove)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// Every request of the owner with this id ([`LockManager::owner_id`](crate::LockManager::owner_id)).
+    Owner(String),
+    /// The one request with this ticket, whose live row on `key` shows it
+    /// ([`LockEntry::ticket`]).
+    Request {
+        /// A key the request has a live row on.
+        key: String,
+        /// Its ticket.
+        ticket: u64,
+    },
+}
+
 /// Counters since open, for tests, benchmarks and monitoring.
 ///
 /// # Examples

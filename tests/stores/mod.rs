@@ -156,6 +156,20 @@ impl Store {
         std::time::Duration::from_micros(expires_at as u64).saturating_sub(now)
     }
 
+    /// How many tombstones of operators' removals the store keeps, read past the managers.
+    pub fn tombstones(&self) -> i64 {
+        match self {
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
+            Store::Postgres { schema, .. } => pg_support::server()
+                .expect("the server was there before")
+                .sql(&format!("SELECT COUNT(*) FROM \"{schema}\".removed"))
+                .trim()
+                .parse()
+                .expect("a number"),
+            _ => self.read_number("SELECT COUNT(*) FROM removed"),
+        }
+    }
+
     /// The one number `query` (of the table `locks`) reads.
     fn read_number(&self, query: &str) -> i64 {
         match self {

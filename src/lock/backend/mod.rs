@@ -157,9 +157,28 @@ pub(crate) trait Storage {
     /// Deletes the lapsed rows on `keys`; returns how many.
     fn delete_expired(&mut self, keys: &[String], now: i64) -> Result<usize>;
     /// Housekeeping, once per heartbeat: deletes lapsed rows on every key (of owners that
-    /// died, on keys no one touches since), and whatever else the backend keeps that grows.
-    /// Lapsed rows are invisible to every decision already, so nothing waits for this.
+    /// died, on keys no one touches since), the tombstones of removals kept past their time
+    /// (`record_removal`), and whatever else the backend keeps that grows. Lapsed rows are
+    /// invisible to every decision already, so nothing waits for this.
     fn sweep(&mut self, now: i64) -> Result<()>;
+    /// In the write transaction of an operator's removal of `owner`'s request `ticket`, before
+    /// its rows are deleted: records that `by` (the remover's owner id) removed it, if it has a
+    /// waiting row (a tombstone). Its owner, finding its rows gone, tells so a removal, which
+    /// ends its wait, from a lapse of its own rows, after which it queues again (`removals`).
+    /// A holder's removal records nothing: its guard hears `lost()` either way.
+    ///
+    /// A tombstone is kept until the owner has heard of it (`forget_removals`), or, at the
+    /// latest, until the removed row's lease would have run out and as long again (`sweep`): an
+    /// owner that renews finds its rows gone before their lease runs out, and one that did not
+    /// renew by then would have lost them to a lapse anyway.
+    fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()>;
+    /// Of `owner`'s requests `tickets`, whose rows it found gone, those an operator removed
+    /// (`record_removal`), each with who removed it. A read: the tombstones stay until
+    /// `forget_removals`, so that an answer lost on the way is asked again.
+    fn removals(&mut self, owner: &str, tickets: &[u64]) -> Result<Vec<(u64, String)>>;
+    /// Deletes the tombstones of `owner`'s requests `tickets`, whose removal it has heard of;
+    /// outside a write transaction, in a statement of its own.
+    fn forget_removals(&mut self, owner: &str, tickets: &[u64]) -> Result<()>;
     /// Renews every live row of `owner` until `expires_at`; never touches an expired row.
     /// Returns what it renewed, by request: every live request of `owner`, as the storage
     /// judged "live" as it renewed.
@@ -368,4 +387,76 @@ impl OwnedRequest {
 pub(crate) struct Deleted {
     pub(crate) rows: usize,
     pub(crate) live: usize,
+}
+
+/// The life of a tombstone, on any store (`Storage::record_removal`): recorded for a waiting
+/// request and not for a held one, answered by `removals` until its owner forgets it, and swept
+/// once past its time (a lease after the removed row's own lease would have run out), never
+/// before. Rolled back with the removal's transaction. `storage` is a fresh store.
+#[cfg(test)]
+pub(crate) fn tombstones_live_until_heard_or_swept(storage: &mut impl Storage) {
+    // An hour: the removal comes well within the rows' lease, by any clock.
+    let lease = 3_600_000_000;
+    let request = |key: &str| [LockRequest::exclusive(key, "op")];
+    let keys = ["k".to_owned()];
+    let now = storage.begin(&keys).unwrap();
+    let written_at = now;
+    let held = storage.next_ticket().unwrap();
+    storage
+        .insert_request("holder", held, &request("k"), true, now, now + lease)
+        .unwrap();
+    let (heard, unheard, undone) = (
+        storage.next_ticket().unwrap(),
+        storage.next_ticket().unwrap(),
+        storage.next_ticket().unwrap(),
+    );
+    for ticket in [heard, unheard, undone] {
+        storage
+            .insert_request("waiter", ticket, &request("k"), false, now, now + lease)
+            .unwrap();
+    }
+    storage.commit().unwrap();
+
+    let now = storage.begin(&keys).unwrap();
+    for (owner, ticket) in [("holder", held), ("waiter", heard), ("waiter", unheard)] {
+        storage
+            .record_removal(owner, ticket, "operator", now)
+            .unwrap();
+        storage
+            .delete_request(owner, &["k".into()], ticket, now)
+            .unwrap();
+    }
+    storage.commit().unwrap();
+    let now = storage.begin(&keys).unwrap();
+    storage
+        .record_removal("waiter", undone, "operator", now)
+        .unwrap();
+    storage.rollback();
+
+    let operator = || "operator".to_owned();
+    let all = [held, heard, unheard, undone];
+    assert_eq!(storage.removals("holder", &all).unwrap(), []);
+    assert_eq!(
+        storage.removals("waiter", &all).unwrap(),
+        [(heard, operator()), (unheard, operator())]
+    );
+    storage.forget_removals("waiter", &[heard]).unwrap();
+    assert_eq!(
+        storage.removals("waiter", &all).unwrap(),
+        [(unheard, operator())]
+    );
+
+    // Kept until the row's lease would have run out, and a lease after that.
+    let kept_until = written_at + 2 * lease;
+    storage.begin(&keys).unwrap();
+    storage.sweep(kept_until - 1).unwrap();
+    storage.commit().unwrap();
+    assert_eq!(
+        storage.removals("waiter", &all).unwrap(),
+        [(unheard, operator())]
+    );
+    storage.begin(&keys).unwrap();
+    storage.sweep(kept_until).unwrap();
+    storage.commit().unwrap();
+    assert_eq!(storage.removals("waiter", &all).unwrap(), []);
 }

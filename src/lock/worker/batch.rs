@@ -176,7 +176,7 @@ impl<S: Storage> Worker<S> {
                 tickets,
                 reply,
             } => {
-                let _ = reply.send(self.evict(&owner, &tickets));
+                let _ = reply.send(self.evict(&owner, tickets.as_deref()));
             }
             _ => {}
         }

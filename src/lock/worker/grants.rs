@@ -62,27 +62,64 @@ impl<S: Storage> Worker<S> {
     }
 
     /// Ends the waits found `promoted` (by another manager, with this owner's lease: until when
-    /// the storage says) with their grants, and those whose rows are `gone`.
+    /// the storage says) with their grants, and those whose rows are `gone`: with `Removed` if
+    /// an operator removed them (the storage's tombstone says so), else as lapsed, to queue
+    /// again. If the storage cannot say, the gone waits go on, and the next look reads their
+    /// keys and asks again: a removal is never taken for a lapse for want of an answer.
     pub(super) fn settle(&mut self, promoted: impl IntoIterator<Item = (u64, i64)>, gone: &[u64]) {
         for (ticket, expires_at) in promoted {
             self.grant_wait(ticket, expires_at);
         }
-        for &ticket in gone {
-            if let Some(slot) = self.waits.remove(ticket) {
-                slot.set(SlotState::Expired);
+        if gone.is_empty() {
+            return;
+        }
+        let owner = self.common.owner.clone();
+        let removed = match self.storage.removals(&owner, gone) {
+            Ok(removed) => removed,
+            Err(error) => {
+                tracing::warn!(
+                    %error,
+                    "could not read whether an operator removed waiting requests; will look again"
+                );
+                self.look_all = true;
+                return;
             }
-            // Its caller queues again under the same request id. Were its rows judged gone
-            // wrongly (the clock judging leases stepped back since, and they are live again),
-            // they would be renewed with this owner's others for ever, ahead of the new
-            // request: so the next transaction deletes them, if they are there.
+        };
+        for &ticket in gone {
+            let by = (removed.iter())
+                .find(|(removed, _)| *removed == ticket)
+                .map(|(_, by)| by.clone());
             let found: Vec<u64> = (self.requests.iter())
                 .filter(|(_, written)| written.ticket == ticket)
                 .map(|(&request, _)| request)
                 .collect();
-            for request in found {
-                if let Some(written) = self.requests.remove(&request) {
-                    self.doubtful.push(written);
+            let Some(by) = by else {
+                if let Some(slot) = self.waits.remove(ticket) {
+                    slot.set(SlotState::Expired);
                 }
+                // Its caller queues again under the same request id. Were its rows judged gone
+                // wrongly (the clock judging leases stepped back since, and they are live
+                // again), they would be renewed with this owner's others for ever, ahead of
+                // the new request: so the next transaction deletes them, if they are there.
+                for request in found {
+                    if let Some(written) = self.requests.remove(&request) {
+                        self.doubtful.push(written);
+                    }
+                }
+                continue;
+            };
+            if let Some(slot) = self.waits.remove(ticket) {
+                slot.set(SlotState::Removed { by });
+            }
+            // Deleted by the removal, which no renewal can bring back: nothing to delete.
+            for request in found {
+                self.requests.remove(&request);
+            }
+        }
+        if !removed.is_empty() {
+            let tickets: Vec<u64> = removed.iter().map(|(ticket, _)| *ticket).collect();
+            if let Err(error) = self.storage.forget_removals(&owner, &tickets) {
+                tracing::debug!(%error, "could not delete tombstones heard of; the sweep will");
             }
         }
     }

@@ -30,6 +30,10 @@
 //!    own time, since a look judges by an estimate of it that may run ahead (PostgreSQL's).
 //! 5. `Shutdown` is the last command handled: commands behind it, even in its own batch, are
 //!    dropped unanswered (their callers see `Shutdown`), so no row is written after it.
+//! 6. A wait whose rows are found gone ends by what the store recorded, never by a guess: with
+//!    `LockError::Removed` if an operator removed it (a tombstone written in the transaction
+//!    that deleted its rows: `evict.rs`), else as lapsed, and its caller queues again. While
+//!    the store cannot say which, the wait goes on, and the next look asks again (`grants.rs`).
 
 mod at_once;
 mod batch;
@@ -204,6 +208,10 @@ pub(crate) struct Worker<S> {
     /// The keys the current transaction's promotion pass looks at: those whose rows it deleted,
     /// and those a look found grantable.
     pass: BTreeSet<String>,
+    /// The owners whose requests the current transaction removed for an operator (`evict.rs`),
+    /// and their keys: announced to them, so that they look at once, rather than at their next
+    /// heartbeat, and a removed waiter hears of its removal.
+    evicted: Announced,
     /// Look at every watched key at the next tick, changed or not.
     look_all: bool,
     /// Whether storage was last told that this owner has waiters (`Storage::waiting`), and
@@ -252,6 +260,7 @@ impl<S: Storage> Worker<S> {
             deleted: false,
             tried_writing: false,
             pass: BTreeSet::new(),
+            evicted: Announced::default(),
             look_all: false,
             marked_waiting: false,
             idle_since: None,
@@ -519,7 +528,7 @@ impl<S: Storage> Worker<S> {
 }
 
 /// What a promotion pass found to announce: the keys of other owners' requests it promoted (or
-/// must leave to their owners), and those owners.
+/// must leave to their owners, or whose requests an operator removed), and those owners.
 #[derive(Default)]
 struct Announced {
     keys: BTreeSet<String>,
@@ -528,8 +537,17 @@ struct Announced {
 
 impl Announced {
     fn note(&mut self, row: &RowView, keys: impl IntoIterator<Item = String>) {
+        self.note_owner(&row.owner, keys);
+    }
+
+    fn note_owner(&mut self, owner: &str, keys: impl IntoIterator<Item = String>) {
         self.keys.extend(keys);
-        self.owners.insert(row.owner.to_string());
+        self.owners.insert(owner.to_owned());
+    }
+
+    fn append(&mut self, other: &mut Announced) {
+        self.keys.append(&mut other.keys);
+        self.owners.append(&mut other.owners);
     }
 }
 

@@ -30,11 +30,11 @@ pub(crate) enum Command {
         key: String,
         reply: Reply<bool>,
     },
-    /// An operator's removal of another owner's rows of these requests (by ticket); replies
-    /// how many there were. Run alone, after the batch's writes.
+    /// An operator's removal of another owner's rows of these requests (by ticket; `None`:
+    /// all of them); replies how many there were. Run alone, after the batch's writes.
     Evict {
         owner: String,
-        tickets: Vec<u64>,
+        tickets: Option<Vec<u64>>,
         reply: Reply<usize>,
     },
     /// Another manager in this process committed to the same file: look now.
@@ -187,7 +187,12 @@ pub(crate) enum SlotState {
     #[default]
     Waiting,
     Granted(Grant),
+    /// Its rows are gone, by a lapse: it may queue again.
     Expired,
+    /// Its rows were removed by an operator, `by`: it does not queue again.
+    Removed {
+        by: String,
+    },
     Shutdown,
 }
 
@@ -265,7 +270,7 @@ impl WaitSlot {
     }
 
     /// Resolves with the grant, `None` if the request's lease ran out while it waited (its rows
-    /// are gone: it may queue again), or `Shutdown`.
+    /// are gone: it may queue again), `Removed` if an operator removed it, or `Shutdown`.
     pub(crate) async fn granted(&self) -> Result<Option<Grant>, LockError> {
         loop {
             match wait_for(&self.event, || {
@@ -275,6 +280,7 @@ impl WaitSlot {
             {
                 SlotState::Shutdown => return Err(LockError::Shutdown),
                 SlotState::Expired => return Ok(None),
+                SlotState::Removed { by } => return Err(LockError::Removed { by }),
                 SlotState::Granted(grant) => return Ok(Some(grant)),
                 SlotState::Waiting => {}
             }
@@ -329,7 +335,8 @@ mod tests {
             lost: AbortSignal::never(),
             began: Duration::ZERO,
         });
-        for end in [granted, SlotState::Expired, SlotState::Shutdown] {
+        let removed = SlotState::Removed { by: "op".into() };
+        for end in [granted, SlotState::Expired, removed, SlotState::Shutdown] {
             let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
             slot.arm(counted(&runs));
             slot.set(end.clone());

@@ -64,7 +64,8 @@ impl<S: Storage> Worker<S> {
             };
             pass.append(&mut self.pass);
             if !pass.is_empty() {
-                let (expired, promoted, announced) = self.promote_pass(&pass, keys, now)?;
+                let (expired, promoted, mut announced) = self.promote_pass(&pass, keys, now)?;
+                announced.append(&mut self.evicted);
                 freed.any |= expired > 0 || !promoted.is_empty();
                 freed.promoted = promoted;
                 let freed_keys: Vec<String> = if freed.any {
@@ -81,6 +82,7 @@ impl<S: Storage> Worker<S> {
             self.storage.commit()?;
             Ok((value, freed))
         })();
+        self.evicted = Announced::default();
         if result.is_err() {
             self.pass.clear();
             self.storage.rollback();

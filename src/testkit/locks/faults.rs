@@ -497,6 +497,20 @@ impl Storage for SimStorage {
         Ok(())
     }
 
+    fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()> {
+        self.inner.record_removal(owner, ticket, by, now)
+    }
+
+    fn removals(&mut self, owner: &str, tickets: &[u64]) -> Result<Vec<(u64, String)>> {
+        self.call();
+        self.inner.removals(owner, tickets)
+    }
+
+    fn forget_removals(&mut self, owner: &str, tickets: &[u64]) -> Result<()> {
+        self.call();
+        self.inner.forget_removals(owner, tickets)
+    }
+
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>> {
         let renewed = self.inner.renew(owner, now, expires_at)?;
         self.pending.push(LockEvent::Renewed {

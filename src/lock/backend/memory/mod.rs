@@ -29,6 +29,11 @@
 //!    converts it to its manager's clock for callers: `Storage::ahead_of`). The store is one
 //!    process's: its managers share one time, as the processes of one machine share one clock.
 //!
+//! 5. A tombstone (`Tables::removed`) records an operator's removal of a waiting request, by
+//!    owner and ticket, written in the transaction that deletes its rows; it goes when the
+//!    owner has heard of it (`forget_removals`, outside a transaction, as a read is, with the
+//!    `writer` lock held) or when the sweep finds it past its time.
+//!
 //! Lock order: `writer`, then `tables` (a read outside a transaction holds both); nothing takes
 //! `writer` while it holds `tables`.
 
@@ -145,6 +150,17 @@ struct Tables {
     /// The change log: the digests of keys on which waiters were promoted, by sequence number.
     log: Vec<(u64, i64)>,
     next_seq: u64,
+    /// Operators' removals of waiting requests, by owner and ticket (invariant 5).
+    removed: BTreeMap<(String, u64), Tombstone>,
+}
+
+/// An operator's removal of a waiting request, until its owner hears of it.
+#[derive(Clone, Debug)]
+struct Tombstone {
+    /// The remover's owner id.
+    by: String,
+    /// When the sweep deletes it (see `Storage::record_removal`).
+    kept_until: i64,
 }
 
 /// A row as the store keeps it.
@@ -182,6 +198,8 @@ enum Undo {
     Row((String, u64), Option<Stored>),
     Ticket(u64),
     LogLength(usize),
+    /// Put this tombstone back as it was (or take it away, for `None`).
+    Removal((String, u64), Option<Tombstone>),
 }
 
 /// Opens a connection to `store` and hands it to `worker`. Nothing can fail: `opened` is told so
@@ -457,6 +475,12 @@ impl Storage for Memory {
                         }
                         tables.log.truncate(length);
                     }
+                    Undo::Removal(at, Some(tombstone)) => {
+                        tables.removed.insert(at, tombstone);
+                    }
+                    Undo::Removal(at, None) => {
+                        tables.removed.remove(&at);
+                    }
                 }
             }
         }
@@ -595,11 +619,79 @@ impl Storage for Memory {
         })
     }
 
-    /// Deletes every lapsed row (the change log is trimmed as commits go: `commit`).
+    /// Deletes every lapsed row, and the tombstones past their time (the change log is trimmed
+    /// as commits go: `commit`).
     fn sweep(&mut self, now: i64) -> Result<()> {
         self.change(|tables, undo| {
             remove_where(tables, undo, |row| row.expires_at <= now);
+            let past: Vec<(String, u64)> = (tables.removed.iter())
+                .filter(|(_, tombstone)| tombstone.kept_until <= now)
+                .map(|(at, _)| at.clone())
+                .collect();
+            for at in past {
+                let tombstone = tables.removed.remove(&at);
+                undo.push(Undo::Removal(at, tombstone));
+            }
         })
+    }
+
+    fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()> {
+        self.change(|tables, undo| {
+            // Kept until the latest of its waiting rows' leases would have run out, and as
+            // long again.
+            let kept_until = (tables.rows.iter())
+                .filter(|((_, t), row)| *t == ticket && &*row.owner == owner && !row.held)
+                .map(|(_, row)| {
+                    let lease = row.expires_at - row.heartbeat_at;
+                    row.expires_at.max(now).saturating_add(lease)
+                })
+                .max();
+            if let Some(kept_until) = kept_until {
+                let at = (owner.to_owned(), ticket);
+                let tombstone = Tombstone {
+                    by: by.to_owned(),
+                    kept_until,
+                };
+                let before = tables.removed.insert(at.clone(), tombstone);
+                undo.push(Undo::Removal(at, before));
+            }
+        })
+    }
+
+    fn removals(&mut self, owner: &str, tickets: &[u64]) -> Result<Vec<(u64, String)>> {
+        Ok(self.read(|tables| {
+            (tickets.iter())
+                .filter_map(|&ticket| {
+                    let tombstone = tables.removed.get(&(owner.to_owned(), ticket))?;
+                    Some((ticket, tombstone.by.clone()))
+                })
+                .collect()
+        }))
+    }
+
+    /// Outside a transaction, with the `writer` lock held as a read has it (invariant 5): no
+    /// transaction is open to undo it, and no other connection needs to hear of it.
+    fn forget_removals(&mut self, owner: &str, tickets: &[u64]) -> Result<()> {
+        if self.in_write {
+            return Err(
+                StorageError::new("forgetting removals", "a write transaction is open").into(),
+            );
+        }
+        let mut writer = lock(&self.store.writer);
+        while writer.is_some() {
+            writer = self
+                .store
+                .ended
+                .wait(writer)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        let mut tables = lock(&self.store.tables);
+        for &ticket in tickets {
+            tables.removed.remove(&(owner.to_owned(), ticket));
+        }
+        drop(tables);
+        drop(writer);
+        Ok(())
     }
 
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>> {
@@ -697,6 +789,13 @@ mod tests {
         rows.into_iter()
             .map(|row| (row.key, row.ticket, row.held, row.expires_at))
             .collect()
+    }
+
+    #[test]
+    fn tombstones_live_until_heard_or_swept() {
+        crate::lock::backend::tombstones_live_until_heard_or_swept(&mut connection(
+            &MemoryStore::new(),
+        ));
     }
 
     #[test]

@@ -180,7 +180,7 @@ END $$;
 -- change rows, so that the two never deadlock), the time read once all are held, and the rows
 -- live by that time renewed until a lease from it: a row that ran out while the call waited for
 -- it stays out, since a decision may have passed over it. Then the sweep of every owner's
--- lapsed rows and watchers, skipping rows another transaction holds (it never waits for them,
+-- lapsed rows and watchers, and of the tombstones of removals past their time, skipping rows another transaction holds (it never waits for them,
 -- so it never deadlocks with a decision). One answer: the time, and the renewed rows' tickets
 -- and states, in key order (NULL when none).
 CREATE OR REPLACE FUNCTION {s}.renew(p_owner text, p_lease bigint, p_schema_lock int4)
@@ -201,6 +201,8 @@ BEGIN
         SELECT ctid FROM {s}.locks WHERE expires_at - 0 <= now FOR UPDATE SKIP LOCKED);
     DELETE FROM {s}.watchers WHERE ctid IN (
         SELECT ctid FROM {s}.watchers WHERE expires_at - 0 <= now FOR UPDATE SKIP LOCKED);
+    DELETE FROM {s}.removed WHERE ctid IN (
+        SELECT ctid FROM {s}.removed WHERE kept_until - 0 <= now FOR UPDATE SKIP LOCKED);
     RETURN NEXT;
 END $$;
 

@@ -634,6 +634,51 @@ impl Storage for Postgres {
                  SELECT ctid FROM {s}.watchers WHERE expires_at - 0 <= $1 FOR UPDATE SKIP LOCKED)",
             &[&now],
         )?;
+        self.execute(
+            "sweeping the tombstones of removals",
+            "DELETE FROM {s}.removed WHERE ctid IN (
+                 SELECT ctid FROM {s}.removed WHERE kept_until - 0 <= $1 FOR UPDATE SKIP LOCKED)",
+            &[&now],
+        )?;
+        Ok(())
+    }
+
+    /// Kept until the latest of the request's waiting rows' leases would have run out, and
+    /// as long again (the lease is the row's own: the length its last renewal gave it).
+    fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()> {
+        self.execute(
+            "recording a removal",
+            "INSERT INTO {s}.removed AS r (owner, ticket, by_owner, kept_until)
+             SELECT owner, ticket, $3, max(greatest(expires_at, $4) + (expires_at - heartbeat_at))
+             FROM {s}.locks WHERE owner = $1 AND ticket = $2 AND NOT held
+             GROUP BY owner, ticket
+             ON CONFLICT (owner, ticket) DO UPDATE
+                 SET by_owner = EXCLUDED.by_owner, kept_until = EXCLUDED.kept_until",
+            &[&owner, &sql_ticket(ticket), &by, &now],
+        )?;
+        Ok(())
+    }
+
+    fn removals(&mut self, owner: &str, tickets: &[u64]) -> Result<Vec<(u64, String)>> {
+        let tickets: Vec<i64> = tickets.iter().map(|&ticket| sql_ticket(ticket)).collect();
+        let rows = self.query(
+            "reading whether an operator removed waiting requests",
+            "SELECT ticket, by_owner FROM {s}.removed WHERE owner = $1 AND ticket = ANY($2)",
+            &[&owner, &tickets],
+        )?;
+        Ok(rows
+            .iter()
+            .map(|row| (ticket_of(row.get(0)), row.get(1)))
+            .collect())
+    }
+
+    fn forget_removals(&mut self, owner: &str, tickets: &[u64]) -> Result<()> {
+        let tickets: Vec<i64> = tickets.iter().map(|&ticket| sql_ticket(ticket)).collect();
+        self.execute(
+            "forgetting removals heard of",
+            "DELETE FROM {s}.removed WHERE owner = $1 AND ticket = ANY($2)",
+            &[&owner, &tickets],
+        )?;
         Ok(())
     }
 

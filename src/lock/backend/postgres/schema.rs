@@ -10,7 +10,7 @@ use crate::lock::backend::Result;
 use crate::lock::{LockError, Mode};
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 8;
+pub(crate) const SCHEMA_VERSION: i32 = 9;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -71,6 +71,20 @@ CREATE TABLE {s}.watchers (
     PRIMARY KEY (key, owner)
 );
 CREATE INDEX watchers_sweep ON {s}.watchers ((expires_at - 0));";
+
+/// Tombstones of operators' removals of waiting requests (`Storage::record_removal`): a row per
+/// removed request, by which its owner tells a removal, which ends its wait, from a lapse of its
+/// own rows, after which it queues again. Deleted once the owner has heard of it, or by the
+/// sweep once past `kept_until`.
+const REMOVED: &str = "
+CREATE TABLE {s}.removed (
+    owner text NOT NULL,
+    ticket bigint NOT NULL,
+    by_owner text NOT NULL,
+    kept_until bigint NOT NULL,
+    PRIMARY KEY (owner, ticket)
+);
+CREATE INDEX removed_sweep ON {s}.removed ((kept_until - 0));";
 
 /// The sweep's indexes (`Storage::sweep`) are on `expires_at - 0`, an expression only the sweep
 /// names. A plain index on `expires_at` was taken by the managers' generic plans for key-local
@@ -177,14 +191,20 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 .batch_execute(&WATCHERS.replace("{s}", &s))
                 .map_err(|e| storage_error("migrating the schema to version 3", e))?;
         }
+        if found < 9 {
+            // Operators' removals that stick (see `REMOVED`). A process of version 8 refuses
+            // the schema from now on; processes sharing it must be upgraded together.
+            transaction
+                .batch_execute(&REMOVED.replace("{s}", &s))
+                .map_err(|e| storage_error("migrating the schema to version 9", e))?;
+        }
         if found < SCHEMA_VERSION {
             // One round trip per batch of acquisitions and releases: the functions of
             // `FUNCTIONS` (version 3 had one for an acquisition and one for a release; version
             // 4 had no shortcut for keys without other rows; version 5 judged an acquisition on
             // a read that a renewal in flight could make stale; version 6 had no heartbeat in
-            // one call; version 7 had no functions for an operation alone on one key); and the
-            // sweep's indexes
-            // (`SWEEP_INDEXES`).
+            // one call; version 7 had no functions for an operation alone on one key; version 8's
+            // heartbeat swept no tombstones); and the sweep's indexes (`SWEEP_INDEXES`).
             transaction
                 .batch_execute(&format!(
                     "DROP FUNCTION IF EXISTS {s}.acquire, {s}.release;
@@ -224,8 +244,10 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                  CREATE INDEX ON {s}.locks (owner);
                  CREATE INDEX locks_sweep ON {s}.locks ((expires_at - 0));
                  {}
+                 {}
                  {}",
                 WATCHERS.replace("{s}", &s),
+                REMOVED.replace("{s}", &s),
                 functions(schema)
             ))
             .map_err(|e| storage_error(doing, e))?;

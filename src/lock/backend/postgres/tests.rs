@@ -21,6 +21,32 @@ fn an_at_sign_left_in_a_urls_user_information_is_found() {
     assert!(!has_unescaped_at("host=h user=u password=p@ss@word"));
 }
 
+/// Tombstones of removals, on a real server (see `backend::tombstones_live_until_heard_or_swept`).
+#[cfg(feature = "testkit")]
+#[test]
+fn tombstones_live_until_heard_or_swept() {
+    use crate::testkit::postgres as pg_support;
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    /// Wakes no worker, and says there is none, so that the listener ends at once.
+    struct NoWorker;
+    impl Poke for NoWorker {
+        fn poke(&self) -> bool {
+            false
+        }
+        fn alive(&self) -> bool {
+            false
+        }
+    }
+    let target = super::target::parse(server.url()).expect("the test server's URL");
+    let schema = pg_support::schema("tombstones");
+    let busy = Schedule::recurs(0);
+    let mut storage =
+        Postgres::connect(target, schema, busy, Arc::new(NoWorker), false).expect("connect");
+    crate::lock::backend::tombstones_live_until_heard_or_swept(&mut storage);
+}
+
 /// The server-side functions (`FUNCTIONS`) against the grant rule of `grant.rs`, on generated
 /// rows: whether a new request is granted, and which waiters a release lets through. On a real
 /// server: the throwaway one of `testkit::postgres`.

@@ -39,7 +39,7 @@ use crate::lock::{LockError, LockRequest, StorageError};
 use crate::schedule::Schedule;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i64 = 4;
+pub(crate) const SCHEMA_VERSION: i64 = 5;
 
 /// The time by which a manager that opened a store as it is (`Opening::existing`) judges its
 /// rows when they are on another time line than its clock's (an earlier boot's): every row has
@@ -464,6 +464,25 @@ impl<'c> Db<'c> {
                  PRAGMA user_version = 4;",
             )?;
         }
+        if found < 5 {
+            // Tombstones of operators' removals of waiting requests (`Storage::record_removal`),
+            // by which an owner tells a removal, which ends its wait, from a lapse of its own
+            // rows, after which it queues again. A row per removed request, until its owner has
+            // heard of it or the sweep finds it past `kept_until`: a handful at most, scanned
+            // by the sweep without an index. A process of version 4 refuses this database
+            // (`SchemaTooNew`); processes sharing a file must be upgraded together.
+            self.exec(
+                "migrating the schema to version 5",
+                "CREATE TABLE removed (
+                     owner TEXT NOT NULL,
+                     ticket INTEGER NOT NULL,
+                     by_owner TEXT NOT NULL,
+                     kept_until INTEGER NOT NULL,
+                     PRIMARY KEY (owner, ticket)
+                 ) WITHOUT ROWID;
+                 PRAGMA user_version = 5;",
+            )?;
+        }
         self.reconcile_time_line()
     }
 
@@ -484,11 +503,11 @@ impl<'c> Db<'c> {
     ///
     /// - on the same line, nothing changes;
     /// - from the wall clock (a store of an earlier version, or of managers whose clocks give
-    ///   no boot time) to this boot's, every row's times move by the difference of the two
-    ///   clocks now, so that each lease keeps what it had left;
-    /// - from another boot's, every row is deleted: a write-ahead log is shared only by the
-    ///   processes of one machine, so that boot ended, and its owners with it (the ticket
-    ///   sequence stays, so fencing tokens still only grow);
+    ///   no boot time) to this boot's, every row's times (and every tombstone's) move by the
+    ///   difference of the two clocks now, so that each lease keeps what it had left;
+    /// - from another boot's, every row is deleted, and every tombstone of a removal: a
+    ///   write-ahead log is shared only by the processes of one machine, so that boot ended, and
+    ///   its owners with it (the ticket sequence stays, so fencing tokens still only grow);
     /// - from a boot's to the wall clock, only while the store has no rows: another manager
     ///   judges its rows by that boot, which this manager cannot read.
     fn reconcile_time_line(&self) -> Result<()> {
@@ -511,9 +530,17 @@ impl<'c> Db<'c> {
                 )?;
                 bind(doing, &mut statement, 1, shift)?;
                 step(doing, &mut statement)?;
+                drop(statement);
+                let mut statement =
+                    self.prepare(doing, "UPDATE removed SET kept_until = kept_until + ?1")?;
+                bind(doing, &mut statement, 1, shift)?;
+                step(doing, &mut statement)?;
             }
             (Some(TimeLine::Boot(_)), TimeLine::Boot(_)) => {
-                self.exec(doing, "DELETE FROM locks WHERE key <> ''")?;
+                self.exec(
+                    doing,
+                    "DELETE FROM locks WHERE key <> ''; DELETE FROM removed;",
+                )?;
             }
             (_, TimeLine::Wall) => {
                 let mut statement =
@@ -930,8 +957,8 @@ impl Storage for Db<'_> {
         Ok(deleted)
     }
 
-    /// Deletes every lapsed row (a scan of the table, as the heartbeat's renewal is), and
-    /// trims the change log to its last [`LOG_KEPT`] entries.
+    /// Deletes every lapsed row (a scan of the table, as the heartbeat's renewal is) and the
+    /// tombstones past their time, and trims the change log to its last [`LOG_KEPT`] entries.
     fn sweep(&mut self, now: i64) -> Result<()> {
         let doing = "deleting expired rows";
         let mut statement = self.prepare(doing, "DELETE FROM locks WHERE expires_at <= ?")?;
@@ -948,6 +975,62 @@ impl Storage for Db<'_> {
         )?;
         bind(doing, &mut statement, 1, LOG_KEPT)?;
         step(doing, &mut statement)?;
+        drop(statement);
+        let doing = "sweeping the tombstones of removals";
+        let mut statement = self.prepare(doing, "DELETE FROM removed WHERE kept_until <= ?")?;
+        bind(doing, &mut statement, 1, now)?;
+        step(doing, &mut statement)?;
+        Ok(())
+    }
+
+    /// Kept until the latest of the request's waiting rows' leases would have run out, and
+    /// as long again (the lease is the row's own: the length its last renewal gave it).
+    fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()> {
+        let doing = "recording a removal";
+        let mut statement = self.prepare(
+            doing,
+            "INSERT OR REPLACE INTO removed (owner, ticket, by_owner, kept_until)
+             SELECT owner, ticket, ?3, MAX(MAX(expires_at, ?4) + (expires_at - heartbeat_at))
+             FROM locks WHERE owner = ?1 AND ticket = ?2 AND held = 0
+             GROUP BY owner, ticket",
+        )?;
+        bind(doing, &mut statement, 1, owner)?;
+        bind(doing, &mut statement, 2, sql_ticket(ticket))?;
+        bind(doing, &mut statement, 3, by)?;
+        bind(doing, &mut statement, 4, now)?;
+        step(doing, &mut statement)?;
+        Ok(())
+    }
+
+    fn removals(&mut self, owner: &str, tickets: &[u64]) -> Result<Vec<(u64, String)>> {
+        let doing = "reading whether an operator removed waiting requests";
+        let mut statement = self.prepare(
+            doing,
+            "SELECT by_owner FROM removed WHERE owner = ? AND ticket = ?",
+        )?;
+        let mut found = Vec::new();
+        for &ticket in tickets {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, owner)?;
+            bind(doing, &mut statement, 2, sql_ticket(ticket))?;
+            if step(doing, &mut statement)? {
+                found.push((ticket, read::<String>(doing, &statement, 0)?));
+            }
+        }
+        Ok(found)
+    }
+
+    /// One statement per tombstone, each committed alone (there are one or two).
+    fn forget_removals(&mut self, owner: &str, tickets: &[u64]) -> Result<()> {
+        let doing = "forgetting removals heard of";
+        let mut statement =
+            self.prepare(doing, "DELETE FROM removed WHERE owner = ? AND ticket = ?")?;
+        for &ticket in tickets {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, owner)?;
+            bind(doing, &mut statement, 2, sql_ticket(ticket))?;
+            step(doing, &mut statement)?;
+        }
         Ok(())
     }
 

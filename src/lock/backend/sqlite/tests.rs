@@ -5,6 +5,15 @@ use crate::clock::SystemClock;
 use crate::lock::Mode;
 use proptest::prelude::*;
 
+#[test]
+fn tombstones_live_until_heard_or_swept() {
+    let busy = Schedule::recurs(0);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let conn = connect(None, 0o600, &busy, false, &clock).unwrap();
+    let mut db = Db::new(&conn, clock, None, busy);
+    crate::lock::backend::tombstones_live_until_heard_or_swept(&mut db);
+}
+
 const KEYS: [&str; 3] = ["a", "b", "c"];
 
 /// One step of one connection, inside a write transaction.
