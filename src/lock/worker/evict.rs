@@ -2,9 +2,10 @@
 //! machine is gone: the rows are deleted in one transaction on their keys, which promotes the
 //! waiters the rule now lets through, as a release by their owner would (invariant 2 of
 //! `mod.rs`), and announced to their owner as a promotion would be. An owner still alive finds
-//! its rows gone at its next look (or heartbeat), and its guards' `lost` signals abort. A removed waiting request is recorded in the same transaction
-//! (a tombstone: `Storage::record_removal`), so that its owner, finding its rows gone, ends the
-//! wait with `LockError::Removed` rather than queue again as after a lapse (`grants::settle`).
+//! its rows gone at its next look (or heartbeat), and its guards' `lost` signals abort. A
+//! removed waiting request is recorded in the same transaction (a tombstone:
+//! `Storage::record_removal`), so that its owner, finding its rows gone, ends the wait with
+//! `LockError::Removed` rather than queue again as after a lapse (`grants::settle`).
 
 use super::*;
 
