@@ -389,6 +389,22 @@ pub(crate) struct Deleted {
     pub(crate) live: usize,
 }
 
+/// For a backend's tests: a manager without a worker, which says so, so that a backend's
+/// listening thread (a doorbell's, a listener's) ends at once.
+#[cfg(test)]
+pub(crate) struct NoWorker;
+
+#[cfg(test)]
+impl Poke for NoWorker {
+    fn poke(&self) -> bool {
+        false
+    }
+
+    fn alive(&self) -> bool {
+        false
+    }
+}
+
 /// The life of a tombstone, on any store (`Storage::record_removal`): recorded for a waiting
 /// request and not for a held one, answered by `removals` until its owner forgets it, and swept
 /// once past its time (a lease after the removed row's own lease would have run out), never

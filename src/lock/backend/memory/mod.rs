@@ -283,12 +283,9 @@ impl Memory {
         self.store.ended.notify_all();
     }
 
-    /// Runs `read` on the tables: in this connection's transaction, or once no other
-    /// connection's is open, and with none beginning meanwhile (invariant 1).
-    fn read<T>(&self, read: impl FnOnce(&Tables) -> T) -> T {
-        if self.in_write {
-            return read(&lock(&self.store.tables));
-        }
+    /// Waits until no connection's write transaction is open; the lock it returns keeps one
+    /// from beginning while it is held (invariant 1).
+    fn between_transactions(&self) -> std::sync::MutexGuard<'_, Option<u64>> {
         let mut writer = lock(&self.store.writer);
         while writer.is_some() {
             writer = self
@@ -297,6 +294,16 @@ impl Memory {
                 .wait(writer)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
+        writer
+    }
+
+    /// Runs `read` on the tables: in this connection's transaction, or once no other
+    /// connection's is open, and with none beginning meanwhile (invariant 1).
+    fn read<T>(&self, read: impl FnOnce(&Tables) -> T) -> T {
+        if self.in_write {
+            return read(&lock(&self.store.tables));
+        }
+        let writer = self.between_transactions();
         let tables = lock(&self.store.tables);
         let value = read(&tables);
         drop(tables);
@@ -677,14 +684,7 @@ impl Storage for Memory {
                 StorageError::new("forgetting removals", "a write transaction is open").into(),
             );
         }
-        let mut writer = lock(&self.store.writer);
-        while writer.is_some() {
-            writer = self
-                .store
-                .ended
-                .wait(writer)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-        }
+        let writer = self.between_transactions();
         let mut tables = lock(&self.store.tables);
         for &ticket in tickets {
             tables.removed.remove(&(owner.to_owned(), ticket));

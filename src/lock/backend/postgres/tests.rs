@@ -29,16 +29,7 @@ fn tombstones_live_until_heard_or_swept() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    /// Wakes no worker, and says there is none, so that the listener ends at once.
-    struct NoWorker;
-    impl Poke for NoWorker {
-        fn poke(&self) -> bool {
-            false
-        }
-        fn alive(&self) -> bool {
-            false
-        }
-    }
+    use crate::lock::backend::NoWorker;
     let target = super::target::parse(server.url()).expect("the test server's URL");
     let schema = pg_support::schema("tombstones");
     let busy = Schedule::recurs(0);

@@ -356,19 +356,7 @@ fn inode(path: &Path) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A manager without a worker: its doorbell's listening thread ends at once.
-    struct NoWorker;
-
-    impl Poke for NoWorker {
-        fn poke(&self) -> bool {
-            false
-        }
-
-        fn alive(&self) -> bool {
-            false
-        }
-    }
+    use crate::lock::backend::NoWorker;
 
     /// A peer bound at `id`'s socket in `dir`, with its marker up.
     fn waiting_peer(dir: &Path, id: &str) -> UnixDatagram {
