@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use sqlite::{Connection, State, Statement};
 
-use crate::clock::Clock;
+use crate::clock::{Clock, SystemClock};
 use crate::lock::backend::codec::{
     by_ticket, decode_keys, key_hash, mode_code, mode_of, sql_ticket, stored_keys, ticket_of,
 };
@@ -507,7 +507,9 @@ impl<'c> Db<'c> {
     ///   difference of the two clocks now, so that each lease keeps what it had left;
     /// - from another boot's, every row is deleted, and every tombstone of a removal: a
     ///   write-ahead log is shared only by the processes of one machine, so that boot ended, and
-    ///   its owners with it (the ticket sequence stays, so fencing tokens still only grow);
+    ///   its owners with it (the ticket sequence stays, so fencing tokens still only grow); but
+    ///   a manager whose clock reads another boot than the one this machine is on (a test's
+    ///   clock) is refused a store on the machine's, whose rows may be live;
     /// - from a boot's to the wall clock, only while the store has no rows: another manager
     ///   judges its rows by that boot, which this manager cannot read.
     fn reconcile_time_line(&self) -> Result<()> {
@@ -536,7 +538,18 @@ impl<'c> Db<'c> {
                 bind(doing, &mut statement, 1, shift)?;
                 step(doing, &mut statement)?;
             }
-            (Some(TimeLine::Boot(_)), TimeLine::Boot(_)) => {
+            (Some(TimeLine::Boot(theirs)), TimeLine::Boot(_)) => {
+                // Unless it is the boot this machine is on, which a manager of this process
+                // whose clock reads another (a test's) cannot judge, and must not delete.
+                if SystemClock
+                    .boot_time()
+                    .is_some_and(|now| now.boot == theirs)
+                {
+                    let why = "its leases are judged by this machine's boot clock, and this \
+                               manager's clock reads another boot's (a test clock?): it cannot \
+                               tell which of its rows are live";
+                    return Err(StorageError::new(doing, why).into());
+                }
                 self.exec(
                     doing,
                     "DELETE FROM locks WHERE key <> ''; DELETE FROM removed;",

@@ -266,6 +266,24 @@ fn rows_of_an_earlier_boot_are_dead_and_tickets_go_on() {
     assert!(after > before, "ticket {after} after {before}");
 }
 
+#[cfg(target_os = "linux")]
+#[test]
+fn a_manager_on_another_boot_than_this_machines_is_refused_its_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("this-boot.db");
+    let here = SystemClock.boot_time().unwrap().boot;
+    let machine: Arc<dyn Clock> = Arc::new(OnBoot(crate::clock::TestClock::new(), Some(here)));
+    hold(&path, &machine, "a", "k", 60_000_000);
+    let test: Arc<dyn Clock> = Arc::new(OnBoot(crate::clock::TestClock::new(), Some(here ^ 1)));
+    let refused = live(&path, &test, false).unwrap_err().to_string();
+    assert!(refused.contains("another boot"), "{refused}");
+    assert_eq!(
+        live(&path, &machine, false).unwrap().len(),
+        1,
+        "nothing deleted"
+    );
+}
+
 #[test]
 fn a_store_judged_by_the_wall_clock_moves_to_the_boot_clock_with_each_lease_kept() {
     let dir = tempfile::tempdir().unwrap();
