@@ -1,7 +1,8 @@
 //! Where time comes from: the system clock, or a test clock that moves only when told.
 //!
-//! A clock has two time lines. Wall time ([`Clock::now`]) is shared by processes and judges
-//! leases; it may be stepped (by NTP, or when a suspended machine wakes). Monotonic time
+//! A clock has two time lines. Wall time ([`Clock::now`]) is shared by processes, and judges
+//! leases where nothing better is shared; it may be stepped (by NTP, or when a suspended machine
+//! wakes). Monotonic time
 //! ([`Clock::monotonic`]) only moves forward, at the rate of real time: schedules, timeouts and
 //! sleeps are measured on it, so a step of the wall clock never changes when they fire.
 //!
@@ -22,21 +23,22 @@ use futures::future::BoxFuture;
 
 use crate::sync::lock;
 
-/// A source of time: wall-clock time for leases, monotonic time and sleeping for schedules,
-/// timeouts and heartbeats.
+/// A source of time: wall-clock time (what an operator is shown, and what leases are judged by
+/// where no boot time is given), monotonic time and sleeping for schedules, timeouts and
+/// heartbeats, and the machine's boot time, which SQLite stores judge leases by.
 ///
-/// Wall times are durations since the Unix epoch so that several processes agree on lease
-/// expiry.
+/// Wall times are durations since the Unix epoch so that several processes agree on them.
 ///
 /// # Examples
 ///
 /// A clock of your own needs only `now` and `sleep`; it should also give `monotonic` if its
-/// wall time can be stepped.
+/// wall time can be stepped, and `boot_time` if its managers share SQLite files (a manager whose
+/// clock gives none is refused a file whose leases are judged by the machine's boot clock).
 ///
 /// ```
 /// use std::time::{Duration, Instant};
 /// use futures::future::BoxFuture;
-/// use leasehold::{Clock, SystemClock};
+/// use leasehold::{BootTime, Clock, SystemClock};
 ///
 /// /// The system clock, seen from a process whose wall clock runs an hour ahead.
 /// struct AnHourAhead;
@@ -50,11 +52,14 @@ use crate::sync::lock;
 ///     fn sleep(&self, duration: Duration) -> BoxFuture<'static, ()> {
 ///         SystemClock.sleep(duration)
 ///     }
+///     fn boot_time(&self) -> Option<BootTime> {
+///         SystemClock.boot_time()
+///     }
 /// }
 /// assert!(AnHourAhead.now() > SystemClock.now());
 /// ```
 pub trait Clock: Send + Sync + 'static {
-    /// Wall-clock time since the Unix epoch (shared by processes for lease expiry). It may jump
+    /// Wall-clock time since the Unix epoch, shared by processes. It may jump
     /// either way when the system clock is stepped.
     fn now(&self) -> Duration;
 
@@ -81,8 +86,10 @@ pub trait Clock: Send + Sync + 'static {
     /// manager whose clock gives none judges them by its wall time, which a step of the
     /// system clock moves for every process at once (see the README on clock steps).
     ///
-    /// It must move at the rate of [`monotonic`](Clock::monotonic), and no slower: a
-    /// clock that overrides one of them should override both from one source.
+    /// It must move at the rate of [`monotonic`](Clock::monotonic), and never faster: a lease
+    /// judged by it must not run out before the deadline this process keeps for it on the
+    /// monotonic time line. A clock that overrides one of them should override both from one
+    /// source.
     fn boot_time(&self) -> Option<BootTime> {
         None
     }
@@ -106,7 +113,9 @@ pub struct BootTime {
     /// Which boot of the machine this is: a different number after every restart (on Linux,
     /// `/proc/sys/kernel/random/boot_id`).
     pub boot: u128,
-    /// The time since that boot, time spent suspended included.
+    /// The time since that boot, time spent suspended left out, as
+    /// [`monotonic`](Clock::monotonic) leaves it out: a suspension counts for no process of the
+    /// machine, so none finds another's lease run out by it.
     pub since_boot: Duration,
 }
 
@@ -126,7 +135,8 @@ pub(crate) fn ambient() -> Arc<dyn Clock> {
 
 /// Real time: `SystemTime` for `now`, `Instant` for `monotonic`, the `async-io` timer for
 /// `sleep` (it runs its own driver thread, so it works under any executor, and waits on
-/// monotonic time), and on Linux `CLOCK_BOOTTIME` with the kernel's boot id for
+/// monotonic time), and on Linux `CLOCK_MONOTONIC` (the clock `Instant` reads, whose origin is
+/// the boot, the same for every process) with the kernel's boot id for
 /// [`boot_time`](Clock::boot_time) (elsewhere none: see [`Clock::boot_time`]).
 ///
 /// # Examples
@@ -169,21 +179,30 @@ impl Clock for SystemClock {
     }
 }
 
-/// `CLOCK_BOOTTIME`, with the boot id the kernel gives (read once).
+/// `CLOCK_MONOTONIC`, with the boot id the kernel gives (read until it is read once).
+///
+/// Not `CLOCK_BOOTTIME`, which counts time suspended: the timers and `monotonic` (`Instant`) do
+/// not, so after a suspension the store's time would have run ahead of every deadline kept.
 #[cfg(any(target_os = "linux", target_os = "android"))]
 #[allow(unsafe_code)]
 fn system_boot_time() -> Option<BootTime> {
-    static BOOT: OnceLock<Option<u128>> = OnceLock::new();
-    let boot = (*BOOT.get_or_init(|| {
-        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
-        parse_boot_id(&text)
-    }))?;
+    static BOOT: OnceLock<u128> = OnceLock::new();
+    let boot = match BOOT.get() {
+        Some(&boot) => boot,
+        None => {
+            let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+            *BOOT.get_or_init(|| parse_boot_id(&text).unwrap_or(0))
+        }
+    };
+    if boot == 0 {
+        return None;
+    }
     let mut time = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: `clock_gettime` writes one `timespec`, which `time` is, and reads nothing else.
-    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut time) } != 0 {
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut time) } != 0 {
         return None;
     }
     let since_boot = Duration::new(

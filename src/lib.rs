@@ -20,7 +20,8 @@
 //! - [`Semaphore`]: fair, strictly FIFO. [`Clock`]: [`SystemClock`], or [`TestClock`] whose time
 //!   moves only when a test says so. Schedules, timeouts ([`Scoped::timeout`]) and sleeps run on
 //!   the clock's monotonic time, so a step of the wall clock (NTP, a laptop waking up) changes
-//!   none of them; leases are judged on wall time, which processes share.
+//!   none of them; leases are judged on a time that processes share: the machine's boot clock
+//!   for SQLite, which no step moves, the server's clock for PostgreSQL.
 //!
 //! **A lease lock manager** built from those parts ([`LockManager`]): shared/exclusive locks keyed
 //! by strings, kept as rows in one SQLite file so that several processes on one machine

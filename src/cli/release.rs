@@ -8,8 +8,9 @@ use super::store_failed;
 /// What removing another owner's rows does and does not protect, said before it is done.
 const WHAT_FENCING_DOES: &str = "\
 Removing these rows ends their leases now: their waiters are granted at once, as if the owner \
-had released. If the owner is still running, it finds out only at its next heartbeat, and until \
-then it goes on as the holder. Fencing tokens protect what checks them: a resource that refuses \
+had released. A removed waiting request of an owner still running ends at once, and runs \
+nothing. A removed holder still running finds out only at its next heartbeat, and until then it \
+goes on as the holder. Fencing tokens protect what checks them: a resource that refuses \
 a token lower than the highest it has seen refuses the removed holder's late writes once the \
 next holder has written. Anything that does not check the token is not protected.";
 

@@ -203,7 +203,8 @@ async fn take(
         }
         (Err(LockError::Removed { by }), None) => {
             eprintln!(
-                "leasehold: {by} removed this request while it waited for {key:?}; not running {:?}",
+                "leasehold: {} removed this request while it waited for {key:?}; not running {:?}",
+                super::printable(&by),
                 args.command[0]
             );
             Err(REMOVED)

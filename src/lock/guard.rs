@@ -202,7 +202,7 @@ impl Guard {
             .shared
             .common
             .clock
-            .now()
+            .monotonic()
             .saturating_sub(self.acquired_at);
         for request in &self.requests {
             tracing::debug!(

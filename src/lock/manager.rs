@@ -418,7 +418,8 @@ impl LockManager {
     /// # Examples
     ///
     /// ```
-    /// use leasehold::{LockError, LockManager, MemoryStore, Removal};
+    /// use std::time::Duration;
+    /// use leasehold::{Clock, LockError, LockManager, MemoryStore, Removal, SystemClock};
     ///
     /// # futures::executor::block_on(async {
     /// let store = MemoryStore::new();
@@ -432,7 +433,7 @@ impl LockManager {
     /// let remove = async {
     ///     // Once the waiter is queued behind the holder.
     ///     while operator.inspect(Some("k")).await?.len() < 2 {
-    ///         futures::pending!();
+    ///         SystemClock.sleep(Duration::from_millis(1)).await;
     ///     }
     ///     operator.remove(Removal::Owner(waiter.owner_id().into())).await
     /// };

@@ -168,9 +168,10 @@ pub(crate) trait Storage {
     /// A holder's removal records nothing: its guard hears `lost()` either way.
     ///
     /// A tombstone is kept until the owner has heard of it (`forget_removals`), or, at the
-    /// latest, until the removed row's lease would have run out and as long again (`sweep`): an
-    /// owner that renews finds its rows gone before their lease runs out, and one that did not
-    /// renew by then would have lost them to a lapse anyway.
+    /// latest, until the removed row's lease would have run out and [`TOMBSTONE_KEPT`] (or the
+    /// lease, if longer) after that (`sweep`): an owner that renews finds its rows gone before
+    /// their lease runs out, and one stopped for hours (the waiter an operator removes, as
+    /// like as not) still finds its tombstone when it resumes.
     fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()>;
     /// Of `owner`'s requests `tickets`, whose rows it found gone, those an operator removed
     /// (`record_removal`), each with who removed it. A read: the tombstones stay until
@@ -196,6 +197,10 @@ pub(crate) trait Storage {
     /// Whether `key` has a live held row.
     fn is_held(&mut self, key: &str, now: i64) -> Result<bool>;
 }
+
+/// How long past the removed row's lease a tombstone of a removal is kept at the least (a day,
+/// in microseconds): see `Storage::record_removal`.
+pub(crate) const TOMBSTONE_KEPT: i64 = 24 * 3600 * 1_000_000;
 
 /// What a request does when it cannot be granted at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -462,8 +467,8 @@ pub(crate) fn tombstones_live_until_heard_or_swept(storage: &mut impl Storage) {
         [(unheard, operator())]
     );
 
-    // Kept until the row's lease would have run out, and a lease after that.
-    let kept_until = written_at + 2 * lease;
+    // Kept until the row's lease would have run out, and a day (or a lease) after that.
+    let kept_until = written_at + lease + lease.max(TOMBSTONE_KEPT);
     storage.begin(&keys).unwrap();
     storage.sweep(kept_until - 1).unwrap();
     storage.commit().unwrap();

@@ -120,17 +120,17 @@ struct Freed {
     owners: BTreeSet<String>,
 }
 
-/// The latest time (micros since the epoch) at which leases can be kept: a lease of the longest
-/// length the builder accepts (under `i64::MAX / 4` micros) still ends within an `i64`. About
-/// 146,000 years from 1970; a clock past it (a custom `Clock`, `TestClock::set_wall_time`) is an
-/// error, not an overflow.
+/// The latest time (micros on the store's time line) at which leases can be kept: a lease of
+/// the longest length the builder accepts (under `i64::MAX / 4` micros) still ends within an
+/// `i64`. About 146,000 years from 1970 on a wall clock; a clock past it (a custom `Clock`,
+/// `TestClock::set_wall_time`) is an error, not an overflow.
 const LAST_TIME: i64 = i64::MAX / 2;
 
 /// `now`, or an error if it is past [`LAST_TIME`].
 fn within_time_line(now: i64) -> Result<i64, LockError> {
     if now > LAST_TIME {
         let why = format!(
-            "the clock reads {now} µs since 1970, past the last time at which leases can be kept \
+            "the clock reads {now} µs, past the last time at which leases can be kept \
              ({LAST_TIME} µs)"
         );
         return Err(StorageError::new("reading the clock", why).into());

@@ -46,7 +46,7 @@ use crate::clock::Clock;
 use crate::lock::backend::codec::{by_ticket, key_hash};
 use crate::lock::backend::{
     Capabilities, Changes, DecidesAtOnce, Deleted, Opening, OwnedRequest, Result, Row, Serve,
-    Storage,
+    Storage, TOMBSTONE_KEPT,
 };
 use crate::lock::grant::RowView;
 use crate::lock::time::TimeLine;
@@ -123,6 +123,8 @@ struct Store {
     ended: Condvar,
     /// The latest time any connection judged by (invariant 4).
     latest: AtomicI64,
+    /// The time line of the first manager opened on it, which every other must share.
+    line: Mutex<Option<TimeLine>>,
     next_connection: AtomicU64,
 }
 
@@ -135,6 +137,7 @@ impl Default for Store {
             writer: Mutex::new(None),
             ended: Condvar::new(),
             latest: AtomicI64::new(i64::MIN),
+            line: Mutex::new(None),
             next_connection: AtomicU64::new(0),
         }
     }
@@ -211,6 +214,17 @@ pub(crate) fn serve(
     worker: impl Serve,
 ) {
     let connection = Memory::new(store, opening.clock);
+    // Its managers judge leases on one time line: the first's.
+    let first = *lock(&connection.store.line).get_or_insert(connection.line);
+    if first != connection.line {
+        let why = format!(
+            "its managers judge leases on {}, and this manager's clock on {}: give them clocks \
+             of one kind (the same boot time, or none)",
+            first.stored(),
+            connection.line.stored()
+        );
+        return opened(Err(StorageError::new("opening a memory store", why).into()));
+    }
     opened(Ok(()));
     worker.serve(connection);
 }
@@ -644,13 +658,13 @@ impl Storage for Memory {
 
     fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()> {
         self.change(|tables, undo| {
-            // Kept until the latest of its waiting rows' leases would have run out, and as
-            // long again.
+            // Kept until the latest of its waiting rows' leases would have run out, and a day
+            // (or a lease, if longer) after that.
             let kept_until = (tables.rows.iter())
                 .filter(|((_, t), row)| *t == ticket && &*row.owner == owner && !row.held)
                 .map(|(_, row)| {
                     let lease = row.expires_at - row.heartbeat_at;
-                    row.expires_at.max(now).saturating_add(lease)
+                    (row.expires_at.max(now)).saturating_add(lease.max(TOMBSTONE_KEPT))
                 })
                 .max();
             if let Some(kept_until) = kept_until {

@@ -68,7 +68,7 @@ use crate::lock::backend::codec::{
     by_ticket, decode_keys, key_hash, mode_code, mode_of, sql_ticket, stored_keys, ticket_of,
 };
 use crate::lock::backend::{Capabilities, DecidesAtOnce, Opening, Poke, Serve};
-use crate::lock::backend::{Changes, Deleted, OwnedRequest, Result, Row, Storage};
+use crate::lock::backend::{Changes, Deleted, OwnedRequest, Result, Row, Storage, TOMBSTONE_KEPT};
 use crate::lock::grant::RowView;
 use crate::lock::{LockError, LockRequest, StorageError};
 use crate::schedule::{Schedule, ScheduleRun};
@@ -643,18 +643,19 @@ impl Storage for Postgres {
         Ok(())
     }
 
-    /// Kept until the latest of the request's waiting rows' leases would have run out, and
-    /// as long again (the lease is the row's own: the length its last renewal gave it).
+    /// Kept until the latest of the request's waiting rows' leases would have run out, and a
+    /// day (or the lease, the row's own, if longer) after that.
     fn record_removal(&mut self, owner: &str, ticket: u64, by: &str, now: i64) -> Result<()> {
         self.execute(
             "recording a removal",
             "INSERT INTO {s}.removed AS r (owner, ticket, by_owner, kept_until)
-             SELECT owner, ticket, $3, max(greatest(expires_at, $4) + (expires_at - heartbeat_at))
+             SELECT owner, ticket, $3,
+                    max(greatest(expires_at, $4) + greatest(expires_at - heartbeat_at, $5))
              FROM {s}.locks WHERE owner = $1 AND ticket = $2 AND NOT held
              GROUP BY owner, ticket
              ON CONFLICT (owner, ticket) DO UPDATE
                  SET by_owner = EXCLUDED.by_owner, kept_until = EXCLUDED.kept_until",
-            &[&owner, &sql_ticket(ticket), &by, &now],
+            &[&owner, &sql_ticket(ticket), &by, &now, &TOMBSTONE_KEPT],
         )?;
         Ok(())
     }

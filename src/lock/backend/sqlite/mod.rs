@@ -31,7 +31,7 @@ use crate::lock::backend::codec::{
 };
 use crate::lock::backend::{
     Capabilities, Changes, DecidesAtOnce, Deleted, Opening, OwnedRequest, Result, Row, Serve,
-    Storage,
+    Storage, TOMBSTONE_KEPT,
 };
 use crate::lock::grant::RowView;
 use crate::lock::time::{micros, TimeLine};
@@ -45,6 +45,11 @@ pub(crate) const SCHEMA_VERSION: i64 = 5;
 /// rows when they are on another time line than its clock's (an earlier boot's): every row has
 /// lapsed by it, and it is within the worker's time line (`LAST_TIME`).
 const STALE_NOW: i64 = i64::MAX / 4;
+
+/// Why a manager on the wall clock cannot use a store on the machine's boot clock.
+const WALL_ON_BOOT: &str = "its leases are judged by the machine's boot clock, which this \
+                            manager's clock (a `Clock` without `boot_time`) cannot read; open it \
+                            with a clock that gives `boot_time` (as `SystemClock` does on Linux)";
 
 const SQLITE_BUSY: isize = 5;
 const SQLITE_LOCKED: isize = 6;
@@ -105,9 +110,11 @@ pub(crate) fn serve(
     let file = path.and_then(FileIdentity::of);
     let mut db = Db::new(&conn, opening.clock, file, opening.busy);
     if opening.existing {
-        // Opened as it is, on another time line (its rows are of an earlier boot): nothing
-        // of it is live, and nothing is changed.
+        // Opened as it is: its rows are judged on the line it records, a wall clock's by the
+        // wall clock; on another boot's (an earlier one), nothing of it is live, and nothing is
+        // changed.
         match db.stored_time_line() {
+            Ok(Some(TimeLine::Wall)) => db.line = TimeLine::Wall,
             Ok(found) => db.stale = found != Some(db.line),
             Err(error) => return opened(Err(error)),
         }
@@ -510,8 +517,11 @@ impl<'c> Db<'c> {
     ///   its owners with it (the ticket sequence stays, so fencing tokens still only grow); but
     ///   a manager whose clock reads another boot than the one this machine is on (a test's
     ///   clock) is refused a store on the machine's, whose rows may be live;
-    /// - from a boot's to the wall clock, only while the store has no rows: another manager
-    ///   judges its rows by that boot, which this manager cannot read.
+    /// - from a boot's to the wall clock, never: managers of that boot may be at work on it,
+    ///   and this manager cannot read their clock.
+    ///
+    /// A manager on the wall clock also checks, at every write transaction, that the store is
+    /// still on it (`begin`): a manager of the boot's may have moved it since it opened.
     fn reconcile_time_line(&self) -> Result<()> {
         let found = self.stored_time_line()?;
         if found == Some(self.line) {
@@ -556,16 +566,8 @@ impl<'c> Db<'c> {
                 )?;
             }
             (_, TimeLine::Wall) => {
-                let mut statement =
-                    self.prepare(doing, "SELECT EXISTS (SELECT 1 FROM locks WHERE key <> '')")?;
-                step(doing, &mut statement)?;
-                if read::<i64>(doing, &statement, 0)? != 0 {
-                    let why = "its leases are judged by the machine's boot clock, which this \
-                               manager's clock (a `Clock` without `boot_time`) cannot read, and \
-                               it has rows; open it with a clock that gives `boot_time` (as \
-                               `SystemClock` does on Linux)";
-                    return Err(StorageError::new(doing, why).into());
-                }
+                // Managers of the boot's may be at work on it, with or without rows now.
+                return Err(StorageError::new(doing, WALL_ON_BOOT).into());
             }
         }
         let mut statement = self.prepare(doing, "UPDATE time_line SET line = ? WHERE id = 1")?;
@@ -638,6 +640,21 @@ impl Storage for Db<'_> {
         self.begin_immediate("starting a write transaction")?;
         self.in_write = true;
         let version = self.data_version()?;
+        if self.line == TimeLine::Wall && self.known.version != Some(version) {
+            // Another connection committed: it may have moved the store to its boot clock.
+            match self.stored_time_line() {
+                Ok(Some(TimeLine::Wall) | None) => {}
+                Ok(Some(TimeLine::Boot(_))) => {
+                    self.rollback();
+                    let doing = "starting a write transaction";
+                    return Err(StorageError::new(doing, WALL_ON_BOOT).into());
+                }
+                Err(error) => {
+                    self.rollback();
+                    return Err(error);
+                }
+            }
+        }
         self.known.starting(version);
         Ok(self.now())
     }
@@ -1003,7 +1020,8 @@ impl Storage for Db<'_> {
         let mut statement = self.prepare(
             doing,
             "INSERT OR REPLACE INTO removed (owner, ticket, by_owner, kept_until)
-             SELECT owner, ticket, ?3, MAX(MAX(expires_at, ?4) + (expires_at - heartbeat_at))
+             SELECT owner, ticket, ?3,
+                    MAX(MAX(expires_at, ?4) + MAX(expires_at - heartbeat_at, ?5))
              FROM locks WHERE owner = ?1 AND ticket = ?2 AND held = 0
              GROUP BY owner, ticket",
         )?;
@@ -1011,6 +1029,7 @@ impl Storage for Db<'_> {
         bind(doing, &mut statement, 2, sql_ticket(ticket))?;
         bind(doing, &mut statement, 3, by)?;
         bind(doing, &mut statement, 4, now)?;
+        bind(doing, &mut statement, 5, TOMBSTONE_KEPT)?;
         step(doing, &mut statement)?;
         Ok(())
     }

@@ -315,7 +315,7 @@ fn a_store_judged_by_the_wall_clock_moves_to_the_boot_clock_with_each_lease_kept
 }
 
 #[test]
-fn a_manager_without_a_boot_clock_is_refused_a_store_with_rows_on_one() {
+fn a_manager_without_a_boot_clock_is_refused_a_store_on_one_rows_or_none() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mixed.db");
     let test = crate::clock::TestClock::new();
@@ -324,7 +324,6 @@ fn a_manager_without_a_boot_clock_is_refused_a_store_with_rows_on_one() {
     hold(&path, &boot, "a", "k", 30_000_000);
     let refused = live(&path, &wall, false).unwrap_err().to_string();
     assert!(refused.contains("boot_time"), "{refused}");
-    // Once the store has no rows, it may move to the wall clock.
     let busy = Schedule::recurs(0);
     let conn = connect(Some(&path), 0o600, &busy, false, &boot).unwrap();
     let mut db = Db::new(&conn, boot.clone(), None, busy);
@@ -332,5 +331,25 @@ fn a_manager_without_a_boot_clock_is_refused_a_store_with_rows_on_one() {
     assert_eq!(db.delete_owner("a").unwrap(), 1);
     db.commit().unwrap();
     drop(db);
-    assert!(live(&path, &wall, false).unwrap().is_empty());
+    // Without rows too: a manager of the boot's may be at work on it.
+    assert!(live(&path, &wall, false).is_err());
+}
+
+#[test]
+fn a_manager_on_the_wall_clock_stops_writing_once_the_store_moved_to_the_boot_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("moved.db");
+    let test = crate::clock::TestClock::new();
+    let wall: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), None));
+    let boot: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), Some(7)));
+    let busy = Schedule::recurs(0);
+    let conn = connect(Some(&path), 0o600, &busy, false, &wall).unwrap();
+    let mut db = Db::new(&conn, wall.clone(), None, busy);
+    db.begin(&[]).unwrap();
+    db.commit().unwrap();
+    // A manager of the boot's opens it and moves it.
+    hold(&path, &boot, "b", "k", 30_000_000);
+    let refused = db.begin(&[]).unwrap_err().to_string();
+    assert!(refused.contains("boot_time"), "{refused}");
+    assert!(!db.in_write, "rolled back");
 }
