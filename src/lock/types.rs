@@ -251,6 +251,27 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 }
 
 /// Whose rows an operator removes ([`LockManager::remove`](crate::LockManager::remove)).
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::{LockManager, MemoryStore, Removal};
+///
+/// # futures::executor::block_on(async {
+/// let store = MemoryStore::new();
+/// let (gone, operator) = (
+///     LockManager::builder().open_in(&store)?,
+///     LockManager::builder().open_in(&store)?,
+/// );
+/// let guard = gone.exclusive("repo", "prune").await?;
+/// // One request, by key and ticket (as `inspect` shows them); or every row of an owner.
+/// let one = Removal::Request { key: "repo".into(), ticket: guard.fencing_token() };
+/// assert_eq!(operator.remove(one).await?, 1);
+/// assert_eq!(operator.remove(Removal::Owner(gone.owner_id().into())).await?, 0);
+/// assert!(!operator.is_locked("repo").await?);
+/// # Ok::<(), leasehold::LockError>(())
+/// # }).unwrap();
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Removal {
     /// Every request of the owner with this id ([`LockManager::owner_id`](crate::LockManager::owner_id)).
