@@ -632,14 +632,15 @@ fn a_schema_written_by_a_newer_version_is_refused() {
 
 /// A schema of version 3 (an acquisition and a release each had a function, with no `decide`),
 /// 4 (a `decide` without shortcuts), 5 (a `decide` that could judge on a stale read), 6 (no
-/// `renew`), 7 (no `acquire_one` and `release_one`) or 8 (no tombstones of removals) is brought
-/// up to date when a manager connects, keeping its rows.
+/// `renew`), 7 (no `acquire_one` and `release_one`), 8 (no tombstones of removals) or 9 (no
+/// absorbed steps of the server's clock) is brought up to date when a manager connects, keeping
+/// its rows.
 #[test]
 fn a_schema_of_an_older_version_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    for old_version in [3, 4, 5, 6, 7, 8] {
+    for old_version in [3, 4, 5, 6, 7, 8, 9] {
         block_on(migrated_from(server, old_version));
     }
 }
@@ -648,14 +649,22 @@ async fn migrated_from(server: &pg_support::Server, old_version: i32) {
     let schema = pg_support::schema(&format!("version{old_version}"));
     let old = manager(server.url(), &schema).await;
     let held = old.exclusive("kept", "before").await.unwrap();
+    let removed = if old_version < 9 {
+        format!("DROP TABLE {schema}.removed;")
+    } else {
+        String::new()
+    };
     server.sql(&format!(
         "DROP FUNCTION {schema}.decide; DROP FUNCTION {schema}.renew; \
          DROP FUNCTION {schema}.acquire_one; DROP FUNCTION {schema}.release_one; \
-         DROP TABLE {schema}.removed; UPDATE {schema}.meta SET version = {old_version}"
+         DROP FUNCTION {schema}.lock_keys; DROP FUNCTION {schema}.check_clock; {removed} \
+         ALTER TABLE {schema}.meta DROP COLUMN skew; UPDATE {schema}.meta SET version = {old_version}"
     ));
     let new = manager(server.url(), &schema).await;
     let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
-    assert_eq!(version.trim(), "9");
+    assert_eq!(version.trim(), "10");
+    let skew = server.sql(&format!("SELECT skew FROM {schema}.meta"));
+    assert_eq!(skew.trim(), "0");
     let tombstones = server.sql(&format!("SELECT count(*) FROM {schema}.removed"));
     assert_eq!(tombstones.trim(), "0");
     let busy = new
@@ -1193,5 +1202,65 @@ fn a_failed_connection_says_why_and_keeps_the_clients_error_as_its_source() {
             error.to_string().contains("password authentication failed"),
             "{error}"
         );
+    });
+}
+
+/// A forward step of the server's clock (made here by moving the skew the store's time is read
+/// with, which is what a step of `clock_timestamp()` does to it) lapses no lease: the holder's
+/// next renewal and the waiter's next call are refused by the server as started later than
+/// they could be, measure the step, absorb it into the skew, and go on. The holder keeps its
+/// lock and hears no `lost()`; the waiter is granted only once it releases.
+#[test]
+fn a_forward_step_of_the_servers_clock_lapses_no_lease() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    block_on(async {
+        let schema = pg_support::schema("forward_step");
+        let (a, b) = (
+            manager(server.url(), &schema).await,
+            manager(server.url(), &schema).await,
+        );
+        let held = a.exclusive("k", "hold").await.unwrap();
+        let waiter = smol::spawn({
+            let b = b.clone();
+            async move { b.exclusive("k", "wait").await.unwrap() }
+        });
+        within(Duration::from_secs(10), "the waiter queued", || async {
+            a.inspect(Some("k")).await.unwrap().len() == 2
+        })
+        .await;
+        let beats = a.stats().heartbeats;
+        let skew = || {
+            let text = server.sql(&format!("SELECT skew FROM \"{schema}\".meta"));
+            text.trim().parse::<i64>().expect("a number")
+        };
+        // An hour forward.
+        server.sql(&format!(
+            "UPDATE \"{schema}\".meta SET skew = skew - 3600000000"
+        ));
+        // Three leases: the holder renews about twelve times meanwhile.
+        smol::Timer::after(Duration::from_secs(6)).await;
+        assert!(!held.lost().is_aborted(), "the holder lost its lease");
+        assert!(
+            !waiter.is_finished(),
+            "the waiter was granted over the holder"
+        );
+        assert!(
+            a.stats().heartbeats >= beats + 3,
+            "the holder stopped renewing"
+        );
+        let left = skew();
+        assert!(
+            left.abs() < 1_000_000,
+            "the step was not absorbed: skew {left} µs"
+        );
+        let token = held.fencing_token();
+        held.release().await.unwrap();
+        let next = bounded(Duration::from_secs(10), "the waiter granted", waiter).await;
+        assert!(next.fencing_token() > token);
+        next.release().await.unwrap();
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
     });
 }

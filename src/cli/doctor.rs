@@ -301,7 +301,8 @@ mod pg {
                                 count(*) FILTER (WHERE expires_at <= now)
                          FROM {s}.locks,
                               (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
-                                  AS now) AS t"
+                                      - skew AS now
+                               FROM {s}.meta WHERE id = 1) AS t"
                     ),
                     &[],
                 )

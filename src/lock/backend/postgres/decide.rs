@@ -17,7 +17,7 @@ use crate::lock::StorageError;
 
 /// The call of the function `decide` (see `FUNCTIONS`), for `DecideArgs::params`.
 pub(super) const DECIDE: &str =
-    "SELECT * FROM {s}.decide($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+    "SELECT * FROM {s}.decide($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
 
 /// The arguments of the function `decide`: a batch of operations of one owner, with one entry
 /// per operation and one per key of each.
@@ -116,8 +116,8 @@ impl<'a> DecideArgs<'a> {
 /// The calls of the functions `acquire_one` and `release_one` (see `FUNCTIONS`): `decide` for
 /// an operation alone on one key, the commonest call, with less work on the server. Their
 /// answer is one row of `decide`'s columns.
-const ACQUIRE_ONE: &str = "SELECT * FROM {s}.acquire_one($1, $2, $3, $4, $5, $6, $7, $8)";
-const RELEASE_ONE: &str = "SELECT * FROM {s}.release_one($1, $2, $3, $4, $5, $6, $7)";
+const ACQUIRE_ONE: &str = "SELECT * FROM {s}.acquire_one($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+const RELEASE_ONE: &str = "SELECT * FROM {s}.release_one($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// The arguments of `acquire_one` or `release_one`, for a batch of one operation on one key.
 pub(super) enum OneArgs<'a> {
@@ -255,7 +255,8 @@ impl Postgres {
     ) -> Result<Vec<Outcome>> {
         self.transient = false;
         let (one, many);
-        let (doing, sql, params): (_, _, Vec<&(dyn ToSql + Sync)>) =
+        let latest: Option<i64>;
+        let (doing, sql, mut params): (_, _, Vec<&(dyn ToSql + Sync)>) =
             match OneArgs::new(&self.schema, owner, lease, ops) {
                 Some(args) => {
                     let (doing, sql) = args.call();
@@ -268,6 +269,8 @@ impl Postgres {
                 }
             };
         let statement = self.statement(doing, sql)?;
+        latest = self.latest();
+        params.push(&latest);
         let sent = self.monotonic();
         let rows = self.with(doing, |client| client.query(&statement, &params))?;
         self.succeeded();
@@ -277,7 +280,7 @@ impl Postgres {
         }
         if let Some(first) = rows.first() {
             // The first operation's time: the earliest read after the call was sent.
-            self.offset = first.get::<_, i64>(0) - sent;
+            self.observed(first.get::<_, i64>(0), sent);
         }
         let mut outcomes = Vec::with_capacity(ops.len());
         for (op, row) in ops.iter().zip(&rows) {
@@ -313,7 +316,7 @@ impl Postgres {
 }
 
 /// The call of the function `renew` (see `FUNCTIONS`).
-const RENEW: &str = "SELECT * FROM {s}.renew($1, $2, $3)";
+const RENEW: &str = "SELECT * FROM {s}.renew($1, $2, $3, $4)";
 
 impl DecidesAtOnce for Postgres {
     /// One round trip: the function `renew` (see `FUNCTIONS`).
@@ -321,9 +324,10 @@ impl DecidesAtOnce for Postgres {
         self.transient = false;
         let (_, schema_lock) = key_locks(&self.schema, &[]);
         let statement = self.statement("renewing leases", RENEW)?;
+        let latest = self.latest();
         let sent = self.monotonic();
         let rows = self.with("renewing leases", |client| {
-            client.query(&statement, &[&owner, &lease, &schema_lock])
+            client.query(&statement, &[&owner, &lease, &schema_lock, &latest])
         })?;
         self.succeeded();
         let Some(row) = rows.first() else {
@@ -331,7 +335,7 @@ impl DecidesAtOnce for Postgres {
         };
         let now: i64 = row.get(0);
         // Read once the rows were locked: the earliest time it may be, as of the call's sending.
-        self.offset = now - sent;
+        self.observed(now, sent);
         let tickets = row.get::<_, Option<Vec<i64>>>(1).unwrap_or_default();
         let helds = row.get::<_, Option<Vec<bool>>>(2).unwrap_or_default();
         let renewed = tickets.into_iter().map(ticket_of).zip(helds);

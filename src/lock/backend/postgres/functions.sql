@@ -1,10 +1,34 @@
 -- The server-side functions of the PostgreSQL backend: see `schema.rs` (`FUNCTIONS`).
 -- `{s}` is the schema, quoted; `{max_locks}`, `{schema_class}`, `{lock_class}` and
 -- `{exclusive}` are numbers filled in by `functions`.
-CREATE OR REPLACE FUNCTION {s}.lock_keys(p_locks int4[], p_schema_lock int4)
+-- The store's time is the server's clock less the forward steps of it that clients absorbed
+-- (`meta.skew`; see `mod.rs`, "Time is the server's"). `check_clock` refuses a call whose
+-- statement started later, by the store's time, than `p_latest`, the caller's latest estimate
+-- of it (NULL: no estimate yet): the server's clock stepped forward, and nothing is decided on
+-- it. The error (SQLSTATE LH001) says the skew it read and by how much the start was late; the
+-- caller absorbs the step and calls again. It returns the skew, by which the caller reads the
+-- store's time.
+CREATE OR REPLACE FUNCTION {s}.check_clock(p_latest bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    seen bigint;
+    late bigint;
+BEGIN
+    SELECT skew INTO seen FROM {s}.meta WHERE id = 1;
+    late := (extract(epoch FROM statement_timestamp()) * 1000000)::bigint - seen - p_latest;
+    IF late > 0 THEN
+        RAISE EXCEPTION 'the server''s clock stepped forward: the call started % µs later than '
+                        'its caller could expect', late
+            USING ERRCODE = 'LH001', DETAIL = seen::text || ' ' || late::text;
+    END IF;
+    RETURN seen;
+END $$;
+
+CREATE OR REPLACE FUNCTION {s}.lock_keys(p_locks int4[], p_schema_lock int4, p_latest bigint)
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
     l int4;
+    seen bigint := {s}.check_clock(p_latest);
 BEGIN
     IF cardinality(p_locks) > {max_locks} THEN
         PERFORM pg_advisory_xact_lock({schema_class}, p_schema_lock);
@@ -14,7 +38,7 @@ BEGIN
             PERFORM pg_advisory_xact_lock({lock_class}, l);
         END LOOP;
     END IF;
-    RETURN (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+    RETURN (extract(epoch FROM clock_timestamp()) * 1000000)::bigint - seen;
 END $$;
 
 -- A batch of acquisitions and releases of one owner, decided in order in one transaction: the
@@ -37,7 +61,7 @@ END $$;
 CREATE OR REPLACE FUNCTION {s}.decide(
     p_owner text, p_lease bigint, p_locks int4[], p_schema_lock int4, p_channel text,
     p_ends int4[], p_tickets int8[], p_waits int2[], p_all_keys text[], p_payloads text[],
-    p_keys text[], p_modes int2[], p_operations text[])
+    p_keys text[], p_modes int2[], p_operations text[], p_latest bigint)
 RETURNS TABLE (
     now bigint, ticket bigint, granted boolean, others_keys text[], others_expiries int8[],
     deleted bigint, live bigint, freed boolean, promoted int8[], owners text[])
@@ -53,14 +77,15 @@ DECLARE
     blocked boolean;
     others_left boolean;
     waited_for boolean;
+    seen bigint := {s}.check_clock(p_latest);
 BEGIN
-    PERFORM {s}.lock_keys(p_locks, p_schema_lock);
+    PERFORM {s}.lock_keys(p_locks, p_schema_lock, NULL);
     FOR n IN 1 .. coalesce(cardinality(p_ends), 0) LOOP
         op_keys := p_keys[lo:p_ends[n]];
         op_modes := p_modes[lo:p_ends[n]];
         op_ticket := p_tickets[n];
         op_wait := p_waits[n];
-        now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+        now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint - seen;
         IF op_ticket IS NULL THEN
             -- An acquisition on keys without rows (the uncontended case): granted.
             INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
@@ -183,13 +208,16 @@ END $$;
 -- lapsed rows and watchers, and of the tombstones of removals past their time, skipping rows another transaction holds (it never waits for them,
 -- so it never deadlocks with a decision). One answer: the time, and the renewed rows' tickets
 -- and states, in key order (NULL when none).
-CREATE OR REPLACE FUNCTION {s}.renew(p_owner text, p_lease bigint, p_schema_lock int4)
+CREATE OR REPLACE FUNCTION {s}.renew(
+    p_owner text, p_lease bigint, p_schema_lock int4, p_latest bigint)
 RETURNS TABLE (now bigint, tickets int8[], helds boolean[])
 LANGUAGE plpgsql AS $$
+DECLARE
+    seen bigint := {s}.check_clock(p_latest);
 BEGIN
-    PERFORM {s}.lock_keys('{}'::int4[], p_schema_lock);
+    PERFORM {s}.lock_keys('{}'::int4[], p_schema_lock, NULL);
     PERFORM 1 FROM {s}.locks AS l WHERE l.owner = p_owner ORDER BY l.key, l.ticket FOR UPDATE;
-    now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+    now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint - seen;
     WITH r AS (
         UPDATE {s}.locks AS l SET expires_at = now + p_lease, heartbeat_at = now
         WHERE l.owner = p_owner AND l.expires_at > now
@@ -217,7 +245,7 @@ END $$;
 -- (`tests.rs`) compares every answer, row and announcement of the two.
 CREATE OR REPLACE FUNCTION {s}.acquire_one(
     p_owner text, p_lease bigint, p_lock int4, p_schema_lock int4, p_key text, p_mode int2,
-    p_operation text, p_wait int2,
+    p_operation text, p_wait int2, p_latest bigint,
     OUT now bigint, OUT ticket bigint, OUT granted boolean, OUT others_keys text[],
     OUT others_expiries int8[], OUT deleted bigint, OUT live bigint, OUT freed boolean,
     OUT promoted int8[], OUT owners text[])
@@ -225,10 +253,11 @@ LANGUAGE plpgsql AS $$
 DECLARE
     lapsed bigint;
     blocked boolean;
+    seen bigint := {s}.check_clock(p_latest);
 BEGIN
     PERFORM pg_advisory_xact_lock_shared({schema_class}, p_schema_lock);
     PERFORM pg_advisory_xact_lock({lock_class}, p_lock);
-    now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+    now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint - seen;
     -- On a key without rows (the uncontended case): granted.
     INSERT INTO {s}.locks AS l (key, mode, operation, owner, ticket, held, requested_at,
                                 acquired_at, expires_at, heartbeat_at)
@@ -274,7 +303,7 @@ END $$;
 
 CREATE OR REPLACE FUNCTION {s}.release_one(
     p_owner text, p_lock int4, p_schema_lock int4, p_channel text, p_key text, p_ticket bigint,
-    p_payload text,
+    p_payload text, p_latest bigint,
     OUT now bigint, OUT ticket bigint, OUT granted boolean, OUT others_keys text[],
     OUT others_expiries int8[], OUT deleted bigint, OUT live bigint, OUT freed boolean,
     OUT promoted int8[], OUT owners text[])
@@ -283,10 +312,11 @@ DECLARE
     lapsed bigint;
     others_left boolean;
     waited_for boolean := false;
+    seen bigint := {s}.check_clock(p_latest);
 BEGIN
     PERFORM pg_advisory_xact_lock_shared({schema_class}, p_schema_lock);
     PERFORM pg_advisory_xact_lock({lock_class}, p_lock);
-    now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+    now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint - seen;
     WITH d AS (
         DELETE FROM {s}.locks AS d
         WHERE d.key = p_key

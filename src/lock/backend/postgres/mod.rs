@@ -14,7 +14,16 @@
 //!    server's time from its own monotonic clock and the offset seen last, measured from when the
 //!    statement that read the server's time was *sent*: the estimate is never behind the server,
 //!    so a lease as this process knows it never ends after the server's (it may end early by a
-//!    round trip).
+//!    round trip). The store's time is the server's clock less the forward steps of it that
+//!    clients absorbed (`meta.skew`): every call gives the server the latest time at which, by
+//!    its monotonic clock and the offsets it has seen, the call can start (`Steps`); the server
+//!    refuses a call that started later (`check_clock`), and this process measures the step
+//!    afresh, adds it to the skew, and calls again. So a forward step of the server's clock
+//!    lapses no lease, once any process that has talked to the server since before it makes a
+//!    call; a backward step makes leases last longer, and a decision deletes the lapsed rows of
+//!    its keys before it reads them, so none that it passed over comes back. Steps shorter than
+//!    `STEP_BOUND` go unabsorbed, and a process that first connects after a step, before any
+//!    other absorbed it, decides on the stepped clock.
 //! 2. **Decisions on a key are serialised by an advisory lock on that key**, taken by every
 //!    write transaction for the keys it decides on (`pg_advisory_xact_lock`, in a class of this
 //!    library's own, keyed by a digest of the schema and the key), all in one statement in one
@@ -109,6 +118,15 @@ fn passing(error: &postgres::Error) -> bool {
     })
 }
 
+/// The skew `check_clock` read, if `error` is its refusal of a call on a clock stepped forward.
+fn clock_stepped(error: &postgres::Error) -> Option<i64> {
+    let db = error.as_db_error()?;
+    if db.code().code() != "LH001" {
+        return None;
+    }
+    db.detail()?.split(' ').next()?.parse().ok()
+}
+
 /// Whether `error` ended the session: the connection broke, or the server ended it (shut down,
 /// restarted, or terminated the backend: SQLSTATE class 57P).
 fn session_ended(error: &postgres::Error) -> bool {
@@ -133,6 +151,10 @@ pub(crate) struct Postgres {
     /// The server's time less this process's monotonic time when the statement that read it
     /// was sent (micros): at least the true offset, by up to that statement's round trip.
     offset: i64,
+    /// What the round trips say of that offset, for finding steps of the server's clock.
+    steps: Steps,
+    /// A step the server reported (`check_clock`): the skew it read, to absorb it by.
+    stepped: Option<i64>,
     /// The keys (by digest) the open transaction freed or promoted rows on, to announce with
     /// its commit.
     announcing: Vec<i64>,
@@ -188,6 +210,8 @@ impl Postgres {
             transient: false,
             retry: busy.start(SystemClock.monotonic()),
             offset: 0,
+            steps: Steps::default(),
+            stepped: None,
             announcing: Vec::new(),
             in_transaction: false,
             started: Instant::now(),
@@ -266,7 +290,7 @@ impl Postgres {
             }
             let sent = self.monotonic();
             let now = self.server_now()?;
-            self.offset = now - sent;
+            self.observed(now, sent);
         }
         Ok(self.client.as_mut().expect("connected above"))
     }
@@ -289,7 +313,8 @@ impl Postgres {
             self.client = None;
             self.statements.clear();
         }
-        self.transient = ended || passing(&error);
+        self.stepped = clock_stepped(&error);
+        self.transient = ended || passing(&error) || self.stepped.is_some();
         storage_error(doing, error)
     }
 
@@ -329,14 +354,73 @@ impl Postgres {
         self.with(name, |client| client.execute(&statement, params))
     }
 
-    /// The server's time, read now.
+    /// The store's time, read now.
     fn server_now(&mut self) -> Result<i64> {
+        Ok(self.store_time()?.0)
+    }
+
+    /// The store's time, read now, and the skew it is read with.
+    fn store_time(&mut self) -> Result<(i64, i64)> {
         let rows = self.query(
             "server time",
-            "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+            "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint - skew, skew
+             FROM {s}.meta WHERE id = 1",
             &[],
         )?;
-        Ok(rows[0].get(0))
+        Ok((rows[0].get(0), rows[0].get(1)))
+    }
+
+    /// A call sent at `sent` read the store's time `now`, and its answer is here: the offset
+    /// as estimated from now on, and what it says of steps.
+    fn observed(&mut self, now: i64, sent: i64) {
+        self.offset = now - sent;
+        let received = self.monotonic();
+        self.steps.observed(now, sent, received);
+    }
+
+    /// The latest store time at which a call sent now can start (`check_clock`), if known.
+    fn latest(&self) -> Option<i64> {
+        self.steps.latest(self.monotonic())
+    }
+
+    /// After the server refused a call (`check_clock`) on the skew `seen`: measures the step
+    /// afresh (the refused call may have been late for this process's own reasons, a pause
+    /// between reading its clock and sending), and if the server's clock did step forward,
+    /// adds the step to the skew, unless another process changed the skew since.
+    fn absorb(&mut self, seen: i64) -> Result<()> {
+        if let Some(client) = self.client.as_mut() {
+            // The refused call's transaction, if it began one.
+            let _ = client.batch_execute("ROLLBACK");
+        }
+        self.in_transaction = false;
+        let sent = self.monotonic();
+        let (now, skew) = self.store_time()?;
+        let received = self.monotonic();
+        if skew != seen {
+            // Another process absorbed it (or another step) meanwhile.
+            self.steps.bounds = None;
+            self.observed(now, sent);
+            return Ok(());
+        }
+        let Some(step) = self.steps.step(now, sent, received) else {
+            self.observed(now, sent);
+            return Ok(());
+        };
+        let moved = self.execute(
+            "absorbing a step of the server's clock",
+            "UPDATE {s}.meta SET skew = skew + $2 WHERE id = 1 AND skew = $1",
+            &[&seen, &step],
+        )?;
+        // Absorbed, the store's time is back on the line the bounds were measured on.
+        if moved == 1 {
+            tracing::warn!(
+                step_us = step,
+                "the server's clock stepped forward; leases are judged as if it had not"
+            );
+        } else {
+            self.steps.bounds = None;
+        }
+        Ok(())
     }
 
     /// Work was done: the next failure waits the busy schedule's first delay, and the schedule
@@ -356,6 +440,63 @@ impl Postgres {
 }
 
 /// Micros since `start`: this process's monotonic time, as the server's time is estimated on.
+/// The least forward step of the server's clock that is found (micros): more than a call's way
+/// to the server and its queue there takes, as a rule.
+const STEP_BOUND: i64 = 250_000;
+
+/// Bounds on the store's time less this process's monotonic time, from the round trips that
+/// read the store's time (`now`, between `sent` and `received`): the true offset is at most
+/// `now - sent` and at least `now - received`, unless the server's clock stepped. Each bound
+/// widens with time (the two clocks may drift apart, by up to `DRIFT` parts per million).
+#[derive(Clone, Copy, Debug, Default)]
+struct Steps {
+    /// (upper, lower, when: this process's monotonic time of the latest round trip).
+    bounds: Option<(i64, i64, i64)>,
+}
+
+/// How fast this process's monotonic clock and the server's may drift apart, in parts per
+/// million: NTP slews a clock by at most 500.
+const DRIFT: i64 = 1_000;
+
+impl Steps {
+    /// The bounds as of `at`, widened by the drift since they were measured.
+    fn at(&self, at: i64) -> Option<(i64, i64)> {
+        let (upper, lower, when) = self.bounds?;
+        let drift = at.saturating_sub(when).max(0) / (1_000_000 / DRIFT);
+        Some((upper + drift, lower - drift))
+    }
+
+    /// A round trip read the store's time `now` between `sent` and `received`.
+    fn observed(&mut self, now: i64, sent: i64, received: i64) {
+        let (upper, lower) = (now - sent, now - received);
+        self.bounds = Some(match self.at(received) {
+            // Below what was known: a backward step, or an absorbed one. Start over.
+            Some((known_upper, _)) if upper < known_upper - STEP_BOUND => (upper, lower, received),
+            Some((known_upper, known_lower)) => (
+                upper.min(known_upper),
+                lower.max(known_lower).min(upper.min(known_upper)),
+                received,
+            ),
+            None => (upper, lower, received),
+        });
+    }
+
+    /// The latest store time at which a call sent at `sent` can start, if anything is known.
+    fn latest(&self, sent: i64) -> Option<i64> {
+        self.at(sent).map(|(upper, _)| sent + upper + STEP_BOUND)
+    }
+
+    /// How far a round trip that read `now` between `sent` and `received` shows the server's
+    /// clock stepped forward: enough to be sure the store's time runs no more ahead of this
+    /// process's than before it (an overestimate, by up to the bounds' width and a round
+    /// trip); `None` if it is within `STEP_BOUND` of what was known.
+    fn step(&self, now: i64, sent: i64, received: i64) -> Option<i64> {
+        let (upper, lower) = self.at(received)?;
+        let late = (now - received) - upper;
+        (late > STEP_BOUND).then_some((now - sent) - lower)
+    }
+}
+
 fn micros_since(start: Instant) -> i64 {
     i64::try_from(start.elapsed().as_micros()).unwrap_or(i64::MAX)
 }
@@ -388,6 +529,15 @@ impl Storage for Postgres {
     }
 
     fn again(&mut self) -> bool {
+        if let Some(seen) = self.stepped.take() {
+            // Absorbed (or found absorbed, or no step after all): the work is done again at
+            // once; a failure to absorb waits the busy schedule, as any passing one.
+            if self.absorb(seen).is_ok() {
+                self.transient = false;
+                return true;
+            }
+            self.transient = true;
+        }
         let now = SystemClock.monotonic();
         if !std::mem::take(&mut self.transient) {
             self.retry.reset(now);
@@ -427,8 +577,11 @@ impl Storage for Postgres {
         self.transient = false;
         let (locks, schema_lock) = self.key_locks(keys);
         let locks: Vec<String> = locks.iter().map(i32::to_string).collect();
+        let latest = self
+            .latest()
+            .map_or_else(|| "NULL".to_owned(), |latest| latest.to_string());
         let sql = format!(
-            "BEGIN; SELECT {}.lock_keys('{{{}}}'::int4[], {schema_lock})",
+            "BEGIN; SELECT {}.lock_keys('{{{}}}'::int4[], {schema_lock}, {latest})",
             quote(&self.schema),
             locks.join(",")
         );
@@ -458,7 +611,7 @@ impl Storage for Postgres {
                 _ => None,
             })
             .ok_or_else(|| StorageError::new("starting a write transaction", "no server time"))?;
-        self.offset = now - sent;
+        self.observed(now, sent);
         self.in_transaction = true;
         Ok(now)
     }
@@ -712,6 +865,7 @@ impl Storage for Postgres {
             "UPDATE {s}.locks SET expires_at = $1, heartbeat_at = $2
              WHERE owner = $3
                AND expires_at > (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+                                - (SELECT skew FROM {s}.meta WHERE id = 1)
              RETURNING ticket, held",
             &[&expires_at, &now, &owner],
         )?;

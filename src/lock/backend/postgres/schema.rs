@@ -10,7 +10,7 @@ use crate::lock::backend::Result;
 use crate::lock::{LockError, Mode};
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 9;
+pub(crate) const SCHEMA_VERSION: i32 = 10;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -198,13 +198,27 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 .batch_execute(&REMOVED.replace("{s}", &s))
                 .map_err(|e| storage_error("migrating the schema to version 9", e))?;
         }
+        if found < 10 {
+            // Forward steps of the server's clock absorbed (`meta.skew`, `check_clock` in
+            // `FUNCTIONS`): every function takes the caller's latest estimate of the store's
+            // time, so the old ones go. A process of version 9 then finds none of its
+            // functions, and fails: processes sharing the schema must be upgraded together.
+            transaction
+                .batch_execute(&format!(
+                    "ALTER TABLE {s}.meta ADD COLUMN skew bigint NOT NULL DEFAULT 0;
+                     DROP FUNCTION IF EXISTS {s}.lock_keys, {s}.decide, {s}.renew,
+                         {s}.acquire_one, {s}.release_one;"
+                ))
+                .map_err(|e| storage_error("migrating the schema to version 10", e))?;
+        }
         if found < SCHEMA_VERSION {
             // One round trip per batch of acquisitions and releases: the functions of
             // `FUNCTIONS` (version 3 had one for an acquisition and one for a release; version
             // 4 had no shortcut for keys without other rows; version 5 judged an acquisition on
             // a read that a renewal in flight could make stale; version 6 had no heartbeat in
             // one call; version 7 had no functions for an operation alone on one key; version 8's
-            // heartbeat swept no tombstones); and the sweep's indexes (`SWEEP_INDEXES`).
+            // heartbeat swept no tombstones; version 9's judged by the server's clock as it
+            // stepped); and the sweep's indexes (`SWEEP_INDEXES`).
             transaction
                 .batch_execute(&format!(
                     "DROP FUNCTION IF EXISTS {s}.acquire, {s}.release;
@@ -223,7 +237,8 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                  CREATE TABLE {s}.meta (
                      id integer PRIMARY KEY CHECK (id = 1),
                      version integer NOT NULL,
-                     changes bigint NOT NULL
+                     changes bigint NOT NULL,
+                     skew bigint NOT NULL DEFAULT 0
                  );
                  INSERT INTO {s}.meta (id, version, changes) VALUES (1, {SCHEMA_VERSION}, 0);
                  CREATE SEQUENCE {s}.tickets;

@@ -183,14 +183,20 @@ mod the_rule_in_sql {
         /// for an operation alone on one key, if `op` is one (`None` if not).
         fn answer(&mut self, owner: &str, op: AtOnce<'_>, one: bool) -> Option<postgres::Row> {
             let s = quote(&self.schema);
+            // No estimate of the store's time: nothing to check it against.
+            let latest: Option<i64> = None;
             if one {
                 let args = OneArgs::new(&self.schema, owner, 1_000_000, &[op])?;
                 let sql = args.call().1.replace("{s}", &s);
-                return Some(self.client.query_one(&sql, &args.params()).unwrap());
+                let mut params = args.params();
+                params.push(&latest);
+                return Some(self.client.query_one(&sql, &params).unwrap());
             }
             let args = DecideArgs::new(&self.schema, owner, 1_000_000, &[op]);
             let sql = DECIDE.replace("{s}", &s);
-            Some(self.client.query_one(&sql, &args.params()).unwrap())
+            let mut params = args.params().to_vec();
+            params.push(&latest);
+            Some(self.client.query_one(&sql, &params).unwrap())
         }
 
         /// Everything `op` of `owner` leaves behind when alone, through `decide` or (`one`)
@@ -527,4 +533,36 @@ fn a_password_never_appears_in_the_description() {
         panic!("a port that is not a number was accepted");
     };
     assert!(!error.to_string().contains("s3cret"), "{error}");
+}
+
+/// The bounds on the store's time less this process's (`Steps`): a call on time is never
+/// refused, a step within `STEP_BOUND` is none, a step beyond it is found with at least its
+/// size (and not much more), a backward step starts the bounds over, and they widen with time.
+#[test]
+fn steps_find_a_forward_step_beyond_the_bound_and_nothing_within_it() {
+    let mut steps = Steps::default();
+    assert_eq!(steps.latest(0), None, "nothing known yet");
+    // The store's time runs a second ahead of this process's; round trips of a millisecond.
+    let ahead = 1_000_000;
+    steps.observed(ahead + 10_500, 10_000, 11_000);
+    let latest = steps.latest(20_000).unwrap();
+    assert!(latest >= 20_000 + ahead + STEP_BOUND, "{latest}");
+    assert_eq!(steps.step(ahead + 30_500, 30_000, 31_000), None);
+    assert_eq!(
+        steps.step(ahead + 30_500 + STEP_BOUND / 2, 30_000, 31_000),
+        None
+    );
+    let hour = 3_600_000_000;
+    let found = steps.step(ahead + 30_500 + hour, 30_000, 31_000).unwrap();
+    assert!((hour..=hour + 2_000).contains(&found), "{found}");
+    // Stepped back five seconds: the bounds start over from there.
+    steps.observed(ahead - 5_000_000 + 40_500, 40_000, 41_000);
+    assert!(
+        steps.latest(50_000).unwrap() < 50_000 + ahead,
+        "judged by the old bounds"
+    );
+    // A minute later, the bounds are a millisecond a second wider (drift).
+    let later = steps.latest(41_000 + 60_000_000).unwrap();
+    let now = steps.latest(41_000).unwrap();
+    assert_eq!(later - now, 60_000_000 + 60_000);
 }
