@@ -255,7 +255,6 @@ impl Postgres {
     ) -> Result<Vec<Outcome>> {
         self.transient = false;
         let (one, many);
-        let latest: Option<i64>;
         let (doing, sql, mut params): (_, _, Vec<&(dyn ToSql + Sync)>) =
             match OneArgs::new(&self.schema, owner, lease, ops) {
                 Some(args) => {
@@ -269,7 +268,7 @@ impl Postgres {
                 }
             };
         let statement = self.statement(doing, sql)?;
-        latest = self.latest();
+        let latest = self.latest();
         params.push(&latest);
         let sent = self.monotonic();
         let rows = self.with(doing, |client| client.query(&statement, &params))?;
