@@ -440,6 +440,26 @@ impl Postgres {
 }
 
 /// Micros since `start`: this process's monotonic time, as the server's time is estimated on.
+/// What a heartbeat's sweep deletes once past its time, each table by its own statement (see
+/// `Storage::sweep`): lapsed rows, lapsed watchers, and tombstones of removals kept long enough.
+const SWEEPS: [(&str, &str); 3] = [
+    (
+        "sweeping expired rows",
+        "DELETE FROM {s}.locks WHERE ctid IN (
+             SELECT ctid FROM {s}.locks WHERE expires_at - 0 <= $1 FOR UPDATE SKIP LOCKED)",
+    ),
+    (
+        "sweeping lapsed watchers",
+        "DELETE FROM {s}.watchers WHERE ctid IN (
+             SELECT ctid FROM {s}.watchers WHERE expires_at - 0 <= $1 FOR UPDATE SKIP LOCKED)",
+    ),
+    (
+        "sweeping the tombstones of removals",
+        "DELETE FROM {s}.removed WHERE ctid IN (
+             SELECT ctid FROM {s}.removed WHERE kept_until - 0 <= $1 FOR UPDATE SKIP LOCKED)",
+    ),
+];
+
 /// The least forward step of the server's clock that is found (micros): more than a call's way
 /// to the server and its queue there takes, as a rule.
 const STEP_BOUND: i64 = 250_000;
@@ -775,24 +795,9 @@ impl Storage for Postgres {
     /// Rows that another transaction has locked are left for the next sweep: this one never
     /// waits, so it never deadlocks with a decision.
     fn sweep(&mut self, now: i64) -> Result<()> {
-        self.execute(
-            "sweeping expired rows",
-            "DELETE FROM {s}.locks WHERE ctid IN (
-                 SELECT ctid FROM {s}.locks WHERE expires_at - 0 <= $1 FOR UPDATE SKIP LOCKED)",
-            &[&now],
-        )?;
-        self.execute(
-            "sweeping lapsed watchers",
-            "DELETE FROM {s}.watchers WHERE ctid IN (
-                 SELECT ctid FROM {s}.watchers WHERE expires_at - 0 <= $1 FOR UPDATE SKIP LOCKED)",
-            &[&now],
-        )?;
-        self.execute(
-            "sweeping the tombstones of removals",
-            "DELETE FROM {s}.removed WHERE ctid IN (
-                 SELECT ctid FROM {s}.removed WHERE kept_until - 0 <= $1 FOR UPDATE SKIP LOCKED)",
-            &[&now],
-        )?;
+        for (doing, sql) in SWEEPS {
+            self.execute(doing, sql, &[&now])?;
+        }
         Ok(())
     }
 
