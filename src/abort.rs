@@ -31,115 +31,11 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::clock::Clock;
+use crate::exit::AbortReason;
+use crate::runtime::{self, Observed};
 // loom's under `--cfg leasehold_loom`, for the model tests (`Arc` stays std's: loom's has no
 // `Weak`).
 use crate::sync::{lock, AtomicBool, AtomicU64, Event, EventListener, Mutex, Ordering};
-
-/// Why a unit of work was interrupted: the caller's own error object, shared.
-///
-/// A reason is an `Arc<dyn Error + Send + Sync>` inside, so cloning it is cheap and the object the
-/// caller passed to [`AbortController::abort`] is the very object that reaches the interrupted
-/// work ([`AbortReason::ptr_eq`] tells).
-///
-/// # Examples
-///
-/// ```
-/// use leasehold::AbortReason;
-///
-/// let reason = AbortReason::from("user pressed stop");
-/// assert_eq!(reason.to_string(), "user pressed stop");
-/// assert!(reason.ptr_eq(&reason.clone()));
-/// ```
-#[derive(Clone)]
-pub struct AbortReason(Arc<dyn Error + Send + Sync>);
-
-impl AbortReason {
-    /// Wraps an error as a reason.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use leasehold::{AbortReason, TimedOut};
-    ///
-    /// let reason = AbortReason::new(TimedOut);
-    /// assert!(reason.downcast_ref::<TimedOut>().is_some());
-    /// ```
-    pub fn new<E: Error + Send + Sync + 'static>(error: E) -> Self {
-        AbortReason(Arc::new(error))
-    }
-
-    /// Whether both are the same reason object (not merely equal text).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use leasehold::AbortReason;
-    ///
-    /// let a = AbortReason::from("stop");
-    /// let b = AbortReason::from("stop");
-    /// assert!(a.ptr_eq(&a.clone()));
-    /// assert!(!a.ptr_eq(&b));
-    /// ```
-    pub fn ptr_eq(&self, other: &AbortReason) -> bool {
-        // Compare data pointers only: vtable pointers of one type may differ between codegen units.
-        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(&other.0))
-    }
-
-    /// The error inside, if it is an `E`.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use leasehold::{AbortReason, TimedOut};
-    ///
-    /// assert!(AbortReason::from("x").downcast_ref::<TimedOut>().is_none());
-    /// ```
-    pub fn downcast_ref<E: Error + 'static>(&self) -> Option<&E> {
-        let error: &(dyn Error + 'static) = &*self.0;
-        error.downcast_ref::<E>()
-    }
-
-    /// The error inside, for `source()` chains.
-    pub(crate) fn as_error(&self) -> &(dyn Error + 'static) {
-        &*self.0
-    }
-}
-
-/// A reason given as plain text.
-#[derive(Debug)]
-struct Message(String);
-
-impl fmt::Display for Message {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl Error for Message {}
-
-impl From<&str> for AbortReason {
-    fn from(message: &str) -> Self {
-        AbortReason::new(Message(message.to_owned()))
-    }
-}
-
-impl From<String> for AbortReason {
-    fn from(message: String) -> Self {
-        AbortReason::new(Message(message))
-    }
-}
-
-impl fmt::Display for AbortReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&*self.0, f)
-    }
-}
-
-impl fmt::Debug for AbortReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("AbortReason").field(&self.0).finish()
-    }
-}
 
 /// The reason given by [`AbortSignal::timeout`].
 ///
@@ -452,16 +348,12 @@ impl AbortController {
         self.aborted_with(reason.into())
     }
 
-    /// Aborts with `reason`, recording it in a simulation's events (feature `testkit`).
+    /// Aborts with `reason`, telling the entered runtime if this call aborted it.
     fn aborted_with(&self, reason: AbortReason) -> bool {
-        #[cfg(feature = "testkit")]
-        let recorded = reason.clone();
+        let told = runtime::observing().then(|| reason.clone());
         let aborted = self.inner.abort(reason);
-        #[cfg(feature = "testkit")]
-        if aborted {
-            crate::testkit::sim::record(crate::testkit::Event::InterruptRequested {
-                reason: recorded,
-            });
+        if let Some(reason) = told.filter(|_| aborted) {
+            runtime::observe(|| Observed::InterruptRequested { reason });
         }
         aborted
     }
@@ -596,7 +488,7 @@ impl AbortSignal {
     /// # });
     /// ```
     pub fn timeout(after: Duration) -> Self {
-        AbortSignal::timeout_on(crate::clock::ambient(), after)
+        AbortSignal::timeout_on(crate::scope::ambient_clock(), after)
     }
 
     /// A signal that aborts with a [`TimedOut`] reason once `after` has passed on `clock`,

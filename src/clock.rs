@@ -119,20 +119,6 @@ pub struct BootTime {
     pub since_boot: Duration,
 }
 
-/// The clock for work that was given none: the one of the scope whose body is running here
-/// (`Scoped::with_clock`), if any; else inside a simulation (feature `testkit`), the
-/// simulation's; otherwise the system's.
-pub(crate) fn ambient() -> Arc<dyn Clock> {
-    if let Some(clock) = crate::scope::current_clock() {
-        return clock;
-    }
-    #[cfg(feature = "testkit")]
-    if let Some(clock) = crate::testkit::sim::current_clock() {
-        return clock;
-    }
-    Arc::new(SystemClock)
-}
-
 /// Real time: `SystemTime` for `now`, `Instant` for `monotonic`, the `async-io` timer for
 /// `sleep` (it runs its own driver thread, so it works under any executor, and waits on
 /// monotonic time), and on Linux `CLOCK_MONOTONIC` (the clock `Instant` reads, whose origin is
@@ -346,15 +332,27 @@ impl TestClock {
     ///
     /// It counts every sleep on this clock, the library's own among them: a lock manager built
     /// with this clock sleeps between heartbeats and polls, and a timeout that someone awaits
-    /// sleeps until its deadline. Inside a simulation (feature `testkit`) there is no need to
-    /// count: its clock moves by itself to the next deadline when nothing else can run.
+    /// sleeps until its deadline. Inside a simulation (the `testkit` feature's) there is no need
+    /// to count: its clock moves by itself to the next deadline when nothing else can run.
     pub fn sleepers(&self) -> usize {
         lock(&self.inner).sleepers.len()
     }
 
-    /// The monotonic time of the earliest pending sleep, if any.
-    #[cfg(feature = "testkit")]
-    pub(crate) fn next_deadline(&self) -> Option<Duration> {
+    /// The monotonic time at which the earliest pending sleep ends, if any sleep is pending:
+    /// where to [`advance`](TestClock::advance) it to run the next timer, and no further.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::{Clock, TestClock};
+    ///
+    /// let clock = TestClock::new();
+    /// assert_eq!(clock.next_deadline(), None);
+    /// let _sleep = clock.sleep(Duration::from_secs(5));
+    /// assert_eq!(clock.next_deadline(), Some(clock.monotonic() + Duration::from_secs(5)));
+    /// ```
+    pub fn next_deadline(&self) -> Option<Duration> {
         lock(&self.inner)
             .sleepers
             .keys()

@@ -10,7 +10,9 @@ use std::task::{Context, Poll};
 
 use futures::FutureExt;
 
-use crate::abort::{AbortController, AbortReason, Dropped, Interrupted};
+use crate::abort::{AbortController, Dropped, Interrupted};
+use crate::exit::AbortReason;
+use crate::runtime::{self, Observed};
 use crate::scope::{current_spawner, panic_message, Scoped};
 use crate::spawn::Spawner;
 use crate::sync::{lock, CompleteOnDrop, Completion};
@@ -144,10 +146,13 @@ pub(crate) struct Prepared<T> {
 }
 
 /// Wraps `future` as a fiber: a detached `Scoped` interrupted by the fiber's own controller.
+/// The entered runtime is told of its fork into `scope` (by id; 0: a daemon, or a scope it was
+/// not told of) and of the end of its work.
 pub(crate) fn prepare<T, Fut>(
     future: Fut,
     spawner: &Arc<dyn Spawner>,
     clock: Option<Arc<dyn crate::Clock>>,
+    scope: u64,
 ) -> (Prepared<T>, AbortController, Arc<Completion>)
 where
     T: Send + 'static,
@@ -163,10 +168,30 @@ where
         done: done.clone(),
         controller: controller.share(),
     });
-    let mut unit = Scoped::<T, Interrupted>::new(move |_| async move { Ok(future.await) })
-        .with_signal(&controller.signal())
-        .with_spawner(spawner.clone())
-        .detached();
+    let fiber = runtime::next_id();
+    if fiber != 0 {
+        runtime::observe(|| Observed::FiberForked {
+            fiber,
+            scope: (scope != 0).then_some(scope),
+        });
+    }
+    /// Tells of the exit when dropped: after the work ended, or was dropped by an interruption.
+    struct Exits(u64);
+    impl Drop for Exits {
+        fn drop(&mut self) {
+            if self.0 != 0 {
+                runtime::observe(|| Observed::FiberExited { fiber: self.0 });
+            }
+        }
+    }
+    let exits = Exits(fiber);
+    let mut unit = Scoped::<T, Interrupted>::new(move |_| async move {
+        let _exits = exits;
+        Ok(future.await)
+    })
+    .with_signal(&controller.signal())
+    .with_spawner(spawner.clone())
+    .detached();
     if let Some(clock) = clock {
         unit = unit.with_clock(clock);
     }
@@ -221,7 +246,7 @@ impl Future for AsFiber {
 
 impl<T> Prepared<T> {
     pub(crate) fn start(self, spawner: &Arc<dyn Spawner>, what: &'static str) -> Fiber<T> {
-        crate::spawn::spawn_as(&**spawner, what, self.task);
+        runtime::spawn_as(&**spawner, what, self.task);
         Fiber {
             shared: self.shared,
         }
@@ -328,40 +353,8 @@ where
     fork_daemon_on(future, &current_spawner(), "daemon fiber")
 }
 
-/// `future`, recording its fork (into `scope`: 0 for none) and its exit in the current
-/// simulation's events.
-#[cfg(feature = "testkit")]
-pub(crate) fn recorded<T>(
-    future: impl Future<Output = T> + Send + 'static,
-    scope: u64,
-) -> impl Future<Output = T> + Send + 'static {
-    use crate::testkit::sim::{new_id, record};
-    use crate::testkit::Event;
-    /// Records the exit when dropped: after the work ended, or was dropped by an interruption.
-    struct Exits(u64);
-    impl Drop for Exits {
-        fn drop(&mut self) {
-            if self.0 != 0 {
-                record(Event::FiberExited { fiber: self.0 });
-            }
-        }
-    }
-    let fiber = new_id();
-    if fiber != 0 {
-        record(Event::FiberForked {
-            fiber,
-            scope: (scope != 0).then_some(scope),
-        });
-    }
-    let exits = Exits(fiber);
-    async move {
-        let _exits = exits;
-        future.await
-    }
-}
-
-/// [`fork_daemon`] on a given spawner; `what` names the task to a simulation (see
-/// `spawn::spawn_as`).
+/// [`fork_daemon`] on a given spawner; `what` names the task to the entered runtime (see
+/// `runtime::spawn_as`).
 pub(crate) fn fork_daemon_on<T, Fut>(
     future: Fut,
     spawner: &Arc<dyn Spawner>,
@@ -371,8 +364,6 @@ where
     T: Send + 'static,
     Fut: Future<Output = T> + Send + 'static,
 {
-    #[cfg(feature = "testkit")]
-    let future = recorded(future, 0);
-    let (prepared, _, _) = prepare(future, spawner, crate::scope::current_clock());
+    let (prepared, _, _) = prepare(future, spawner, crate::scope::current_clock(), 0);
     prepared.start(spawner, what)
 }

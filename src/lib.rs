@@ -174,9 +174,14 @@ mod abort;
 #[doc(hidden)]
 pub mod cli;
 mod clock;
+mod exit;
 mod fiber;
 mod lock;
 mod race;
+// Always compiled, its hooks always run; only the kit's `Sim` enters a runtime, so without the
+// kit the parts that enter one and read what it is told go unused.
+#[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+mod runtime;
 mod schedule;
 mod scope;
 mod semaphore;
@@ -186,8 +191,9 @@ mod sync;
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
 
-pub use abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted, TimedOut};
+pub use abort::{AbortController, AbortSignal, Dropped, Interrupted, TimedOut};
 pub use clock::{BootTime, Clock, SystemClock, TestClock};
+pub use exit::{AbortReason, ExitStatus};
 pub use fiber::{fork_daemon, Exit, Fiber};
 pub use lock::{
     EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
@@ -195,7 +201,7 @@ pub use lock::{
 };
 pub use race::{all, race, RaceLost};
 pub use schedule::{Schedule, ScheduleRun};
-pub use scope::{scoped, ExitStatus, Release, Scope, ScopeClosed, Scoped};
+pub use scope::{scoped, Release, Scope, ScopeClosed, Scoped};
 pub use semaphore::{Acquire, Permit, Semaphore};
 #[cfg(feature = "tokio")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]

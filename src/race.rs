@@ -24,7 +24,8 @@ use std::panic::{resume_unwind, AssertUnwindSafe};
 use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 
-use crate::abort::{AbortController, AbortReason, Interrupted};
+use crate::abort::{AbortController, Interrupted};
+use crate::exit::AbortReason;
 use crate::scope::{log_panic, Panic, Scoped};
 
 /// The reason given to the contenders that [`race`] and [`all`] interrupt once the outcome is

@@ -285,7 +285,9 @@ impl Schedule {
     }
 
     fn clock(&self) -> Arc<dyn Clock> {
-        self.clock.clone().unwrap_or_else(crate::clock::ambient)
+        self.clock
+            .clone()
+            .unwrap_or_else(crate::scope::ambient_clock)
     }
 
     /// Runs `attempt`; on `Err` asks the schedule, sleeps, runs again. `recurs(3)` means 4
@@ -675,12 +677,11 @@ fn scale(delay: Duration, factor: f64) -> Duration {
 }
 
 /// A uniform draw in `[0, 1)`, from a per-thread generator seeded by the standard library's
-/// random hash keys (so no random-number crate is needed for jitter); inside a simulation
-/// (feature `testkit`), from the simulation's seed, so that a run replays.
+/// random hash keys (so no random-number crate is needed for jitter); from the entered
+/// runtime's, if it gives them (a simulation's, from its seed, so that a run replays).
 fn jitter_draw() -> f64 {
     use std::cell::Cell;
-    #[cfg(feature = "testkit")]
-    if let Some(draw) = crate::testkit::sim::current_draw() {
+    if let Some(draw) = crate::runtime::draw() {
         return draw;
     }
     thread_local! {

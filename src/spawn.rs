@@ -1,9 +1,9 @@
 //! Where background work runs.
 //!
 //! Background work goes to the first of: a spawner given explicitly, the spawner of the enclosing
-//! scope, (with the `tokio` feature) the tokio runtime current when the default is chosen, and
-//! smol's global executor. This module holds the last two: `default_spawner` chooses between
-//! them.
+//! scope, the entered runtime's (`runtime`), (with the `tokio` feature) the tokio runtime current
+//! when the default is chosen, and smol's global executor. This module holds the last two:
+//! `process_spawner` chooses between them.
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};
@@ -142,25 +142,10 @@ impl Spawner for TokioSpawner {
     }
 }
 
-/// Spawns `future` on `spawner`, saying what it is (`"fiber"`, `"handed-off close"`, ...) to a
-/// simulation that asks (feature `testkit`: a task it reports as leaked is named so). Without
-/// the feature, the same as `spawner.spawn(future)`.
-pub(crate) fn spawn_as(spawner: &dyn Spawner, what: &'static str, future: BoxFuture<'static, ()>) {
-    #[cfg(feature = "testkit")]
-    let _named = crate::testkit::sim::naming(what);
-    #[cfg(not(feature = "testkit"))]
-    let _ = what;
-    spawner.spawn(future);
-}
-
-/// The spawner for work that was given none and inherits none: inside a simulation (feature
-/// `testkit`), the simulation's; with the `tokio` feature, the tokio runtime this is called
-/// on, if any; otherwise smol's global executor.
-pub(crate) fn default_spawner() -> Arc<dyn Spawner> {
-    #[cfg(feature = "testkit")]
-    if let Some(spawner) = crate::testkit::sim::current_spawner() {
-        return spawner;
-    }
+/// The process's spawner for work that was given none and inherits none: with the `tokio`
+/// feature, the tokio runtime this is called on, if any; otherwise smol's global executor.
+/// (An entered runtime comes first: `runtime::default_spawner`.)
+pub(crate) fn process_spawner() -> Arc<dyn Spawner> {
     #[cfg(feature = "tokio")]
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         return Arc::new(TokioSpawner::new(handle));

@@ -340,82 +340,6 @@ impl LockManagerBuilder {
         self.open_memory(store, Some(store.name()))
     }
 
-    /// Opens a new owner on `store`, a lock store inside a simulation (feature `testkit`), as
-    /// another process on its database: its storage worker runs as a task of the simulation
-    /// (the same worker, stepped: no thread, no real-time wait), its clock is the store's (the
-    /// simulation's), so its heartbeats, polls and busy retries run on virtual time, and its
-    /// connection meets the storage faults of `faults`. Call it inside the simulation's
-    /// `block_on`. The builder's clock and, if it was given one, its spawner are replaced by
-    /// the simulation's.
-    ///
-    /// See [`testkit::SimStore`](crate::testkit::SimStore) for killing and stopping managers,
-    /// and [`testkit::check_locks`](crate::testkit::check_locks) for judging what happened.
-    ///
-    /// # Errors
-    ///
-    /// [`LockError::InvalidConfig`] for impossible settings.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use leasehold::testkit::{check_locks, FaultPlan, Sim, SimStore};
-    /// use leasehold::LockManager;
-    ///
-    /// let mut sim = Sim::new(3);
-    /// let store = SimStore::new(&sim);
-    /// sim.block_on({
-    ///     let store = store.clone();
-    ///     async move {
-    ///         // One transaction in five faulted: the worker retries, as it would in production.
-    ///         let locks = LockManager::builder().open_simulated(&store, FaultPlan::drawn(0.2))?;
-    ///         for _ in 0..10 {
-    ///             locks.exclusive("repo", "prune").await?.release().await?;
-    ///         }
-    ///         Ok::<(), leasehold::LockError>(())
-    ///     }
-    /// })
-    /// .unwrap()
-    /// .unwrap();
-    /// check_locks(&store.history()).unwrap();
-    /// ```
-    #[cfg(feature = "testkit")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
-    pub fn open_simulated(
-        mut self,
-        store: &crate::testkit::SimStore,
-        faults: crate::testkit::FaultPlan,
-    ) -> Result<LockManager, LockError> {
-        use crate::lock::worker::Worker;
-        use crate::testkit::locks::SimStorage;
-
-        let clock = store.clock();
-        self.clock = clock.clone();
-        self.spawner = Some(store.spawner());
-        let parts = self.prepare(Some(store.memory().name()))?;
-        let common = parts.common;
-        common.replies.never_yield();
-        let attached = store.attach(&common.owner, parts.waker.clone(), &faults);
-        let control = attached.control.clone();
-        let _ = common.sim.set(attached.clone());
-        let mut connection = memory::Memory::new(store.memory(), parts.opening.clock.clone());
-        if faults.mutated() == Some(crate::testkit::Mutation::RenewalRevivesLapsed) {
-            connection.revive_lapsed();
-        }
-        let storage = SimStorage::new(connection, faults, attached, clock, common.busy.clone());
-        let worker = Worker::new(storage, common.clone(), parts.commands);
-        crate::spawn::spawn_as(
-            &*store.spawner(),
-            "leasehold's simulated storage worker",
-            Box::pin(worker.run_simulated(parts.waker, control)),
-        );
-        Starting {
-            common,
-            tx: parts.tx,
-            worker: None,
-        }
-        .finish(Ok::<_, ()>(Ok(())))
-    }
-
     /// A manager on the memory `store`, known to this process's other managers as `name`
     /// (`None`: to none, a private store).
     fn open_memory(
@@ -548,7 +472,7 @@ impl LockManagerBuilder {
     where
         F: FnOnce(Opening, RunWorker) + Send + 'static,
     {
-        let parts = self.prepare(store)?;
+        let parts = self.prepare(store, None)?;
         let worker = RunWorker::new(parts.common.clone(), parts.commands);
         let opening = parts.opening;
         let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
@@ -570,11 +494,17 @@ impl LockManagerBuilder {
     }
 
     /// Validates the settings and makes what a new manager's parts share, known to this
-    /// process's other managers on the same store as `store`, with its command channel.
+    /// process's other managers on the same store as `store`, with its command channel. A
+    /// worker that will be driven as a task gives the `waker` it awaits commands with: every
+    /// send wakes it, and callers then never yield to it (it runs only when they wait).
     ///
     /// The backend is given a way to poke the worker (`Opening::poke`) that does not keep it
     /// alive: the worker stops when every handle is gone.
-    pub(crate) fn prepare(self, store: Option<String>) -> Result<Parts, LockError> {
+    pub(crate) fn prepare(
+        self,
+        store: Option<String>,
+        waker: Option<Arc<AtomicWaker>>,
+    ) -> Result<Parts, LockError> {
         self.validate()?;
         let common = Arc::new(Common {
             owner: new_owner_id(),
@@ -591,10 +521,11 @@ impl LockManagerBuilder {
             watchers: AtomicUsize::new(0),
             store,
             replies: Replies::default(),
-            #[cfg(feature = "testkit")]
-            sim: Default::default(),
         });
-        let (tx, commands, waker) = protocol::commands();
+        if waker.is_some() {
+            common.replies.never_yield();
+        }
+        let (tx, commands) = protocol::commands(waker);
         let tx = Arc::new(tx);
         let opening = Opening {
             existing: self.existing,
@@ -608,7 +539,6 @@ impl LockManagerBuilder {
             common,
             tx,
             commands,
-            waker,
             opening,
         })
     }
@@ -620,9 +550,6 @@ pub(crate) struct Parts {
     pub(crate) common: Arc<Common>,
     pub(crate) tx: Arc<CommandTx>,
     pub(crate) commands: Receiver<Command>,
-    /// Woken by every command sent, for a worker that awaits them rather than blocks.
-    #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
-    pub(crate) waker: Arc<AtomicWaker>,
     pub(crate) opening: Opening,
 }
 

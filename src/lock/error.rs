@@ -5,7 +5,8 @@ use std::error::Error;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::abort::{AbortReason, Interrupted};
+use crate::abort::Interrupted;
+use crate::exit::AbortReason;
 
 /// Why a lock operation failed.
 ///

@@ -8,6 +8,7 @@ use futures::channel::oneshot;
 use futures::future::BoxFuture;
 
 use crate::abort::AbortSignal;
+use crate::runtime::{self, Observed};
 use crate::scope::Release;
 use crate::sync::lock;
 
@@ -163,15 +164,12 @@ impl Guard {
                 .as_ref()
                 .is_some_and(|entry| !entry.is_lost() && entry.expires_at() > since),
         };
-        #[cfg(feature = "testkit")]
-        if let Some(sim) = self.shared.common.sim.get() {
-            sim.record(crate::testkit::LockEvent::Released {
-                owner: self.shared.common.owner.clone(),
-                ticket: self.ticket,
-                held,
-                ran_out: entry.as_ref().is_none_or(GuardEntry::is_lost),
-            });
-        }
+        runtime::observe(|| Observed::Released {
+            owner: self.shared.common.owner.clone(),
+            ticket: self.ticket,
+            held,
+            ran_out: entry.as_ref().is_none_or(GuardEntry::is_lost),
+        });
         if held {
             return Ok(());
         }

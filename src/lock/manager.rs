@@ -9,7 +9,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::scope::{ExitStatus, Scope, Scoped};
+use crate::exit::ExitStatus;
+use crate::scope::{Scope, Scoped};
 
 use super::guard::Guard;
 use super::handle::Shared;

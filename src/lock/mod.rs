@@ -30,7 +30,7 @@
 //! worker's run loop and its parts (one `Worker`, its methods split by concern).
 
 pub(crate) mod backend;
-mod builder;
+pub(crate) mod builder;
 mod error;
 pub(crate) mod grant;
 mod guard;

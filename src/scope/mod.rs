@@ -61,37 +61,13 @@ use std::time::Duration;
 use futures::future::{BoxFuture, FusedFuture};
 use futures::FutureExt;
 
-use crate::abort::{AbortController, AbortReason, AbortSignal, Dropped, Interrupted};
+use crate::abort::{AbortController, AbortSignal, Dropped, Interrupted};
 use crate::clock::Clock;
-use crate::spawn::{default_spawner, spawn_as, Spawner};
+use crate::exit::{AbortReason, ExitStatus};
+use crate::runtime::{self, default_spawner, spawn_as, Observed};
+use crate::spawn::Spawner;
 // loom's (and the model's stand-in event) under `--cfg leasehold_loom`, for the model tests.
 use crate::sync::{lock, wait_for, CompleteOnDrop, Completion, Event, EventListener, Mutex};
-
-/// How a scope ended; every finalizer is told.
-///
-/// # Examples
-///
-/// ```
-/// use leasehold::{ExitStatus, Scope};
-///
-/// # futures::executor::block_on(async {
-/// let scope = Scope::new();
-/// scope.add_finalizer(|status| async move {
-///     assert!(matches!(status, ExitStatus::Failure));
-/// });
-/// scope.close(ExitStatus::Failure).await;
-/// # });
-/// ```
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub enum ExitStatus {
-    /// The work finished with a value.
-    Success,
-    /// The work finished with an error, or panicked.
-    Failure,
-    /// The work was interrupted, for this reason (the caller's object).
-    Interrupted(AbortReason),
-}
 
 /// The reason given to a scope's fibers when it closes without being interrupted.
 ///
@@ -104,28 +80,6 @@ pub enum ExitStatus {
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ScopeClosed;
-
-/// `success`, `failure`, or `interrupted: ` and the reason.
-///
-/// # Examples
-///
-/// ```
-/// use leasehold::ExitStatus;
-///
-/// assert_eq!(ExitStatus::Success.to_string(), "success");
-/// assert_eq!(ExitStatus::Failure.to_string(), "failure");
-/// let stopped = ExitStatus::Interrupted("user pressed stop".into());
-/// assert_eq!(stopped.to_string(), "interrupted: user pressed stop");
-/// ```
-impl fmt::Display for ExitStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ExitStatus::Success => f.write_str("success"),
-            ExitStatus::Failure => f.write_str("failure"),
-            ExitStatus::Interrupted(reason) => write!(f, "interrupted: {reason}"),
-        }
-    }
-}
 
 impl fmt::Display for ScopeClosed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -206,8 +160,7 @@ struct ScopeInner {
     spawner: Arc<dyn Spawner>,
     /// The clock its work uses when given none (`Scoped::with_clock`, inherited).
     clock: Option<Arc<dyn Clock>>,
-    /// Its id in the current simulation's events (0: not recorded).
-    #[cfg(feature = "testkit")]
+    /// Its id as the entered runtime was told of it (0: not observed).
     id: u64,
 }
 
@@ -263,15 +216,18 @@ impl Scope {
         Scope::open(spawner, None, None)
     }
 
-    /// A new scope nested in `parent` (for the events of a simulation), whose work uses `clock`
-    /// when given none.
+    /// A new scope nested in `parent` (as the entered runtime is told), whose work uses
+    /// `clock` when given none.
     pub(crate) fn open(
         spawner: Arc<dyn Spawner>,
         parent: Option<&Scope>,
         clock: Option<Arc<dyn Clock>>,
     ) -> Self {
-        #[cfg(not(feature = "testkit"))]
-        let _ = parent;
+        let id = runtime::next_id();
+        if id != 0 {
+            let parent = parent.map(Scope::id).filter(|&parent| parent != 0);
+            runtime::observe(|| Observed::ScopeOpened { scope: id, parent });
+        }
         Scope {
             inner: Arc::new(ScopeInner {
                 state: Mutex::new(ScopeState {
@@ -287,8 +243,7 @@ impl Scope {
                 closed: Event::new(),
                 spawner,
                 clock,
-                #[cfg(feature = "testkit")]
-                id: crate::testkit::sim::scope_opened(parent.map_or(0, |p| p.inner.id)),
+                id,
             }),
         }
     }
@@ -318,8 +273,7 @@ impl Scope {
     }
 
     fn push_finalizer(&self, finalizer: Finalizer) {
-        #[cfg(feature = "testkit")]
-        let finalizer = recorded_finalizer(self.inner.id, finalizer);
+        let finalizer = observed_finalizer(self.inner.id, finalizer);
         let mut state = lock(&self.inner.state);
         if state.done {
             let status = state.status.clone().unwrap_or(ExitStatus::Success);
@@ -406,10 +360,8 @@ impl Scope {
         T: Send + 'static,
         Fut: Future<Output = T> + Send + 'static,
     {
-        #[cfg(feature = "testkit")]
-        let future = crate::fiber::recorded(future, self.inner.id);
         let (fiber, controller, done) =
-            crate::fiber::prepare(future, &self.inner.spawner, self.clock());
+            crate::fiber::prepare(future, &self.inner.spawner, self.clock(), self.inner.id);
         let mut state = lock(&self.inner.state);
         if state.done {
             let reason = status_reason(state.status.as_ref());
@@ -544,8 +496,7 @@ impl Scope {
         self.inner.spawner.clone()
     }
 
-    /// Its id in the current simulation's events (0: not recorded).
-    #[cfg(feature = "testkit")]
+    /// Its id as the entered runtime was told of it (0: not observed).
     pub(crate) fn id(&self) -> u64 {
         self.inner.id
     }
@@ -732,11 +683,8 @@ async fn run_close(
             }
             Next::Finalizer(finalizer) => run_finalizer(finalizer, status.clone()).await.err(),
             Next::Done => {
-                #[cfg(feature = "testkit")]
                 if inner.id != 0 {
-                    crate::testkit::sim::record(crate::testkit::Event::ScopeClosed {
-                        scope: inner.id,
-                    });
+                    runtime::observe(|| Observed::ScopeClosed { scope: inner.id });
                 }
                 inner.closed.notify(usize::MAX);
                 return first_panic;
@@ -750,20 +698,17 @@ async fn run_close(
     }
 }
 
-/// `finalizer`, recording its addition, start and end in the current simulation's events
-/// (nothing when the scope is not recorded).
-#[cfg(feature = "testkit")]
-fn recorded_finalizer(scope: u64, finalizer: Finalizer) -> Finalizer {
-    use crate::testkit::sim::{new_id, record};
-    use crate::testkit::Event;
+/// `finalizer`, telling the entered runtime of its addition, start and end (as it is, when the
+/// scope is not observed).
+fn observed_finalizer(scope: u64, finalizer: Finalizer) -> Finalizer {
     if scope == 0 {
         return finalizer;
     }
-    let id = new_id();
+    let id = runtime::next_id();
     if id == 0 {
         return finalizer;
     }
-    record(Event::FinalizerAdded {
+    runtime::observe(|| Observed::FinalizerAdded {
         scope,
         finalizer: id,
     });
@@ -772,11 +717,11 @@ fn recorded_finalizer(scope: u64, finalizer: Finalizer) -> Finalizer {
     struct Ends(u64);
     impl Drop for Ends {
         fn drop(&mut self) {
-            record(Event::FinalizerEnded { finalizer: self.0 });
+            runtime::observe(|| Observed::FinalizerEnded { finalizer: self.0 });
         }
     }
     Box::new(move |status: ExitStatus| {
-        record(Event::FinalizerStarted {
+        runtime::observe(|| Observed::FinalizerStarted {
             finalizer: id,
             status: status.clone(),
         });
@@ -941,6 +886,12 @@ fn ambient() -> Option<Scope> {
 /// The clock of the scope whose body this thread is running, if it was given one.
 pub(crate) fn current_clock() -> Option<Arc<dyn Clock>> {
     ambient().and_then(|scope| scope.clock())
+}
+
+/// The clock for work that was given none: the one of the scope whose body is running here
+/// (`Scoped::with_clock`), if any; else the entered runtime's (`runtime::clock`).
+pub(crate) fn ambient_clock() -> Arc<dyn Clock> {
+    current_clock().unwrap_or_else(runtime::clock)
 }
 
 /// Where background work started now belongs: on the spawner of the scope whose body this

@@ -41,7 +41,7 @@ struct ScopedInner<T, E> {
     /// Timeouts not yet started: each becomes an attached signal on the first poll, so that it
     /// counts from when the work starts, not from when it was built.
     timeouts: Vec<(Option<Arc<dyn Clock>>, Duration)>,
-    /// `None`: the parent's clock, or the ambient one (`clock::ambient`).
+    /// `None`: the parent's clock, or the entered runtime's (`runtime::clock`).
     clock: Option<Arc<dyn Clock>>,
     interrupted: fn(Interrupted) -> E,
     /// `None`: the parent's spawner, or the default one.
@@ -291,10 +291,9 @@ impl<T, E> ScopedInner<T, E> {
 
     /// The reason of the first attached signal to abort; otherwise arranges to be woken when one
     /// does.
-    /// Records the delivery of an interruption to this `Scoped`'s body in a simulation's events.
-    #[cfg(feature = "testkit")]
+    /// Tells the entered runtime that an interruption reached this `Scoped`'s body.
     fn delivered(&self, reason: &AbortReason) {
-        crate::testkit::sim::record(crate::testkit::Event::InterruptDelivered {
+        runtime::observe(|| Observed::InterruptDelivered {
             scope: self.scope.as_ref().map(Scope::id).filter(|&id| id != 0),
             reason: reason.clone(),
         });
@@ -364,7 +363,6 @@ impl<T: Send + 'static, E: Send + 'static> Future for Scoped<T, E> {
         loop {
             if matches!(this.phase, Phase::Running(_)) {
                 if let Some(reason) = this.check_signals(cx) {
-                    #[cfg(feature = "testkit")]
                     this.delivered(&reason);
                     this.unwind(reason);
                     continue;
@@ -381,12 +379,11 @@ impl<T: Send + 'static, E: Send + 'static> Future for Scoped<T, E> {
                     for (clock, after) in std::mem::take(&mut this.timeouts) {
                         let clock = clock
                             .or_else(|| this.clock.clone())
-                            .unwrap_or_else(crate::clock::ambient);
+                            .unwrap_or_else(ambient_clock);
                         this.attach(AbortSignal::timeout_on(clock, after));
                     }
                     if let Some(reason) = this.check_signals(cx) {
-                        #[cfg(feature = "testkit")]
-                        crate::testkit::sim::record(crate::testkit::Event::InterruptDelivered {
+                        runtime::observe(|| Observed::InterruptDelivered {
                             scope: None,
                             reason: reason.clone(),
                         });
@@ -529,7 +526,7 @@ impl<T, E> Drop for ScopedInner<T, E> {
         };
         match &self.parent {
             Some(parent) => parent.adopt_close(close),
-            None => crate::spawn::spawn_as(
+            None => runtime::spawn_as(
                 &*self.scope().spawner(),
                 "handed-off close of a dropped Scoped",
                 unattended(close),

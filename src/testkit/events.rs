@@ -6,8 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::abort::AbortReason;
-use crate::scope::ExitStatus;
+use crate::exit::{AbortReason, ExitStatus};
 
 /// One thing the structured core did, in the order it happened (see
 /// [`Sim::events`](super::Sim::events)). Ids are the simulation's own, counted from 1.

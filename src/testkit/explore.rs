@@ -5,7 +5,8 @@ use std::fmt;
 
 use super::events::check_cleanup;
 use super::sim::{Sim, SimConfig};
-use crate::abort::{AbortController, AbortReason, Interrupted};
+use crate::abort::{AbortController, Interrupted};
+use crate::exit::AbortReason;
 use crate::lock::LockError;
 use crate::scope::Scoped;
 

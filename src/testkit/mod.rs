@@ -30,7 +30,5 @@ pub mod strategy;
 
 pub use events::{check_cleanup, CleanupViolation, Event};
 pub use explore::{every_await_point, stop_at, Explored, Explorer, Failure, Stop};
-#[doc(hidden)]
-pub use locks::Mutation;
 pub use locks::{check_locks, Fault, FaultPlan, LockEvent, LockHistory, SimStore};
 pub use sim::{Sim, SimConfig, SimError};

@@ -72,6 +72,9 @@
 //! to change should a machine have the server but no `psql`.
 #![allow(dead_code)]
 
+#[cfg(all(test, feature = "postgres"))]
+mod backend;
+
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::io::{Read, Write};

@@ -15,11 +15,11 @@
 //!    the run is over: done if the root resolved and no task remains, else a deadlock (root
 //!    unresolved) or a leak (tasks left, named by what spawned them).
 //! 4. The state lock is never held while a future is polled (a poll may spawn or wake).
-//! 5. While a `Sim` lives it is this thread's *current* simulation (innermost first, when several
-//!    are made): work that was given no spawner, clock or randomness takes the simulation's
-//!    (`current_spawner`, `current_clock`, `current_draw`), so that nothing leaves it.
+//! 5. While a `Sim` lives it is this thread's entered runtime (`crate::runtime`; the innermost,
+//!    when several are made): work that was given no spawner, clock or randomness takes the
+//!    simulation's, so that nothing leaves it, and the core tells it what it did, which it
+//!    records as its [`Event`]s and passes on to its listeners (the lock stores made on it).
 
-use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::future::Future;
@@ -32,6 +32,7 @@ use futures::future::BoxFuture;
 
 use super::events::Event;
 use crate::clock::{Clock, TestClock};
+use crate::runtime::{self, Entered, Observed, Runtime};
 use crate::spawn::Spawner;
 use crate::sync::lock;
 
@@ -311,8 +312,8 @@ pub struct Sim {
     choices: Choices,
     trace: Trace,
     max_steps: u64,
-    /// This simulation's place on its thread's stack of current simulations.
-    id: u64,
+    /// Entered as its thread's runtime while it lives (left first when it is dropped).
+    entered: Option<Entered>,
     /// It is current on the thread that made it, and runs there: not `Send`.
     _here: std::marker::PhantomData<std::rc::Rc<()>>,
 }
@@ -329,7 +330,14 @@ struct Shared {
     root_scopes: Mutex<BTreeSet<u64>>,
     /// Whether the root is being polled.
     polling_root: AtomicBool,
+    /// What the task being spawned is, as the core told (`Observed::Spawning`).
+    naming: Mutex<Option<&'static str>>,
+    /// Told everything the core tells, before it is recorded (`Sim::listen`).
+    listeners: Mutex<Vec<Listener>>,
 }
+
+/// Something told what the core tells a simulation (`Sim::listen`).
+pub(crate) type Listener = Box<dyn Fn(&Observed) + Send + Sync>;
 
 #[derive(Default)]
 struct State {
@@ -365,7 +373,7 @@ impl Shared {
     }
 
     fn spawn(&self, future: BoxFuture<'static, ()>) {
-        let what = NAMING.with(|naming| naming.get()).unwrap_or("task");
+        let what = lock(&self.naming).unwrap_or("task");
         let mut state = lock(&self.state);
         state.next_id += 1;
         let id = state.next_id;
@@ -463,9 +471,14 @@ impl Sim {
             next_event_id: AtomicU64::new(1),
             root_scopes: Mutex::new(BTreeSet::new()),
             polling_root: AtomicBool::new(false),
+            naming: Mutex::new(None),
+            listeners: Mutex::new(Vec::new()),
         });
         let clock = TestClock::new();
-        let id = enter(&shared, &clock);
+        let entered = runtime::enter(Arc::new(SimRuntime {
+            shared: Arc::downgrade(&shared),
+            clock: clock.clone(),
+        }));
         let choices = match config.schedule {
             Some(choices) => Choices::Schedule { choices, next: 0 },
             None => Choices::Seeded(Rng::new(config.seed)),
@@ -479,7 +492,7 @@ impl Sim {
                 choices: Vec::new(),
             },
             max_steps: config.max_steps,
-            id,
+            entered: Some(entered),
             _here: std::marker::PhantomData,
         }
     }
@@ -498,6 +511,11 @@ impl Sim {
     /// The seed this simulation was made with.
     pub fn seed(&self) -> u64 {
         self.trace.seed
+    }
+
+    /// Tells `listener` everything the core tells this simulation from now on.
+    pub(crate) fn listen(&self, listener: Listener) {
+        lock(&self.shared.listeners).push(listener);
     }
 
     /// What the structured core has done so far in this simulation, in order: scopes opened and
@@ -689,7 +707,7 @@ impl Sim {
 
 impl Drop for Sim {
     fn drop(&mut self) {
-        leave(self.id);
+        drop(self.entered.take());
         // The tasks left (a failed run's) are dropped here, outside the state lock: their drops
         // may spawn, which a gone simulation ignores.
         let tasks = std::mem::take(&mut lock(&self.shared.state).tasks);
@@ -711,126 +729,98 @@ impl fmt::Debug for Sim {
 }
 
 // ----------------------------------------------------------------------------------------------
-// The current simulation of this thread (invariant 5), and what it gives the library.
+// The simulation as the core's runtime (invariant 5): what it gives work that was given nothing,
+// and what it is told.
 
-/// One entry of a thread's stack of live simulations.
-struct Current {
-    id: u64,
+/// The simulation entered as this thread's runtime (`runtime::enter`) while the `Sim` lives.
+struct SimRuntime {
     shared: Weak<Shared>,
     clock: TestClock,
 }
 
-thread_local! {
-    static CURRENT: RefCell<Vec<Current>> = const { RefCell::new(Vec::new()) };
-    /// What the task being spawned is, as the library says (`spawn::spawn_as`).
-    static NAMING: Cell<Option<&'static str>> = const { Cell::new(None) };
-}
+impl Runtime for SimRuntime {
+    fn clock(&self) -> Option<Arc<dyn Clock>> {
+        Some(Arc::new(self.clock.clone()))
+    }
 
-fn enter(shared: &Arc<Shared>, clock: &TestClock) -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    CURRENT.with(|current| {
-        current.borrow_mut().push(Current {
-            id,
-            shared: Arc::downgrade(shared),
-            clock: clock.clone(),
-        })
-    });
-    id
-}
-
-fn leave(id: u64) {
-    // `try_with`: a `Sim` dropped while its thread's locals are being torn down.
-    let _ = CURRENT.try_with(|current| current.borrow_mut().retain(|entry| entry.id != id));
-}
-
-fn with_current<R>(f: impl FnOnce(&Current) -> Option<R>) -> Option<R> {
-    CURRENT
-        .try_with(|current| current.borrow().last().and_then(f))
-        .ok()
-        .flatten()
-}
-
-/// The current simulation's spawner, if this thread has one.
-pub(crate) fn current_spawner() -> Option<Arc<dyn Spawner>> {
-    with_current(|current| {
-        current
-            .shared
+    fn spawner(&self) -> Option<Arc<dyn Spawner>> {
+        self.shared
             .upgrade()
             .map(|shared| Arc::new(SimSpawner(Arc::downgrade(&shared))) as Arc<dyn Spawner>)
-    })
-}
+    }
 
-/// The current simulation's clock, if this thread has one.
-pub(crate) fn current_clock() -> Option<Arc<dyn Clock>> {
-    with_current(|current| Some(Arc::new(current.clock.clone()) as Arc<dyn Clock>))
-}
-
-/// A uniform draw in `[0, 1)` from the current simulation's randomness, if this thread has one.
-pub(crate) fn current_draw() -> Option<f64> {
-    with_current(|current| {
-        let shared = current.shared.upgrade()?;
+    fn draw(&self) -> Option<f64> {
+        let shared = self.shared.upgrade()?;
         let bits = lock(&shared.random).next() >> 11;
         Some(bits as f64 / (1u64 << 53) as f64)
-    })
-}
+    }
 
-/// A new id for a scope, finalizer or fiber of the current simulation, or 0 when this thread
-/// has none (then nothing is recorded).
-pub(crate) fn new_id() -> u64 {
-    with_current(|current| {
-        let shared = current.shared.upgrade()?;
-        Some(shared.next_event_id.fetch_add(1, Ordering::Relaxed))
-    })
-    .unwrap_or(0)
-}
+    fn next_id(&self) -> u64 {
+        self.shared.upgrade().map_or(0, |shared| {
+            shared.next_event_id.fetch_add(1, Ordering::Relaxed)
+        })
+    }
 
-/// Records `event` in the current simulation, if this thread has one.
-pub(crate) fn record(event: Event) {
-    with_current(|current| {
-        let shared = current.shared.upgrade()?;
-        lock(&shared.events).push(event);
-        Some(())
-    });
-}
-
-/// Records a scope opened in `parent` (0: none); returns its id (0 when nothing is recorded).
-pub(crate) fn scope_opened(parent: u64) -> u64 {
-    with_current(|current| {
-        let shared = current.shared.upgrade()?;
-        let scope = shared.next_event_id.fetch_add(1, Ordering::Relaxed);
-        let parent = (parent != 0).then_some(parent);
-        let in_root = {
-            let mut root_scopes = lock(&shared.root_scopes);
-            let in_root = super::events::in_root(
-                &root_scopes,
-                parent,
-                shared.polling_root.load(Ordering::Relaxed),
-            );
-            if in_root {
-                root_scopes.insert(scope);
-            }
-            in_root
-        };
-        lock(&shared.events).push(Event::ScopeOpened {
-            scope,
-            parent,
-            in_root,
-        });
-        Some(scope)
-    })
-    .unwrap_or(0)
-}
-
-/// Names the tasks spawned while the returned guard lives (see `spawn::spawn_as`).
-pub(crate) fn naming(what: &'static str) -> impl Drop {
-    struct Restore(Option<&'static str>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            let _ = NAMING.try_with(|naming| naming.set(self.0));
+    fn observe(&self, observed: Observed) {
+        if let Some(shared) = self.shared.upgrade() {
+            shared.observe(observed);
         }
     }
-    Restore(NAMING.with(|naming| naming.replace(Some(what))))
+}
+
+impl Shared {
+    /// Records what the core told, as an [`Event`]; names the task being spawned; passes it on
+    /// to the listeners (`listen`).
+    fn observe(&self, observed: Observed) {
+        for listener in lock(&self.listeners).iter() {
+            listener(&observed);
+        }
+        let event = match observed {
+            Observed::ScopeOpened { scope, parent } => {
+                let in_root = {
+                    let mut root_scopes = lock(&self.root_scopes);
+                    let in_root = super::events::in_root(
+                        &root_scopes,
+                        parent,
+                        self.polling_root.load(Ordering::Relaxed),
+                    );
+                    if in_root {
+                        root_scopes.insert(scope);
+                    }
+                    in_root
+                };
+                Event::ScopeOpened {
+                    scope,
+                    parent,
+                    in_root,
+                }
+            }
+            Observed::FinalizerAdded { scope, finalizer } => {
+                Event::FinalizerAdded { scope, finalizer }
+            }
+            Observed::FinalizerStarted { finalizer, status } => {
+                Event::FinalizerStarted { finalizer, status }
+            }
+            Observed::FinalizerEnded { finalizer } => Event::FinalizerEnded { finalizer },
+            Observed::ScopeClosed { scope } => Event::ScopeClosed { scope },
+            Observed::FiberForked { fiber, scope } => Event::FiberForked { fiber, scope },
+            Observed::FiberExited { fiber } => Event::FiberExited { fiber },
+            Observed::InterruptRequested { reason } => Event::InterruptRequested { reason },
+            Observed::InterruptDelivered { scope, reason } => {
+                Event::InterruptDelivered { scope, reason }
+            }
+            Observed::Spawning { what } => {
+                *lock(&self.naming) = Some(what);
+                return;
+            }
+            Observed::Spawned => {
+                *lock(&self.naming) = None;
+                return;
+            }
+            Observed::Released { .. } => return,
+        };
+        lock(&self.events).push(event);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::abort::{AbortController, AbortReason, AbortSignal};
+use crate::abort::{AbortController, AbortSignal};
 use crate::clock::Clock;
+use crate::exit::AbortReason;
 use crate::lock::LeaseLost;
 
 /// The leases an owner holds: of every request the worker granted, from the moment it decided

@@ -49,9 +49,6 @@ pub(crate) struct Common {
     pub(crate) store: Option<String>,
     /// The worker's replies, as awaited by callers.
     pub(crate) replies: Replies,
-    /// For a manager inside a simulation (`open_simulated`): where it records what it did.
-    #[cfg(feature = "testkit")]
-    pub(crate) sim: std::sync::OnceLock<Arc<crate::testkit::locks::Attached>>,
 }
 
 /// Counters since open; see `StorageStats`.

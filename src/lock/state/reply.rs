@@ -95,7 +95,6 @@ impl Replies {
     }
 
     /// From now on, calls wait to be woken without yielding.
-    #[cfg(feature = "testkit")]
     pub(crate) fn never_yield(&self) {
         self.never.store(true, Relaxed);
     }

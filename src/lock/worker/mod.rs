@@ -287,15 +287,6 @@ impl<S: Storage> Worker<S> {
         &self.common.counters
     }
 
-    /// Whether this worker was broken on purpose so (a simulated manager's).
-    #[cfg(feature = "testkit")]
-    fn mutated(&self, mutation: crate::testkit::Mutation) -> bool {
-        self.common
-            .sim
-            .get()
-            .is_some_and(|sim| sim.mutation == Some(mutation))
-    }
-
     fn has_waiters(&self) -> bool {
         !self.waits.is_empty() || self.unqueued_or_watched()
     }
@@ -334,7 +325,7 @@ impl<S: Storage> Worker<S> {
 
     /// How long the worker may wait for a command before something of its own is due: the
     /// change poll's next look, a waiting request's heartbeat, the waiting marker's end.
-    fn left(&mut self) -> Option<Duration> {
+    pub(crate) fn left(&mut self) -> Option<Duration> {
         let due = self
             .next_look()
             .into_iter()
@@ -348,7 +339,7 @@ impl<S: Storage> Worker<S> {
     /// Handles what waiting brought (a command, with whatever else is queued behind it, or
     /// nothing by the deadline), then whatever of the worker's own is due. True once the worker
     /// is done: shut down, or every handle gone.
-    fn step(&mut self, received: Result<Command, RecvTimeoutError>) -> bool {
+    pub(crate) fn step(&mut self, received: Result<Command, RecvTimeoutError>) -> bool {
         match received {
             Ok(first) => {
                 // Room for a busy moment's batch at once, rather than growing it command by
@@ -356,9 +347,9 @@ impl<S: Storage> Worker<S> {
                 let mut batch = Vec::with_capacity(32);
                 batch.push(first);
                 while batch.len() < MAX_BATCH {
-                    match self.rx.try_recv() {
-                        Ok(command) => batch.push(command),
-                        Err(_) => break,
+                    match self.next_now() {
+                        Some(Ok(command)) => batch.push(command),
+                        _ => break,
                     }
                 }
                 if self.handle(batch) {
@@ -394,75 +385,6 @@ impl<S: Storage> Worker<S> {
         false
     }
 
-    /// Serves commands as a task of a simulation (feature `testkit`): the same steps as `run`,
-    /// awaiting the next command (woken through `waker` by every send) or the clock's deadline
-    /// instead of blocking, and never spinning. `control` stops it for a while, as a stopped
-    /// process, or kills it: it then ends at once, deleting nothing, as a killed process does.
-    #[cfg(feature = "testkit")]
-    pub(crate) async fn run_simulated(
-        mut self,
-        waker: Arc<futures::task::AtomicWaker>,
-        control: Arc<crate::testkit::locks::Control>,
-    ) {
-        use futures::future::{select, Either};
-        use std::task::Poll;
-        loop {
-            if control.killed() {
-                return;
-            }
-            if let Some(left) = control.stopped_for(self.common.clock.monotonic()) {
-                let sleep = self.common.clock.sleep(left);
-                // A kill during the stop ends it at once.
-                let killed = std::future::poll_fn(|cx| {
-                    waker.register(cx.waker());
-                    if control.killed() {
-                        Poll::Ready(())
-                    } else {
-                        Poll::Pending
-                    }
-                });
-                select(sleep, std::pin::pin!(killed)).await;
-                continue;
-            }
-            let left = self.left();
-            let (rx, waker, control) = (&mut self.rx, &waker, &control);
-            let next = std::future::poll_fn(move |cx| {
-                waker.register(cx.waker());
-                if control.killed() {
-                    return Poll::Ready(Err(RecvTimeoutError::Disconnected));
-                }
-                match rx.try_recv() {
-                    Ok(command) => Poll::Ready(Ok(command)),
-                    Err(TryRecvError::Disconnected) => {
-                        Poll::Ready(Err(RecvTimeoutError::Disconnected))
-                    }
-                    Err(TryRecvError::Empty) => Poll::Pending,
-                }
-            });
-            let received = match left {
-                Some(left) => {
-                    let sleep = self.common.clock.sleep(left);
-                    match select(std::pin::pin!(next), sleep).await {
-                        Either::Left((received, _)) => received,
-                        Either::Right(((), _)) => Err(RecvTimeoutError::Timeout),
-                    }
-                }
-                None => next.await,
-            };
-            if control.killed() {
-                return;
-            }
-            if self.step(received) {
-                if let Some(sim) = self.common.sim.get() {
-                    sim.record(crate::testkit::LockEvent::Ended {
-                        owner: self.common.owner.clone(),
-                    });
-                }
-                return;
-            }
-        }
-    }
-
     /// Starts the heartbeats of the queued requests that have waited long enough.
     fn start_due_beats(&mut self) {
         let now = self.common.clock.monotonic();
@@ -483,16 +405,23 @@ impl<S: Storage> Worker<S> {
     fn spin(&mut self) -> Option<Result<Command, RecvTimeoutError>> {
         self.spin.reset(SystemClock.monotonic());
         loop {
-            match self.rx.try_recv() {
-                Ok(command) => return Some(Ok(command)),
-                Err(TryRecvError::Disconnected) => {
-                    return Some(Err(RecvTimeoutError::Disconnected))
-                }
-                Err(TryRecvError::Empty) => match self.spin.next(SystemClock.monotonic()) {
-                    Some(_) => std::thread::yield_now(),
-                    None => return None,
-                },
+            if let Some(received) = self.next_now() {
+                return Some(received);
             }
+            match self.spin.next(SystemClock.monotonic()) {
+                Some(_) => std::thread::yield_now(),
+                None => return None,
+            }
+        }
+    }
+
+    /// The next command if one is there, or the end of the channel (every handle gone); `None`
+    /// when there is nothing yet. How a driver that must not block takes its next command.
+    pub(crate) fn next_now(&mut self) -> Option<Result<Command, RecvTimeoutError>> {
+        match self.rx.try_recv() {
+            Ok(command) => Some(Ok(command)),
+            Err(TryRecvError::Disconnected) => Some(Err(RecvTimeoutError::Disconnected)),
+            Err(TryRecvError::Empty) => None,
         }
     }
 

@@ -87,24 +87,24 @@ impl Command {
 }
 
 /// The sending side of a worker's commands. A worker on a thread of its own blocks on the
-/// channel; one that runs as a task (a simulated manager's) awaits it, and every send, and the
-/// drop of the last sender, wakes it (`waker`).
+/// channel, which wakes it; one that is driven as a task awaits the channel, and every send,
+/// and the drop of the last sender, wakes its `waker`.
 pub(crate) struct CommandTx {
     /// `None` only while dropping: the channel disconnects before the waker is woken, so the
     /// woken worker finds it disconnected.
     tx: Option<Sender<Command>>,
-    waker: Arc<AtomicWaker>,
+    /// The waker of a worker driven as a task; `None` for one on a thread of its own.
+    waker: Option<Arc<AtomicWaker>>,
 }
 
-/// A channel of commands: the sender, the receiver, and the waker a task-run worker registers.
-pub(crate) fn commands() -> (CommandTx, Receiver<Command>, Arc<AtomicWaker>) {
+/// A channel of commands, the sender waking `waker` (a worker driven as a task), if given.
+pub(crate) fn commands(waker: Option<Arc<AtomicWaker>>) -> (CommandTx, Receiver<Command>) {
     let (tx, rx) = mpsc::channel();
-    let waker = Arc::new(AtomicWaker::new());
     let sender = CommandTx {
         tx: Some(tx),
-        waker: waker.clone(),
+        waker,
     };
-    (sender, rx, waker)
+    (sender, rx)
 }
 
 impl CommandTx {
@@ -114,7 +114,7 @@ impl CommandTx {
             Some(tx) => tx.send(command),
             None => Err(SendError(command)),
         };
-        self.waker.wake();
+        self.wake();
         sent
     }
 
@@ -123,7 +123,13 @@ impl CommandTx {
         let (tx, _) = mpsc::channel();
         CommandTx {
             tx: Some(tx),
-            waker: Arc::new(AtomicWaker::new()),
+            waker: None,
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(waker) = &self.waker {
+            waker.wake();
         }
     }
 }
@@ -131,7 +137,7 @@ impl CommandTx {
 impl Drop for CommandTx {
     fn drop(&mut self) {
         drop(self.tx.take());
-        self.waker.wake();
+        self.wake();
     }
 }
 

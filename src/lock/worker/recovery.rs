@@ -8,10 +8,6 @@ impl<S: Storage> Worker<S> {
     /// The removals among `writes`, tried in a call or transaction that failed: perhaps after
     /// it committed.
     pub(super) fn doubt_removals(&mut self, writes: &[Write]) {
-        #[cfg(feature = "testkit")]
-        if self.mutated(crate::testkit::Mutation::RemovalForgottenAfterLostAnswer) {
-            return;
-        }
         for write in writes {
             if let Write::Remove { request, .. } = write {
                 // The earliest time at which a try may have deleted its rows.

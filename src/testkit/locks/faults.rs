@@ -76,21 +76,19 @@ pub struct FaultPlan {
     clock_steps: Duration,
     estimate_ahead: Duration,
     listed: BTreeMap<u64, Vec<Fault>>,
-    mutation: Option<Mutation>,
+    planted: Option<Planted>,
 }
 
-/// Deliberately broken copies of the lock manager, for showing that a property test finds
-/// them. Not for use.
-#[doc(hidden)]
+/// Bugs planted in the storage double (`SimStorage`), for the crate's own tests that show the
+/// simulation's checks find them. The lock manager itself is never broken: what these break is
+/// the store it is given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Mutation {
-    /// Decisions do not see held exclusive rows.
-    GrantIgnoresEarlierExclusive,
-    /// A renewal renews lapsed rows too.
-    RenewalRevivesLapsed,
-    /// The worker forgets that a removal whose answer was lost may have deleted its rows.
-    RemovalForgottenAfterLostAnswer,
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) enum Planted {
+    /// The store hides held exclusive rows from the reads that decide grants.
+    HidesHeldExclusive,
+    /// The store renews rows as if it were a lease ago: rows lapsed since are renewed too.
+    RenewsWithStaleTime,
 }
 
 impl FaultPlan {
@@ -145,20 +143,17 @@ impl FaultPlan {
         self
     }
 
-    #[doc(hidden)]
-    pub fn mutation(mut self, mutation: Mutation) -> FaultPlan {
-        self.mutation = Some(mutation);
+    /// The same plan, on a store double with `bug` planted.
+    #[cfg(test)]
+    pub(crate) fn planting(mut self, bug: Planted) -> FaultPlan {
+        self.planted = Some(bug);
         self
-    }
-
-    pub(crate) fn mutated(&self) -> Option<Mutation> {
-        self.mutation
     }
 }
 
 /// A uniform draw in `[0, 1)` from the simulation's randomness; none outside one.
 fn draw() -> Option<f64> {
-    crate::testkit::sim::current_draw()
+    crate::runtime::draw()
 }
 
 /// The connection of a simulated manager: the memory backend's, with faults.
@@ -278,8 +273,8 @@ impl SimStorage {
         }
     }
 
-    fn mutated(&self, mutation: Mutation) -> bool {
-        self.plan.mutation == Some(mutation)
+    fn planted(&self, bug: Planted) -> bool {
+        self.plan.planted == Some(bug)
     }
 }
 
@@ -407,7 +402,7 @@ impl Storage for SimStorage {
     fn rows_on_keys(&mut self, keys: &[String], now: i64, into: &mut Vec<RowView>) -> Result<()> {
         let before = into.len();
         self.inner.rows_on_keys(keys, now, into)?;
-        if self.mutated(Mutation::GrantIgnoresEarlierExclusive) {
+        if self.planted(Planted::HidesHeldExclusive) {
             let mut n = 0;
             into.retain(|row| {
                 n += 1;
@@ -512,7 +507,13 @@ impl Storage for SimStorage {
     }
 
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>> {
-        let renewed = self.inner.renew(owner, now, expires_at)?;
+        // A planted bug judges which rows are live as if it were a lease ago.
+        let judged_at = if self.planted(Planted::RenewsWithStaleTime) {
+            now.saturating_sub(expires_at.saturating_sub(now))
+        } else {
+            now
+        };
+        let renewed = self.inner.renew(owner, judged_at, expires_at)?;
         self.pending.push(LockEvent::Renewed {
             owner: owner.to_owned(),
             tickets: renewed.iter().map(|r| r.ticket).collect(),

@@ -2,10 +2,13 @@
 //! (`SimStore`), each a process of its own, whose worker is a task of the simulation; faults
 //! (`faults.rs`); and what the store saw, with the oracle over it (`history.rs`).
 
+mod driver;
 mod faults;
 mod history;
+#[cfg(test)]
+mod tests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,14 +18,18 @@ use futures::future::BoxFuture;
 use futures::task::AtomicWaker;
 
 use crate::clock::{Clock, TestClock};
+use crate::lock::backend::memory::Memory;
+use crate::lock::builder::Starting;
+use crate::lock::worker::Worker;
 use crate::lock::MemoryStore;
+use crate::runtime::{self, Observed};
 use crate::spawn::Spawner;
 use crate::sync::lock;
 use crate::testkit::Sim;
-use crate::LockManager;
+use crate::{LockError, LockManager, LockManagerBuilder};
 
-pub(crate) use faults::SimStorage;
-pub use faults::{Fault, FaultPlan, Mutation};
+use faults::SimStorage;
+pub use faults::{Fault, FaultPlan};
 pub use history::{check_locks, LockEvent, LockHistory};
 
 /// A lock store inside a simulation ([`Sim`]), that several managers share as processes share a
@@ -84,7 +91,9 @@ struct Inner {
     clock: Arc<StoreClock>,
     spawner: Arc<dyn Spawner>,
     history: Arc<Mutex<Vec<LockEvent>>>,
-    /// The managers opened on it, by owner.
+    /// Every owner ever opened on it.
+    owners: Arc<Mutex<BTreeSet<String>>>,
+    /// The managers opened on it and not killed, by owner.
     managers: Mutex<BTreeMap<String, Arc<Control>>>,
 }
 
@@ -106,6 +115,31 @@ impl SimStore {
     }
 
     fn with_clock(sim: &Sim, boot: bool) -> SimStore {
+        let history: Arc<Mutex<Vec<LockEvent>>> = Arc::default();
+        let owners: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+        // What the callers of its managers' `Guard::release` were told, as the lock manager
+        // tells the simulation.
+        sim.listen(Box::new({
+            let (history, owners) = (history.clone(), owners.clone());
+            move |observed| {
+                if let Observed::Released {
+                    owner,
+                    ticket,
+                    held,
+                    ran_out,
+                } = observed
+                {
+                    if lock(&owners).contains(owner) {
+                        lock(&history).push(LockEvent::Released {
+                            owner: owner.clone(),
+                            ticket: *ticket,
+                            held: *held,
+                            ran_out: *ran_out,
+                        });
+                    }
+                }
+            }
+        }));
         SimStore {
             inner: Arc::new(Inner {
                 memory: MemoryStore::new(),
@@ -115,7 +149,8 @@ impl SimStore {
                     boot,
                 }),
                 spawner: sim.spawner(),
-                history: Arc::default(),
+                history,
+                owners,
                 managers: Mutex::default(),
             }),
         }
@@ -170,7 +205,7 @@ impl SimStore {
     }
 
     /// The memory store underneath.
-    pub(crate) fn memory(&self) -> &MemoryStore {
+    fn memory(&self) -> &MemoryStore {
         &self.inner.memory
     }
 
@@ -185,17 +220,13 @@ impl SimStore {
 
     /// What a new manager of owner `owner`, with its worker's `waker`, records through, and
     /// what stops or kills it.
-    pub(crate) fn attach(
-        &self,
-        owner: &str,
-        waker: Arc<AtomicWaker>,
-        plan: &FaultPlan,
-    ) -> Arc<Attached> {
+    fn attach(&self, owner: &str, waker: Arc<AtomicWaker>) -> Arc<Attached> {
         let control = Arc::new(Control {
             killed: AtomicBool::new(false),
             stopped_until: Mutex::new(None),
             waker,
         });
+        lock(&self.inner.owners).insert(owner.to_owned());
         let mut managers = lock(&self.inner.managers);
         managers.retain(|_, control| !control.killed.load(Ordering::SeqCst));
         managers.insert(owner.to_owned(), control.clone());
@@ -203,7 +234,6 @@ impl SimStore {
             owner: owner.to_owned(),
             history: self.inner.history.clone(),
             control,
-            mutation: plan.mutated(),
         })
     }
 }
@@ -289,17 +319,92 @@ impl Control {
     }
 }
 
-/// What a simulated manager keeps of its store (`Common::sim`): where to record, and how it
-/// was broken on purpose, if it was.
+/// What a simulated manager's storage and driver keep of its store: where to record, and what
+/// stops or kills it.
 pub(crate) struct Attached {
     pub(crate) owner: String,
     history: Arc<Mutex<Vec<LockEvent>>>,
     pub(crate) control: Arc<Control>,
-    pub(crate) mutation: Option<Mutation>,
 }
 
 impl Attached {
     pub(crate) fn record(&self, event: LockEvent) {
         lock(&self.history).push(event);
+    }
+}
+
+impl LockManagerBuilder {
+    /// Opens a new owner on `store`, a lock store inside a simulation (feature `testkit`), as
+    /// another process on its database: its storage worker runs as a task of the simulation
+    /// (the same worker, stepped: no thread, no real-time wait), its clock is the store's (the
+    /// simulation's), so its heartbeats, polls and busy retries run on virtual time, and its
+    /// connection meets the storage faults of `faults`. Call it inside the simulation's
+    /// `block_on`. The builder's clock and, if it was given one, its spawner are replaced by
+    /// the simulation's.
+    ///
+    /// See [`testkit::SimStore`](crate::testkit::SimStore) for killing and stopping managers,
+    /// and [`testkit::check_locks`](crate::testkit::check_locks) for judging what happened.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::InvalidConfig`] for impossible settings.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::testkit::{check_locks, FaultPlan, Sim, SimStore};
+    /// use leasehold::LockManager;
+    ///
+    /// let mut sim = Sim::new(3);
+    /// let store = SimStore::new(&sim);
+    /// sim.block_on({
+    ///     let store = store.clone();
+    ///     async move {
+    ///         // One transaction in five faulted: the worker retries, as it would in production.
+    ///         let locks = LockManager::builder().open_simulated(&store, FaultPlan::drawn(0.2))?;
+    ///         for _ in 0..10 {
+    ///             locks.exclusive("repo", "prune").await?.release().await?;
+    ///         }
+    ///         Ok::<(), leasehold::LockError>(())
+    ///     }
+    /// })
+    /// .unwrap()
+    /// .unwrap();
+    /// check_locks(&store.history()).unwrap();
+    /// ```
+    #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
+    pub fn open_simulated(
+        self,
+        store: &SimStore,
+        faults: FaultPlan,
+    ) -> Result<LockManager, LockError> {
+        let clock = store.clock();
+        let waker = Arc::new(AtomicWaker::new());
+        let parts = self
+            .clock(clock.clone())
+            .spawner(store.spawner())
+            .prepare(Some(store.memory().name()), Some(waker.clone()))?;
+        let common = parts.common;
+        let attached = store.attach(&common.owner, waker.clone());
+        let connection = Memory::new(store.memory(), parts.opening.clock.clone());
+        let storage = SimStorage::new(
+            connection,
+            faults,
+            attached.clone(),
+            clock.clone(),
+            common.busy.clone(),
+        );
+        let worker = Worker::new(storage, common.clone(), parts.commands);
+        runtime::spawn_as(
+            &*store.spawner(),
+            "leasehold's simulated storage worker",
+            Box::pin(driver::drive(worker, clock, waker, attached)),
+        );
+        Starting {
+            common,
+            tx: parts.tx,
+            worker: None,
+        }
+        .finish(Ok::<_, ()>(Ok(())))
     }
 }

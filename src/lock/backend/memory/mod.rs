@@ -241,19 +241,9 @@ pub(crate) struct Memory {
     /// The store's version and change log as this connection last saw them.
     seen_version: u64,
     seen_seq: u64,
-    /// Broken on purpose (`testkit::Mutation::RenewalRevivesLapsed`): renewals renew lapsed
-    /// rows too.
-    #[cfg(feature = "testkit")]
-    revive_lapsed: bool,
 }
 
 impl Memory {
-    /// Breaks this connection on purpose, for showing that the simulation's checks find it.
-    #[cfg(feature = "testkit")]
-    pub(crate) fn revive_lapsed(&mut self) {
-        self.revive_lapsed = true;
-    }
-
     pub(crate) fn new(store: &MemoryStore, clock: Arc<dyn Clock>) -> Self {
         let shared = store.shared.clone();
         let id = shared.next_connection.fetch_add(1, Ordering::Relaxed);
@@ -270,8 +260,6 @@ impl Memory {
             in_write: false,
             seen_version,
             seen_seq,
-            #[cfg(feature = "testkit")]
-            revive_lapsed: false,
         }
     }
 
@@ -709,14 +697,10 @@ impl Storage for Memory {
     }
 
     fn renew(&mut self, owner: &str, now: i64, expires_at: i64) -> Result<Vec<OwnedRequest>> {
-        #[cfg(feature = "testkit")]
-        let revive = self.revive_lapsed;
-        #[cfg(not(feature = "testkit"))]
-        let revive = false;
         self.change(|tables, undo| {
             let mut renewed = Vec::new();
             for (at, row) in tables.rows.iter_mut() {
-                if &*row.owner == owner && (row.expires_at > now || revive) {
+                if &*row.owner == owner && row.expires_at > now {
                     undo.push(Undo::Row(at.clone(), Some(row.clone())));
                     row.expires_at = expires_at;
                     row.heartbeat_at = now;

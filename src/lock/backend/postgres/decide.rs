@@ -16,12 +16,12 @@ use crate::lock::backend::{
 use crate::lock::StorageError;
 
 /// The call of the function `decide` (see `FUNCTIONS`), for `DecideArgs::params`.
-pub(super) const DECIDE: &str =
+pub(crate) const DECIDE: &str =
     "SELECT * FROM {s}.decide($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
 
 /// The arguments of the function `decide`: a batch of operations of one owner, with one entry
 /// per operation and one per key of each.
-pub(super) struct DecideArgs<'a> {
+pub(crate) struct DecideArgs<'a> {
     owner: &'a str,
     lease: i64,
     locks: Vec<i32>,
@@ -38,7 +38,7 @@ pub(super) struct DecideArgs<'a> {
 }
 
 impl<'a> DecideArgs<'a> {
-    pub(super) fn new(schema: &str, owner: &'a str, lease: i64, ops: &[AtOnce<'a>]) -> Self {
+    pub(crate) fn new(schema: &str, owner: &'a str, lease: i64, ops: &[AtOnce<'a>]) -> Self {
         let mut args = DecideArgs {
             owner,
             lease,
@@ -94,7 +94,7 @@ impl<'a> DecideArgs<'a> {
     }
 
     /// The parameters of `DECIDE`, in order.
-    pub(super) fn params(&self) -> [&(dyn ToSql + Sync); 13] {
+    pub(crate) fn params(&self) -> [&(dyn ToSql + Sync); 13] {
         [
             &self.owner,
             &self.lease,
@@ -120,7 +120,7 @@ const ACQUIRE_ONE: &str = "SELECT * FROM {s}.acquire_one($1, $2, $3, $4, $5, $6,
 const RELEASE_ONE: &str = "SELECT * FROM {s}.release_one($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// The arguments of `acquire_one` or `release_one`, for a batch of one operation on one key.
-pub(super) enum OneArgs<'a> {
+pub(crate) enum OneArgs<'a> {
     Acquire {
         owner: &'a str,
         lease: i64,
@@ -144,7 +144,7 @@ pub(super) enum OneArgs<'a> {
 
 impl<'a> OneArgs<'a> {
     /// `None` unless `ops` is one operation on one key.
-    pub(super) fn new(
+    pub(crate) fn new(
         schema: &str,
         owner: &'a str,
         lease: i64,
@@ -182,7 +182,7 @@ impl<'a> OneArgs<'a> {
     }
 
     /// What the call does, and its text (`ACQUIRE_ONE` or `RELEASE_ONE`).
-    pub(super) fn call(&self) -> (&'static str, &'static str) {
+    pub(crate) fn call(&self) -> (&'static str, &'static str) {
         match self {
             OneArgs::Acquire { .. } => ("deciding an acquisition", ACQUIRE_ONE),
             OneArgs::Release { .. } => ("deciding a release", RELEASE_ONE),
@@ -190,7 +190,7 @@ impl<'a> OneArgs<'a> {
     }
 
     /// The parameters of the call, in order.
-    pub(super) fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+    pub(crate) fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
         match self {
             OneArgs::Acquire {
                 owner,

@@ -60,7 +60,7 @@ pub(super) fn parse_payload(payload: &str) -> Option<Vec<i64>> {
 /// The `NOTIFY` channel of a schema. A channel is an identifier, at most 63 bytes (a longer
 /// one is an error for `pg_notify` and silently cut short by `LISTEN`), so a long schema name is
 /// replaced by a digest of it.
-pub(super) fn channel(schema: &str) -> String {
+pub(crate) fn channel(schema: &str) -> String {
     let channel = format!("leasehold_{schema}");
     if channel.len() <= 63 {
         return channel;

@@ -51,9 +51,9 @@
 //! done (`Postgres::succeeded`). Rows live on the server, so guards survive a disconnect shorter
 //! than their lease. The listener's connection backs off on its own run of the same schedule.
 
-mod decide;
-mod listener;
-mod schema;
+pub(crate) mod decide;
+pub(crate) mod listener;
+pub(crate) mod schema;
 mod target;
 mod tls;
 
@@ -193,7 +193,7 @@ pub(crate) fn serve(
 impl Postgres {
     /// Connects, creates or migrates the schema (or, if `existing`, checks that it is there and
     /// this build's), and reads the server's time.
-    fn connect(
+    pub(crate) fn connect(
         target: Target,
         schema: String,
         busy: Schedule,
