@@ -196,7 +196,7 @@ pub use clock::{BootTime, Clock, SystemClock, TestClock};
 pub use exit::{AbortReason, ExitStatus};
 pub use fiber::{fork_daemon, Exit, Fiber};
 pub use lock::{
-    EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
+    Changes, EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
     LockRequest, MemoryStore, Mode, Removal, StorageError, StorageStats, MAX_NAME_BYTES,
 };
 pub use race::{all, race, RaceLost};

@@ -97,19 +97,31 @@ impl Store {
         match self {
             Store::File(path) => builder.open(path),
             #[cfg(feature = "postgres")]
+            Store::Postgres { url, schema } => Self::schema(builder, schema).connect(url).await,
+        }
+    }
+
+    /// A manager of the store as it is, opened by `builder`, for a view or a repair: never
+    /// creates or migrates it.
+    pub(crate) async fn open_existing(
+        &self,
+        builder: LockManagerBuilder,
+    ) -> Result<LockManager, LockError> {
+        match self {
+            Store::File(path) => builder.open_existing(path),
+            #[cfg(feature = "postgres")]
             Store::Postgres { url, schema } => {
-                let builder = match schema {
-                    Some(schema) => builder.schema(schema),
-                    None => builder,
-                };
-                builder.connect(url).await
+                Self::schema(builder, schema).connect_existing(url).await
             }
         }
     }
 
-    /// A manager of the store as it is, for a view or a repair: never creates or migrates it.
-    pub(crate) async fn open_existing(&self) -> Result<LockManager, LockError> {
-        self.open(LockManager::builder().existing()).await
+    #[cfg(feature = "postgres")]
+    fn schema(builder: LockManagerBuilder, schema: &Option<String>) -> LockManagerBuilder {
+        match schema {
+            Some(schema) => builder.schema(schema),
+            None => builder,
+        }
     }
 }
 
@@ -125,7 +137,7 @@ where
         Err(code) => return code,
     };
     smol::block_on(async {
-        match store.open_existing().await {
+        match store.open_existing(LockManager::builder()).await {
             Ok(locks) => work(locks).await,
             Err(error) => store_failed(&error),
         }

@@ -4,6 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 
 use super::args::Release;
 use super::store_failed;
+use crate::Removal;
 
 /// What removing another owner's rows does and does not protect, said before it is done.
 const WHAT_FENCING_DOES: &str = "\
@@ -54,21 +55,27 @@ pub(crate) fn release(args: Release) -> u8 {
         if !args.yes && !confirmed(chosen.len()) {
             return 1;
         }
-        // The requests shown, and no others (not one the owner made since).
-        let mut tickets: Vec<u64> = chosen.iter().map(|entry| entry.ticket).collect();
-        tickets.sort_unstable();
-        tickets.dedup();
-        match locks.evict(&owner, tickets).await {
-            Ok(0) => {
-                eprintln!("leasehold: the rows were gone already; nothing removed");
-                1
+        // The requests shown, and no others (not one the owner made since): each by one of
+        // its keys and its ticket, which removes its rows on every key.
+        let mut requests: Vec<(u64, String)> = chosen
+            .iter()
+            .map(|entry| (entry.ticket, entry.key.clone()))
+            .collect();
+        requests.sort_unstable();
+        requests.dedup_by_key(|(ticket, _)| *ticket);
+        let mut removed = 0;
+        for (ticket, key) in requests {
+            match locks.remove(Removal::Request { key, ticket }).await {
+                Ok(rows) => removed += rows,
+                Err(error) => return store_failed(&error),
             }
-            Ok(removed) => {
-                println!("removed {removed} row(s) of {}", super::printable(&owner));
-                0
-            }
-            Err(error) => store_failed(&error),
         }
+        if removed == 0 {
+            eprintln!("leasehold: the rows were gone already; nothing removed");
+            return 1;
+        }
+        println!("removed {removed} row(s) of {}", super::printable(&owner));
+        0
     })
 }
 

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
 
 use super::args::{Inspect, Watch};
 use super::{printable, show_duration, store_failed, Store};
@@ -38,22 +38,19 @@ pub(crate) fn watch(args: Watch) -> u8 {
         return super::USAGE;
     }
     smol::block_on(async {
-        let builder = LockManager::builder()
-            .existing()
-            .poll(Duration::from_millis(250));
-        let locks = match store.open(builder).await {
+        let builder = LockManager::builder().poll(Duration::from_millis(250));
+        let locks = match store.open_existing(builder).await {
             Ok(locks) => locks,
             Err(error) => return store_failed(&error),
         };
-        let _watching = locks.watching();
+        let mut changes = locks.changes(args.key_prefix.as_deref().unwrap_or(""));
+        let mut entries = match changes.next().await {
+            Some(Ok(entries)) => entries,
+            Some(Err(error)) => return store_failed(&error),
+            None => return 0,
+        };
         let mut shown = None;
         loop {
-            // Listen, then read, then wait: a change between the read and the wait is heard.
-            let changed = locks.changed();
-            let entries = match entries(&locks, args.key_prefix.as_deref()).await {
-                Ok(entries) => entries,
-                Err(code) => return code,
-            };
             let view = table(&entries, unix_now());
             if shown.as_ref() != Some(&view) {
                 // On a terminal, clear the screen and home the cursor, then draw; elsewhere,
@@ -68,9 +65,14 @@ pub(crate) fn watch(args: Watch) -> u8 {
                 let _ = std::io::stdout().flush();
                 shown = Some(view);
             }
+            // The next change, or the time to redraw the times shown.
             futures::select! {
-                () = changed.fuse() => {}
-                _ = smol::Timer::after(args.every).fuse() => {}
+                changed = changes.next().fuse() => match changed {
+                    Some(Ok(now)) => entries = now,
+                    Some(Err(error)) => return store_failed(&error),
+                    None => return 0,
+                },
+                _ = FutureExt::fuse(smol::Timer::after(args.every)) => {}
             }
         }
     })

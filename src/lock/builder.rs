@@ -94,15 +94,6 @@ impl LockManagerBuilder {
         }
     }
 
-    /// Opens only a store that is there, with this build's schema: a missing file or schema is
-    /// an error, and nothing is created or migrated. For the command's views and repairs of a
-    /// store, which must not make one where a path was mistyped.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
-    pub(crate) fn existing(mut self) -> Self {
-        self.existing = true;
-        self
-    }
-
     /// How long a row stays live without a heartbeat. Default 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
@@ -303,6 +294,36 @@ impl LockManagerBuilder {
         self.start(path)
     }
 
+    /// Opens the SQLite store at `path` as it is: like [`open`](Self::open), but a missing
+    /// file, or one whose schema is not this build's, is an error, and nothing is created or
+    /// migrated. For views and repairs of a store (the `leasehold` command's), which must not
+    /// make one where a path was mistyped, nor upgrade one that older processes still share.
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open), and [`LockError::Storage`] if there is no such file, or no lock
+    /// store in it, or one of another schema version.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{LockError, LockManager};
+    ///
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let path = dir.path().join("locks.db");
+    /// let missing = LockManager::builder().open_existing(&path);
+    /// assert!(matches!(missing, Err(LockError::Storage(_))));
+    /// assert!(!path.exists(), "nothing was created");
+    /// drop(LockManager::open(&path)?);
+    /// let locks = LockManager::builder().open_existing(&path)?;
+    /// # drop(locks);
+    /// # Ok::<(), LockError>(())
+    /// ```
+    pub fn open_existing(mut self, path: impl AsRef<Path>) -> Result<LockManager, LockError> {
+        self.existing = true;
+        self.open(path)
+    }
+
     /// Opens a private store in this process's memory (the memory backend): one owner, for
     /// tests and single-process use. Its only thread is the storage worker's.
     ///
@@ -436,6 +457,21 @@ impl LockManagerBuilder {
             super::backend::postgres::serve(target, schema, opening, opened, worker);
         })?;
         starting.finish(connected.await)
+    }
+
+    /// Connects to the PostgreSQL store as it is (feature `postgres`): like
+    /// [`connect`](Self::connect), but a missing schema, or one of another version, is an
+    /// error, and nothing is created or migrated. For views and repairs of a store.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect), and [`LockError::Storage`] if the schema is not there or
+    /// is not this build's.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub async fn connect_existing(mut self, url: &str) -> Result<LockManager, LockError> {
+        self.existing = true;
+        self.connect(url).await
     }
 
     /// The PostgreSQL schema that holds the tables (default `leasehold`); created if missing.

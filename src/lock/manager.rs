@@ -19,7 +19,8 @@ use super::types::validate;
 use super::worker::protocol::{Acquired, Command, Wait, Write};
 use super::{grant, heartbeat};
 use super::{
-    EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, Removal, StorageStats,
+    Changes, EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, Removal,
+    StorageStats,
 };
 use crate::lock::time::from_micros;
 
@@ -470,38 +471,43 @@ impl LockManager {
             .await
     }
 
-    /// An operator's removal of another owner's rows of the requests `tickets` (see
-    /// [`remove`](Self::remove)). For the command's `release`, which removes the requests it
-    /// showed the operator, and no other.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
-    pub(crate) async fn evict(&self, owner: &str, tickets: Vec<u64>) -> Result<usize, LockError> {
-        let owner = owner.to_owned();
-        (self.shared)
-            .call(|reply| Command::Evict {
-                owner,
-                tickets: Some(tickets),
-                reply,
-            })
-            .await
-    }
-
-    /// Watches every change to the store while the returned value lives: the worker looks for
-    /// other processes' changes on its poll, has releases and promotions announced to it, and
-    /// notifies [`changed`](Self::changed) whenever a look finds a commit. For the command's
-    /// `watch`.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
-    pub(crate) fn watching(&self) -> Watching {
-        self.shared.common.watchers.fetch_add(1, Ordering::SeqCst);
-        // Wake the worker, so that it puts its waiting marker up and starts looking.
-        let _ = self.shared.send(Command::Poke);
-        Watching(self.shared.common.clone())
-    }
-
-    /// A listener for the next change this manager hears of (see [`watching`](Self::watching)):
-    /// listen, then read, then await, so that a change between the read and the wait is heard.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
-    pub(crate) fn changed(&self) -> event_listener::EventListener {
-        self.shared.common.changed.listen()
+    /// Every change of the rows on the keys that start with `prefix` (`""`: every key): a
+    /// stream of the live rows, as [`inspect`](Self::inspect) lists them, first as they are,
+    /// then after each change (a grant, a release, a request queued, a removal, a lease run
+    /// out). A heartbeat is not a change. Several changes close together may come as one.
+    ///
+    /// Changes of this manager are seen at once; those of other managers and processes at the
+    /// next look of the change poll ([`poll`](crate::LockManagerBuilder::poll)), woken by the
+    /// same doorbell (SQLite) or `NOTIFY` (PostgreSQL) that wakes waiters. On PostgreSQL, whose
+    /// commits announce only what may free a waiter, every look reads the rows again, so a
+    /// request queued by another process is seen within a poll. A lease that runs out is seen
+    /// when it does, by this manager's clock. While a `Changes` lives, this manager keeps
+    /// looking, as it does while it has waiters.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use futures::StreamExt;
+    /// use leasehold::{LockManager, MemoryStore};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let store = MemoryStore::new();
+    /// let (watcher, worker) = (
+    ///     LockManager::builder().open_in(&store)?,
+    ///     LockManager::builder().open_in(&store)?,
+    /// );
+    /// let mut changes = watcher.changes("repo/");
+    /// assert!(changes.next().await.unwrap()?.is_empty());
+    /// let guard = worker.exclusive("repo/photos", "prune").await?;
+    /// let rows = changes.next().await.unwrap()?;
+    /// assert_eq!((rows[0].key.as_str(), rows[0].ticket), ("repo/photos", guard.fencing_token()));
+    /// guard.release().await?;
+    /// assert!(changes.next().await.unwrap()?.is_empty());
+    /// # Ok::<(), leasehold::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn changes(&self, prefix: &str) -> Changes {
+        super::changes::changes(self, prefix)
     }
 
     /// Releases every row of this owner and stops its background work. Waiting acquisitions
@@ -661,15 +667,6 @@ async fn acquire_in_scope(
     };
     removal.disarm();
     Ok(Guard::new(&shared, id, grant, requests, Some(started)))
-}
-
-/// Counts a watcher of every change while it lives (`LockManager::watching`).
-pub(crate) struct Watching(Arc<Common>);
-
-impl Drop for Watching {
-    fn drop(&mut self) {
-        self.0.watchers.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 /// Counts a waiter without a queue position while it lives.

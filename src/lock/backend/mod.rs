@@ -248,6 +248,10 @@ pub(crate) struct Capabilities {
     /// write transaction (saving one while a caller retries). Not where a waiter must be noted
     /// under the locks of its keys for commits to announce themselves to it (`watching`).
     pub(crate) refuses_by_reads: bool,
+    /// Whether a look (`Storage::changes`) hears of every commit of other processes (SQLite's
+    /// change log, the memory store's version). Not on PostgreSQL, whose commits announce only
+    /// what may free a waiter: a request queued elsewhere is announced to nobody.
+    pub(crate) hears_every_commit: bool,
 }
 
 /// Decisions in one round trip (PostgreSQL's function `decide`), for a backend that has them

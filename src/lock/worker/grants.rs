@@ -15,6 +15,14 @@ impl<S: Storage> Worker<S> {
         if freed.any {
             self.common.changed.notify(usize::MAX);
             crate::lock::worker::siblings::poke(&self.common, &freed.owners);
+        } else if self
+            .common
+            .watchers
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > 0
+        {
+            // A watcher of every change (`LockManager::changes`) hears of this owner's own.
+            self.common.changed.notify(usize::MAX);
         }
         self.storage.wake_others();
     }

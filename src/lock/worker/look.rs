@@ -134,7 +134,12 @@ impl<S: Storage> Worker<S> {
         };
         keys.extend(due);
         keys.append(&mut self.own_changes);
-        if changes != Changes::Nothing && self.common.watchers.load(Ordering::SeqCst) > 0 {
+        // Watchers of every change read again after a look that heard of one, or after every
+        // look where a look does not hear of every commit (a request queued elsewhere, on
+        // PostgreSQL).
+        if (changes != Changes::Nothing || !self.caps.hears_every_commit)
+            && self.common.watchers.load(Ordering::SeqCst) > 0
+        {
             self.common.changed.notify(usize::MAX);
         }
         if (changes != Changes::Nothing || refused_due) && self.waits.any_refused() {

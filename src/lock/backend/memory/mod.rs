@@ -391,6 +391,7 @@ impl Storage for Memory {
         Capabilities {
             keys_locked: false,
             refuses_by_reads: true,
+            hears_every_commit: true,
         }
     }
 

@@ -545,6 +545,7 @@ impl Storage for Postgres {
             keys_locked: true,
             // A waiter without a row is noted (`watching`) under the locks of its keys.
             refuses_by_reads: false,
+            hears_every_commit: false,
         }
     }
 

@@ -614,6 +614,7 @@ impl Storage for Db<'_> {
         Capabilities {
             keys_locked: false,
             refuses_by_reads: true,
+            hears_every_commit: true,
         }
     }
 

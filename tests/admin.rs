@@ -1,0 +1,190 @@
+//! The admin API an operator's tools are built on (the `leasehold` command is one): a stream of
+//! a store's changes (`LockManager::changes`) and opening a store as it is
+//! (`LockManagerBuilder::open_existing`, `connect_existing`). Removal (`LockManager::remove`)
+//! has its own file, `removal.rs`. Each runs on every store.
+
+mod common;
+mod stores;
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use leasehold::{Changes, EntryState, LockEntry, LockError, LockManager};
+
+use common::{bounded, within};
+
+/// Generous: a change of another manager is seen within a poll of 10 ms.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// The next rows the stream reports, failing the test if none come within [`PATIENCE`].
+async fn next(changes: &mut Changes, what: &str) -> Vec<LockEntry> {
+    bounded(PATIENCE, what, changes.next())
+        .await
+        .expect("the stream goes on")
+        .expect("the store can be read")
+}
+
+/// The rows as (key, operation, held) triples, for comparing.
+fn shown(rows: &[LockEntry]) -> Vec<(String, String, bool)> {
+    rows.iter()
+        .map(|row| {
+            (
+                row.key.clone(),
+                row.operation.clone(),
+                row.state == EntryState::Held,
+            )
+        })
+        .collect()
+}
+
+fn row(key: &str, operation: &str, held: bool) -> (String, String, bool) {
+    (key.to_owned(), operation.to_owned(), held)
+}
+
+#[test]
+fn changes_start_with_the_rows_as_they_are_then_report_each_grant_queue_and_release() {
+    stores::on_every_store(|store| async move {
+        let (watcher, first, second) = (store.open().await, store.open().await, store.open().await);
+        let held = first.exclusive("repo/a", "prune").await.unwrap();
+        let mut changes = watcher.changes("repo/");
+        assert_eq!(
+            shown(&next(&mut changes, "the rows as they are").await),
+            [row("repo/a", "prune", true)]
+        );
+
+        let waiting = {
+            let second = second.clone();
+            leasehold::fork_daemon(async move { second.exclusive("repo/a", "backup").await })
+        };
+        assert_eq!(
+            shown(&next(&mut changes, "the queued request").await),
+            [row("repo/a", "prune", true), row("repo/a", "backup", false)]
+        );
+
+        held.release().await.unwrap();
+        // The release and the waiter's promotion are one commit, or two close together.
+        let mut rows = next(&mut changes, "the release").await;
+        if shown(&rows) != [row("repo/a", "backup", true)] {
+            rows = next(&mut changes, "the promotion").await;
+        }
+        assert_eq!(shown(&rows), [row("repo/a", "backup", true)]);
+
+        let granted = waiting.join().await.success().unwrap().unwrap();
+        granted.release().await.unwrap();
+        assert!(next(&mut changes, "the last release").await.is_empty());
+    });
+}
+
+#[test]
+fn changes_leave_out_other_keys_and_heartbeats() {
+    stores::on_every_store(|store| async move {
+        let watcher = store.open().await;
+        let beating = store
+            .open_with(
+                LockManager::builder()
+                    .lease(Duration::from_millis(400))
+                    .heartbeat(Duration::from_millis(20)),
+            )
+            .await;
+        let mine = beating.shared("repo/a", "read").await.unwrap();
+        let mut changes = watcher.changes("repo/");
+        assert_eq!(shown(&next(&mut changes, "the rows").await).len(), 1);
+
+        // Rows on other keys come and go, and the holder renews its lease several times: none
+        // of it is a change of "repo/".
+        let other = watcher.exclusive("other/b", "elsewhere").await.unwrap();
+        other.release().await.unwrap();
+        let renewed = beating.stats().heartbeats;
+        within(PATIENCE, "three heartbeats", || {
+            let beating = beating.clone();
+            async move { beating.stats().heartbeats >= renewed + 3 }
+        })
+        .await;
+
+        mine.release().await.unwrap();
+        assert!(
+            next(&mut changes, "the release").await.is_empty(),
+            "the next item is the release, not a heartbeat or another key"
+        );
+    });
+}
+
+#[test]
+fn a_lease_that_runs_out_is_a_change() {
+    #[cfg(feature = "testkit")]
+    {
+        use leasehold::testkit::{FaultPlan, Sim, SimStore};
+        let mut sim = Sim::new(3);
+        let store = SimStore::new(&sim);
+        sim.block_on({
+            let store = store.clone();
+            async move {
+                let open = || {
+                    LockManager::builder()
+                        .lease(Duration::from_secs(30))
+                        .open_simulated(&store, FaultPlan::none())
+                };
+                let (watcher, holder) = (open()?, open()?);
+                let _held = holder.exclusive("repo/a", "prune").await?;
+                let mut changes = watcher.changes("repo/");
+                assert_eq!(next(&mut changes, "the rows").await.len(), 1);
+                // Killed: its rows stay until their lease runs out, and nobody writes.
+                store.kill(&holder);
+                assert!(next(&mut changes, "the lapse").await.is_empty());
+                drop(changes);
+                Ok::<_, LockError>(())
+            }
+        })
+        .unwrap()
+        .unwrap();
+    }
+}
+
+#[test]
+fn open_existing_on_a_missing_file_fails_and_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    match LockManager::builder().open_existing(&path) {
+        Err(LockError::Storage(error)) => {
+            assert!(error.to_string().contains("no such file"), "{error}")
+        }
+        other => panic!("expected a storage error, got {other:?}"),
+    }
+    assert!(!path.exists(), "no file was made");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn open_existing_opens_a_store_that_is_there_and_sees_its_rows() {
+    common::on_every_executor(|| async {
+        let (_dir, path) = common::temp_db();
+        let holder = LockManager::open(&path).unwrap();
+        let _held = holder.exclusive("k", "work").await.unwrap();
+        let operator = LockManager::builder().open_existing(&path).unwrap();
+        let rows = operator.inspect(None).await.unwrap();
+        assert_eq!(shown(&rows), [row("k", "work", true)]);
+    });
+}
+
+#[cfg(all(feature = "postgres", feature = "testkit"))]
+#[test]
+fn connect_existing_on_a_missing_schema_fails_and_creates_nothing() {
+    use leasehold::testkit::postgres as pg_support;
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let schema = pg_support::schema("connect_existing_missing");
+    let connected = futures::executor::block_on(
+        LockManager::builder()
+            .schema(&schema)
+            .connect_existing(server.url()),
+    );
+    assert!(
+        matches!(connected, Err(LockError::Storage(_))),
+        "{connected:?}"
+    );
+    let schemas = server.sql(&format!(
+        "SELECT COUNT(*) FROM pg_namespace WHERE nspname = '{schema}'"
+    ));
+    assert_eq!(schemas.trim(), "0", "no schema was made");
+}
