@@ -169,10 +169,6 @@
 )]
 
 mod abort;
-/// The `leasehold` command's code, for its binary (`src/bin/leasehold.rs`); not an API.
-#[cfg(all(feature = "cli", unix))]
-#[doc(hidden)]
-pub mod cli;
 mod clock;
 mod exit;
 mod fiber;
@@ -196,8 +192,9 @@ pub use clock::{BootTime, Clock, SystemClock, TestClock};
 pub use exit::{AbortReason, ExitStatus};
 pub use fiber::{fork_daemon, Exit, Fiber};
 pub use lock::{
-    Changes, EntryState, Guard, LeaseLost, LockEntry, LockError, LockManager, LockManagerBuilder,
-    LockRequest, MemoryStore, Mode, Removal, StorageError, StorageStats, MAX_NAME_BYTES,
+    Changes, EntryState, Finding, Guard, LeaseLost, LockEntry, LockError, LockManager,
+    LockManagerBuilder, LockRequest, MemoryStore, Mode, Removal, StorageError, StorageStats,
+    MAX_NAME_BYTES,
 };
 pub use race::{all, race, RaceLost};
 pub use schedule::{Schedule, ScheduleRun};

@@ -9,7 +9,7 @@ mod stores;
 use std::time::Duration;
 
 use futures::StreamExt;
-use leasehold::{Changes, EntryState, LockEntry, LockError, LockManager};
+use leasehold::{Changes, EntryState, Finding, LockEntry, LockError, LockManager};
 
 use common::{bounded, within};
 
@@ -187,4 +187,81 @@ fn connect_existing_on_a_missing_schema_fails_and_creates_nothing() {
         "SELECT COUNT(*) FROM pg_namespace WHERE nspname = '{schema}'"
     ));
     assert_eq!(schemas.trim(), "0", "no schema was made");
+}
+
+/// What a check of `store` finds (SQLite or PostgreSQL).
+async fn check(store: &stores::Store) -> Vec<Finding> {
+    match store {
+        stores::Store::Sqlite { path, .. } => LockManager::builder().check(path),
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
+        stores::Store::Postgres { url, schema } => {
+            LockManager::builder()
+                .schema(schema)
+                .check_server(url)
+                .await
+        }
+        _ => unreachable!("on_every_database gives databases"),
+    }
+    .expect("the store can be checked")
+}
+
+#[test]
+fn a_check_finds_nothing_wrong_with_a_store_in_use_and_counts_its_rows() {
+    stores::on_every_database(|store| async move {
+        let (holder, waiter) = (store.open().await, store.open().await);
+        let held = holder.exclusive("k", "work").await.unwrap();
+        let waiting = {
+            let waiter = waiter.clone();
+            leasehold::fork_daemon(async move { waiter.exclusive("k", "more").await })
+        };
+        within(PATIENCE, "the request queued", || {
+            let holder = holder.clone();
+            async move { holder.inspect(Some("k")).await.unwrap().len() == 2 }
+        })
+        .await;
+        let findings = check(&store).await;
+        let problems: Vec<_> = findings.iter().filter(|f| f.problem).collect();
+        assert!(problems.is_empty(), "{problems:?}");
+        assert!(
+            findings.iter().any(|f| f.what == "1 held, 1 waiting"),
+            "{findings:?}"
+        );
+        held.release().await.unwrap();
+        let granted = waiting.join().await.success().unwrap().unwrap();
+        granted.release().await.unwrap();
+    });
+}
+
+#[cfg(unix)]
+#[test]
+fn a_check_finds_a_world_writable_file_and_says_how_to_mend_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let (_dir, path) = common::temp_db();
+    drop(LockManager::open(&path).unwrap());
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let findings = LockManager::builder().check(&path).unwrap();
+    let problem = findings
+        .iter()
+        .find(|f| f.problem)
+        .expect("a problem found");
+    assert!(problem.what.contains("world-writable"), "{problem}");
+    assert_eq!(
+        problem.fix.as_deref(),
+        Some(format!("chmod o-rw {}", path.display()).as_str())
+    );
+    assert!(
+        problem.to_string().starts_with("problem: the file "),
+        "{problem}"
+    );
+}
+
+#[test]
+fn a_check_of_a_missing_file_fails_and_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    assert!(matches!(
+        LockManager::builder().check(&path),
+        Err(LockError::Storage(_))
+    ));
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }

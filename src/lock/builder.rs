@@ -324,6 +324,22 @@ impl LockManagerBuilder {
         self.open(path)
     }
 
+    /// Checks the SQLite store at `path` as it is, changing nothing: its schema version against
+    /// this build's, its rows (held, waiting, lapsed) on the time line it records, and who may
+    /// read and write the file and its folder. What the `leasehold doctor` command prints.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Storage`] if there is no such file or it cannot be read; what is wrong
+    /// with a store that can be read is a [`Finding`](crate::Finding).
+    ///
+    /// # Examples
+    ///
+    /// See [`Finding`](crate::Finding).
+    pub fn check(self, path: impl AsRef<Path>) -> Result<Vec<crate::Finding>, LockError> {
+        super::check::sqlite(path.as_ref())
+    }
+
     /// Opens a private store in this process's memory (the memory backend): one owner, for
     /// tests and single-process use. Its only thread is the storage worker's.
     ///
@@ -472,6 +488,35 @@ impl LockManagerBuilder {
     pub async fn connect_existing(mut self, url: &str) -> Result<LockManager, LockError> {
         self.existing = true;
         self.connect(url).await
+    }
+
+    /// Checks the PostgreSQL store in this builder's [`schema`](Self::schema) of the database
+    /// at `url` as it is (feature `postgres`), changing nothing: this machine's clock against
+    /// the server's, the schema version against this build's, what this role may do with the
+    /// tables, the rows, and whether notifications arrive (they do not through a pooler in
+    /// transaction mode). Its connections are made on a thread of their own, so it may be
+    /// awaited on any executor; the last check waits up to 3 s for a notification.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::InvalidConfig`] for a malformed `url`, [`LockError::Storage`] if the
+    /// server cannot be reached or the schema holds no lock store; what is wrong with a store
+    /// that can be read is a [`Finding`](crate::Finding).
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub async fn check_server(self, url: &str) -> Result<Vec<crate::Finding>, LockError> {
+        let (url, schema) = (url.to_owned(), self.schema);
+        let (tx, checked) = futures::channel::oneshot::channel();
+        std::thread::Builder::new()
+            .name("leasehold-check".into())
+            .spawn(move || drop(tx.send(super::check::postgres(&url, &schema))))
+            .map_err(|e| StorageError::new("starting a thread", e.to_string()).caused_by(e))?;
+        checked.await.map_err(|_| {
+            LockError::from(StorageError::new(
+                "checking the store",
+                "the checking thread stopped",
+            ))
+        })?
     }
 
     /// The PostgreSQL schema that holds the tables (default `leasehold`); created if missing.

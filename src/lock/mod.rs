@@ -32,6 +32,7 @@
 pub(crate) mod backend;
 pub(crate) mod builder;
 mod changes;
+mod check;
 mod error;
 pub(crate) mod grant;
 mod guard;
@@ -46,6 +47,7 @@ pub(crate) mod worker;
 pub use self::backend::memory::MemoryStore;
 pub use self::builder::LockManagerBuilder;
 pub use self::changes::Changes;
+pub use self::check::Finding;
 pub use self::error::{LeaseLost, LockError, StorageError};
 pub use self::guard::Guard;
 pub use self::manager::LockManager;

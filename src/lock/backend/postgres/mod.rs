@@ -59,7 +59,6 @@ mod tls;
 
 use self::listener::{channel, payload, Heard, Listener, Reconnect};
 use self::schema::{check_version, key_locks, migrate};
-#[cfg_attr(not(feature = "cli"), allow(unused_imports))]
 pub(crate) use self::schema::{quote, version as schema_version, SCHEMA_VERSION};
 use self::target::describe;
 pub(crate) use self::target::{parse, valid_schema, Target, DEFAULT_SCHEMA};

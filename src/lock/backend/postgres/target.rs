@@ -50,7 +50,6 @@ pub(crate) struct Target {
 impl Target {
     /// A plain connection to the server, with this target's TLS settings: for the command's
     /// checks of a store (`doctor`), which ask what no manager asks.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub(crate) fn connect(&self) -> std::result::Result<postgres::Client, postgres::Error> {
         match &self.tls {
             Some(tls) => self.config.connect(tls.clone()),

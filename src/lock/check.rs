@@ -1,54 +1,93 @@
-//! `leasehold doctor`: what is wrong with a store, and what to do about it. Every check reads;
-//! nothing is changed, and a store that is not there is not made.
+//! Checks of a store as it is (`LockManagerBuilder::check`, `check_server`): its schema, its
+//! rows, who may read and write it, its clock and its notifications. Every check reads; nothing
+//! is changed, and a store that is not there is not made.
 
+use std::fmt;
 use std::path::Path;
 
-use super::args::Doctor;
-use super::{printable, store_failed, Store};
 use crate::clock::SystemClock;
+use crate::lock::backend::sqlite::{
+    storage_error as sqlite_storage_error, SCHEMA_VERSION as SQLITE_SCHEMA_VERSION,
+};
 use crate::lock::time::TimeLine;
 use crate::lock::{LockError, StorageError};
 
-pub(crate) fn doctor(args: Doctor) -> u8 {
-    let store = match args.store.parse() {
-        Ok(store) => store,
-        Err(code) => return code,
-    };
-    let mut findings = Findings::default();
-    let checked = match &store {
-        Store::File(path) => sqlite(path, &mut findings),
-        #[cfg(feature = "postgres")]
-        Store::Postgres { url, schema } => pg::check(url, schema.as_deref(), &mut findings),
-    };
-    if let Err(error) = checked {
-        return store_failed(&error);
-    }
-    match findings.problems {
-        0 => {
-            println!("nothing is wrong");
-            0
-        }
-        n => {
-            println!("{n} problem(s) found");
-            1
+/// One thing a check of a store found: something wrong, with what to do about it, or something
+/// found as it should be, for the record. Made by
+/// [`LockManagerBuilder::check`](crate::LockManagerBuilder::check) (and `check_server`).
+///
+/// Printed with `{}`: `ok: ` and what was found, or `problem: `, what is wrong, `; ` and the fix.
+///
+/// # Examples
+///
+/// ```
+/// use leasehold::LockManager;
+///
+/// let dir = tempfile::tempdir().unwrap();
+/// let path = dir.path().join("locks.db");
+/// drop(LockManager::open(&path)?);
+/// let findings = LockManager::builder().check(&path)?;
+/// assert!(findings.iter().all(|finding| !finding.problem), "{findings:?}");
+/// assert!(findings.iter().any(|finding| finding.what == "0 held, 0 waiting"));
+/// # Ok::<(), leasehold::LockError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Finding {
+    /// Whether something is wrong.
+    pub problem: bool,
+    /// What was found.
+    pub what: String,
+    /// What to do about it, for a problem.
+    pub fix: Option<String>,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.fix, self.problem) {
+            (Some(fix), true) => write!(f, "problem: {}; {fix}", self.what),
+            (None, true) => write!(f, "problem: {}", self.what),
+            (_, false) => write!(f, "ok: {}", self.what),
         }
     }
 }
 
-/// What the checks found, printed as they find it.
+/// The findings of the SQLite store at `path`.
+pub(super) fn sqlite(path: &Path) -> Result<Vec<Finding>, LockError> {
+    let mut findings = Findings::default();
+    check_file(path, &mut findings)?;
+    Ok(findings.list)
+}
+
+/// The findings of the PostgreSQL store in `schema` of the database at `url`.
+#[cfg(feature = "postgres")]
+pub(super) fn postgres(url: &str, schema: &str) -> Result<Vec<Finding>, LockError> {
+    let mut findings = Findings::default();
+    pg::check(url, schema, &mut findings)?;
+    Ok(findings.list)
+}
+
+/// What the checks found, in order.
 #[derive(Default)]
 struct Findings {
-    problems: usize,
+    list: Vec<Finding>,
 }
 
 impl Findings {
-    fn ok(&mut self, what: impl std::fmt::Display) {
-        println!("ok: {what}");
+    fn ok(&mut self, what: impl fmt::Display) {
+        self.list.push(Finding {
+            problem: false,
+            what: what.to_string(),
+            fix: None,
+        });
     }
 
-    fn problem(&mut self, what: impl std::fmt::Display, fix: impl std::fmt::Display) {
-        self.problems += 1;
-        println!("problem: {what}; {fix}");
+    fn problem(&mut self, what: impl fmt::Display, fix: impl fmt::Display) {
+        self.list.push(Finding {
+            problem: true,
+            what: what.to_string(),
+            fix: Some(fix.to_string()),
+        });
     }
 
     /// Compares the schema version `found` (`None`: no store there) with this build's.
@@ -104,19 +143,17 @@ fn unix_micros() -> i64 {
     i64::try_from(now.as_micros()).unwrap_or(i64::MAX)
 }
 
-fn sqlite(path: &Path, findings: &mut Findings) -> Result<(), LockError> {
+fn check_file(path: &Path, findings: &mut Findings) -> Result<(), LockError> {
     let doing = format!("checking the store {}", shown(path));
     if !path.is_file() {
         return Err(StorageError::new(doing, "there is no such file").into());
     }
     file_access(path, findings);
-    let failed = |error: sqlite::Error| -> LockError {
-        crate::lock::backend::sqlite::storage_error(&doing, &error)
-    };
+    let failed = |error: sqlite::Error| -> LockError { sqlite_storage_error(&doing, &error) };
     let flags = sqlite::OpenFlags::new().with_read_only().with_no_mutex();
     let conn = sqlite::Connection::open_with_flags(path, flags).map_err(failed)?;
     let version = pragma(&conn, "PRAGMA user_version").map_err(failed)?;
-    let ours = crate::lock::backend::sqlite::SCHEMA_VERSION;
+    let ours = SQLITE_SCHEMA_VERSION;
     if !findings.schema(Some(version), ours) {
         return Ok(());
     }
@@ -236,9 +273,9 @@ fn file_access(path: &Path, findings: &mut Findings) {
     }
 }
 
-/// `path` as it can be shown (see [`printable`]).
+/// `path` as a finding names it.
 fn shown(path: &Path) -> String {
-    printable(&path.to_string_lossy())
+    path.display().to_string()
 }
 
 fn with_suffix(path: &Path, suffix: &str) -> std::path::PathBuf {
@@ -260,19 +297,14 @@ mod pg {
     use ::postgres::fallible_iterator::FallibleIterator;
 
     use super::*;
-    use crate::lock::backend::postgres::{parse, quote, schema_version, SCHEMA_VERSION};
+    use crate::lock::backend::postgres::{parse, quote, schema_version, Target, SCHEMA_VERSION};
 
     /// The most this machine's clock may be off the server's before it is a problem worth
     /// fixing: leases are judged by the server's clock, but the times `inspect` shows are this
     /// machine's.
     const CLOCK_OFF: Duration = Duration::from_secs(2);
 
-    pub(super) fn check(
-        url: &str,
-        schema: Option<&str>,
-        findings: &mut Findings,
-    ) -> Result<(), LockError> {
-        let schema = schema.unwrap_or(crate::lock::backend::postgres::DEFAULT_SCHEMA);
+    pub(super) fn check(url: &str, schema: &str, findings: &mut Findings) -> Result<(), LockError> {
         let target = parse(url)?;
         let doing = format!("checking the store on {}", target.describe());
         let failed = |error: ::postgres::Error| -> LockError {
@@ -327,7 +359,7 @@ mod pg {
             .get(0);
         let after = unix_micros();
         let off = server - (before + after) / 2;
-        let shown = super::super::show_duration(Duration::from_micros(off.unsigned_abs()));
+        let shown = format!("{} ms", off.unsigned_abs() / 1000);
         let way = if off >= 0 { "behind" } else { "ahead of" };
         if Duration::from_micros(off.unsigned_abs()) > CLOCK_OFF {
             findings.problem(
@@ -403,7 +435,7 @@ mod pg {
     /// Whether a notification sent on one connection reaches another that listens: waiters are
     /// woken so. Behind a pooler in transaction mode it does not, and they wait for their poll.
     fn notifications(
-        target: &crate::lock::backend::postgres::Target,
+        target: &Target,
         client: &mut ::postgres::Client,
         findings: &mut Findings,
     ) -> Result<(), ::postgres::Error> {

@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 
 use super::args::Release;
 use super::store_failed;
-use crate::Removal;
+use leasehold::Removal;
 
 /// What removing another owner's rows does and does not protect, said before it is done.
 const WHAT_FENCING_DOES: &str = "\

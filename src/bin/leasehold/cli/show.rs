@@ -8,7 +8,7 @@ use futures::{FutureExt, StreamExt};
 
 use super::args::{Inspect, Watch};
 use super::{printable, show_duration, store_failed, Store};
-use crate::lock::{EntryState, LockEntry, LockManager, Mode};
+use leasehold::{EntryState, LockEntry, LockManager, Mode};
 
 pub(crate) fn inspect(args: Inspect) -> u8 {
     super::on_existing(&args.store, |locks| async move {

@@ -39,9 +39,9 @@ use signal_hook::low_level::siginfo::Cause;
 
 use super::args::Run;
 use super::store_failed;
-use crate::abort::AbortController;
-use crate::exit::AbortReason;
-use crate::lock::{Guard, LockError, LockManager, LockRequest};
+use leasehold::AbortController;
+use leasehold::AbortReason;
+use leasehold::{Guard, LockError, LockManager, LockRequest};
 
 /// The exit code when the lease was lost while COMMAND ran.
 const LEASE_LOST: u8 = 4;

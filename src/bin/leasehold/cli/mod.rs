@@ -1,6 +1,6 @@
 //! The `leasehold` command (feature `cli`): run a program under a lock, and see, mend and check
 //! what a store holds, over SQLite (a file) or PostgreSQL (a URL), with the same rows, rules and
-//! fencing tokens as the library's managers. `src/bin/leasehold.rs` calls `main`.
+//! fencing tokens as the library's managers. `main.rs` calls `main`.
 //!
 //! Its parts: `args.rs` (the arguments, and every `--help`), `run.rs` (a program under a lock,
 //! with its signals), `show.rs` (`inspect` and `watch`), `release.rs` (an operator's removal of
@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
-use crate::lock::{LockError, LockManager, LockManagerBuilder};
+use leasehold::{LockError, LockManager, LockManagerBuilder};
 
 use self::args::{Args, Command};
 
@@ -44,7 +44,7 @@ pub(crate) const USAGE: u8 = 2;
 const STORE_FAILED: u8 = 3;
 
 /// Runs the command with this process's arguments; returns its exit code.
-pub fn main() -> ExitCode {
+pub(crate) fn main() -> ExitCode {
     let args = Args::parse();
     let code = match args.command {
         Command::Run(run) => run::run(run),
