@@ -2,9 +2,8 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Wake, Waker};
+use std::task::{Context, Waker};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{on_every_executor, poll_once};
@@ -16,16 +15,6 @@ const TEST_EPOCH: Duration = Duration::from_secs(1_704_067_200);
 
 fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
-}
-
-/// A waker that counts how often it was woken.
-#[derive(Default)]
-struct CountingWaker(AtomicUsize);
-
-impl Wake for CountingWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
 }
 
 #[test]
@@ -60,17 +49,17 @@ fn clones_share_one_time_line() {
 fn a_sleeper_is_woken_only_when_time_reaches_its_deadline() {
     let clock = TestClock::new();
     let mut nap = clock.sleep(secs(10));
-    let counter = Arc::new(CountingWaker::default());
+    let counter = Arc::new(common::CountingWaker::default());
     let waker = Waker::from(counter.clone());
     let mut cx = Context::from_waker(&waker);
     assert!(nap.poll_unpin(&mut cx).is_pending());
 
     clock.advance(secs(9));
-    assert_eq!(counter.0.load(Ordering::SeqCst), 0, "woken early");
+    assert_eq!(counter.count(), 0, "woken early");
     assert!(nap.poll_unpin(&mut cx).is_pending());
 
     clock.advance(secs(1));
-    assert_eq!(counter.0.load(Ordering::SeqCst), 1);
+    assert_eq!(counter.count(), 1);
     assert!(nap.poll_unpin(&mut cx).is_ready());
 }
 

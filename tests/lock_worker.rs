@@ -197,26 +197,6 @@ fn waiting_manys_cost_no_write_transactions_even_beside_a_sibling() {
     });
 }
 
-/// Counts the wake-ups it receives.
-#[derive(Default)]
-struct CountingWaker(std::sync::atomic::AtomicUsize);
-
-impl CountingWaker {
-    fn count(&self) -> usize {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-impl std::task::Wake for CountingWaker {
-    fn wake(self: std::sync::Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &std::sync::Arc<Self>) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
 /// A call alone in awaiting the worker yields to its executor for a moment, as its reply is
 /// usually one transaction away; but when the reply is held up (here by another connection's
 /// write lock) it stops within a moment and waits to be woken, leaving the thread to park.
@@ -229,7 +209,7 @@ fn a_call_whose_reply_is_held_up_stops_yielding_and_is_woken_by_the_reply() {
     let (_dir, path) = temp_db();
     let locks = LockManager::open(&path).unwrap();
     let write_lock = WriteLock::take(&path);
-    let counter = std::sync::Arc::new(CountingWaker::default());
+    let counter = std::sync::Arc::new(common::CountingWaker::default());
     let waker = Waker::from(counter.clone());
     let mut cx = Context::from_waker(&waker);
     let mut acquire = Box::pin(locks.try_acquire(LockRequest::exclusive("k", "held up")));

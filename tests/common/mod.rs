@@ -18,6 +18,27 @@ use leasehold::{
     Scoped, SystemClock,
 };
 
+/// A waker that counts how often it was woken.
+#[derive(Default)]
+pub struct CountingWaker(AtomicUsize);
+
+impl CountingWaker {
+    /// How often it was woken so far.
+    pub fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 /// How long a "within" wait gives a condition before it declares the condition false. Generous on
 /// purpose: a wait returns as soon as the condition holds, so only a failing test pays it.
 pub const GENEROUS: Duration = Duration::from_secs(5);
