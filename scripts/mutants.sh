@@ -38,8 +38,16 @@ cores=("$@")
 for core in "${cores[@]}"; do
     args=$(core_args "$core")
     echo "=== $core"
+    mkdir -p "mutants.out/$core"
+    # Exit 2 says mutants were missed and 3 that some timed out: the counts below say which.
+    # Anything else (the baseline failed, a bad argument) stops here.
+    status=0
     # shellcheck disable=SC2086 # the arguments are words
-    cargo mutants --features testkit --output "mutants.out/$core" $args || true
+    cargo mutants --features testkit --output "mutants.out/$core" $args || status=$?
+    case $status in
+    0 | 2 | 3) ;;
+    *) exit "$status" ;;
+    esac
 done
 
 echo

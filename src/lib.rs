@@ -157,7 +157,8 @@
 //! ```
 
 // Denied everywhere but in `semaphore`, whose permits share its state without a reference count
-// (see the memory invariants there), and which allows it for that alone.
+// (see the memory invariants there), and which allows it for that alone; and in one function
+// each for the system calls libc offers only as `unsafe` (`clock_gettime`, `geteuid`).
 #![deny(unsafe_code)]
 // On docs.rs (`--cfg docsrs`, a nightly rustdoc): each feature-gated item says what it needs.
 #![cfg_attr(docsrs, feature(doc_cfg))]

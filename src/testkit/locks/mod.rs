@@ -293,7 +293,7 @@ impl Clock for StoreClock {
 }
 
 /// How a simulated manager is killed or stopped (`SimStore::kill`, `SimStore::stop`); its
-/// worker looks before each step (`Worker::run_simulated`).
+/// driver looks before each step (`driver.rs`).
 pub(crate) struct Control {
     killed: AtomicBool,
     stopped_until: Mutex<Option<Duration>>,
