@@ -9,7 +9,8 @@
 # Each core is judged by the tests that cover it, not by the whole suite, so that a mutant costs
 # an incremental build and seconds of tests: the grant rule by its model test and the crate's
 # unit tests (which hold the simulated lock workloads, feature `testkit`), the schedules and the
-# semaphore by their own test files, the worker's recovery by the simulated workloads.
+# semaphore by their own test files, the worker's recovery by the simulated workloads and the
+# PostgreSQL tests.
 # Results go to mutants.out/<core>/mutants.out/ (caught.txt, missed.txt, timeout.txt, ...);
 # the counts are printed at the end. Needs `cargo install cargo-mutants`.
 set -euo pipefail
@@ -25,7 +26,9 @@ core_args() {
     grant) echo "--file src/lock/grant.rs -- --lib --test lock_model" ;;
     schedule) echo "--file src/schedule.rs -- --lib --test schedule" ;;
     semaphore) echo "--file src/semaphore.rs -- --lib --test semaphore" ;;
-    recovery) echo "--file src/lock/worker/recovery.rs -- --lib" ;;
+    # Its acquisitions decided in one call (`find_lost_requests`) are PostgreSQL's alone: the
+    # PostgreSQL tests judge those, on a server of their own (`testkit::postgres`).
+    recovery) echo "--features postgres --file src/lock/worker/recovery.rs -- --lib --test lock_postgres" ;;
     *)
         echo "no core named $1 (grant, schedule, semaphore, recovery)" >&2
         exit 2
