@@ -197,6 +197,28 @@ fn acquiring_more_than_the_capacity_panics() {
     let _never = semaphore.acquire(3);
 }
 
+/// The documented limit, exactly: any count that fits in 62 bits (the top two bits of the
+/// state are flags), and not one more.
+#[cfg(target_pointer_width = "64")]
+#[test]
+fn a_semaphore_holds_any_count_of_permits_that_fits_in_62_bits() {
+    let most = (1usize << 62) - 1;
+    let semaphore = Semaphore::new(most);
+    assert_eq!(semaphore.available(), most);
+    let all = semaphore.try_acquire(most).expect("every permit is free");
+    assert_eq!(semaphore.available(), 0);
+    assert!(semaphore.try_acquire(1).is_none());
+    drop(all);
+    assert_eq!(semaphore.available(), most);
+}
+
+#[cfg(target_pointer_width = "64")]
+#[test]
+#[should_panic(expected = "a semaphore holds at most")]
+fn a_semaphore_of_more_permits_than_fit_in_62_bits_panics() {
+    let _ = Semaphore::new(1usize << 62);
+}
+
 #[test]
 fn a_waiter_on_another_thread_is_woken_when_permits_come_back() {
     let semaphore = Semaphore::new(1);
