@@ -197,6 +197,23 @@ fn acquiring_more_than_the_capacity_panics() {
     let _never = semaphore.acquire(3);
 }
 
+#[test]
+fn a_semaphore_its_acquisitions_and_its_permits_debug_print_what_they_hold() {
+    let semaphore = Semaphore::new(3);
+    let permit = semaphore.try_acquire(2).unwrap();
+    let mut waiting = Box::pin(semaphore.acquire(2));
+    assert!(poll_once(&mut waiting).is_pending());
+    assert_eq!(
+        format!("{semaphore:?}"),
+        "Semaphore { capacity: 3, available: 1, waiters: 1 }"
+    );
+    assert_eq!(
+        format!("{waiting:?}"),
+        "Acquire { permits: 2, queued: true }"
+    );
+    assert_eq!(format!("{permit:?}"), "Permit { permits: 2 }");
+}
+
 /// The documented limit, exactly: any count that fits in 62 bits (the top two bits of the
 /// state are flags), and not one more.
 #[cfg(target_pointer_width = "64")]
