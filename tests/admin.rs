@@ -109,35 +109,33 @@ fn changes_leave_out_other_keys_and_heartbeats() {
     });
 }
 
+#[cfg(feature = "testkit")]
 #[test]
 fn a_lease_that_runs_out_is_a_change() {
-    #[cfg(feature = "testkit")]
-    {
-        use leasehold::testkit::{FaultPlan, Sim, SimStore};
-        let mut sim = Sim::new(3);
-        let store = SimStore::new(&sim);
-        sim.block_on({
-            let store = store.clone();
-            async move {
-                let open = || {
-                    LockManager::builder()
-                        .lease(Duration::from_secs(30))
-                        .open_simulated(&store, FaultPlan::none())
-                };
-                let (watcher, holder) = (open()?, open()?);
-                let _held = holder.exclusive("repo/a", "prune").await?;
-                let mut changes = watcher.changes("repo/");
-                assert_eq!(next(&mut changes, "the rows").await.len(), 1);
-                // Killed: its rows stay until their lease runs out, and nobody writes.
-                store.kill(&holder);
-                assert!(next(&mut changes, "the lapse").await.is_empty());
-                drop(changes);
-                Ok::<_, LockError>(())
-            }
-        })
-        .unwrap()
-        .unwrap();
-    }
+    use leasehold::testkit::{FaultPlan, Sim, SimStore};
+    let mut sim = Sim::new(3);
+    let store = SimStore::new(&sim);
+    sim.block_on({
+        let store = store.clone();
+        async move {
+            let open = || {
+                LockManager::builder()
+                    .lease(Duration::from_secs(30))
+                    .open_simulated(&store, FaultPlan::none())
+            };
+            let (watcher, holder) = (open()?, open()?);
+            let _held = holder.exclusive("repo/a", "prune").await?;
+            let mut changes = watcher.changes("repo/");
+            assert_eq!(next(&mut changes, "the rows").await.len(), 1);
+            // Killed: its rows stay until their lease runs out, and nobody writes.
+            store.kill(&holder);
+            assert!(next(&mut changes, "the lapse").await.is_empty());
+            drop(changes);
+            Ok::<_, LockError>(())
+        }
+    })
+    .unwrap()
+    .unwrap();
 }
 
 #[test]

@@ -479,8 +479,10 @@ impl LockManager {
     /// Changes of this manager are seen at once; those of other managers and processes at the
     /// next look of the change poll ([`poll`](crate::LockManagerBuilder::poll)), woken by the
     /// same doorbell (SQLite) or `NOTIFY` (PostgreSQL) that wakes waiters. On PostgreSQL, whose
-    /// commits announce only what may free a waiter, every look reads the rows again, so a
-    /// request queued by another process is seen within a poll. A lease that runs out is seen
+    /// commits announce only what may free a waiter, every look reads the rows again (one
+    /// read of every row per poll while a `Changes` lives: give a watching manager a slower
+    /// [`poll`](crate::LockManagerBuilder::poll), as the command's `watch` does), so a request
+    /// queued by another process is seen within a poll. A lease that runs out is seen
     /// when it does, by this manager's clock. While a `Changes` lives, this manager keeps
     /// looking, as it does while it has waiters.
     ///
