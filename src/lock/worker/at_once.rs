@@ -79,7 +79,7 @@ impl<S: Storage> Worker<S> {
                 Err(error) => error,
             };
             if writes.iter().any(|w| matches!(w, Write::Acquire { .. })) {
-                self.lost_replies = true;
+                self.doubts.lost_replies = true;
             }
             self.doubt_removals(&writes);
             self.doubt_commit();
@@ -89,7 +89,7 @@ impl<S: Storage> Worker<S> {
             }
             tracing::debug!(%error, "a write failed for a passing reason; once more");
             self.find_lost_requests();
-            if !self.doubtful.is_empty() {
+            if !self.doubts.acquisitions.is_empty() {
                 return Err(writes);
             }
         }
@@ -120,7 +120,7 @@ impl<S: Storage> Worker<S> {
                     return;
                 }
                 Err(error) if !self.storage.again() => {
-                    return fail(write, error, &mut self.failed_removals);
+                    return fail(write, error, &mut self.doubts.failed_removals);
                 }
                 Err(error) => {
                     tracing::debug!(%error, "a renewal failed for a passing reason; once more");
@@ -167,8 +167,8 @@ impl<S: Storage> Worker<S> {
                 if let Some(written) = written.filter(|_| removal.freed) {
                     let spanning = self.waits.spanning(&written.keys);
                     if !spanning.is_empty() {
-                        self.own_changes.extend(spanning);
-                        self.poked = true;
+                        self.looks.own_changes.extend(spanning);
+                        self.looks.poked = true;
                     }
                 }
                 self.deliver(write, Decided::Removed(found), removal.now);
@@ -182,7 +182,7 @@ impl<S: Storage> Worker<S> {
             (_, outcome) => {
                 let wrong = format!("an answer of the wrong kind: {outcome:?}");
                 let error = StorageError::new("deciding", wrong).into();
-                fail(write, error, &mut self.failed_removals);
+                fail(write, error, &mut self.doubts.failed_removals);
             }
         }
     }

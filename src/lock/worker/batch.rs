@@ -80,7 +80,7 @@ impl<S: Storage> Worker<S> {
                             }
                         }
                         _ => {
-                            for request in std::mem::take(&mut self.failed_removals) {
+                            for request in std::mem::take(&mut self.doubts.failed_removals) {
                                 writes.push(Write::Remove {
                                     request,
                                     reply: None,
@@ -94,7 +94,7 @@ impl<S: Storage> Worker<S> {
                     writes.push(Write::Shutdown { reply });
                     stop = true;
                 }
-                Command::Poke => self.poked = true,
+                Command::Poke => self.looks.poked = true,
                 read @ (Command::Inspect { .. }
                 | Command::IsLocked { .. }
                 | Command::Evict { .. }) => reads.push(read),
@@ -193,7 +193,7 @@ impl<S: Storage> Worker<S> {
         // (`Storage::decide_at_once`) and no other work is due in a transaction.
         while self.storage.at_once().is_some() {
             self.find_lost_requests();
-            if !self.doubtful.is_empty() || !self.pass.is_empty() {
+            if !self.doubts.acquisitions.is_empty() || !self.decisions.pass.is_empty() {
                 break;
             }
             if let Some(Write::Remove { request, .. }) = writes.first() {
@@ -225,7 +225,9 @@ impl<S: Storage> Worker<S> {
         if let [Write::Renew { .. }] = writes.as_slice() {
             // A heartbeat alone, with no other work due in a transaction: in one call, where
             // the storage has one.
-            if self.doubtful.is_empty() && self.pass.is_empty() && self.storage.at_once().is_some()
+            if self.doubts.acquisitions.is_empty()
+                && self.decisions.pass.is_empty()
+                && self.storage.at_once().is_some()
             {
                 if let Some(write) = writes.pop() {
                     self.renew_at_once(write);
@@ -261,12 +263,12 @@ impl<S: Storage> Worker<S> {
             for write in &writes {
                 if let Write::Acquire { request, .. } = write {
                     if let Some(written) = self.requests.remove(request) {
-                        self.doubtful.push(written);
+                        self.doubts.acquisitions.push(written);
                     }
                 }
             }
             // A transaction that never began committed nothing; one that did may have.
-            if self.began {
+            if self.decisions.began {
                 self.doubt_removals(&writes);
                 self.doubt_commit();
             }
@@ -282,7 +284,7 @@ impl<S: Storage> Worker<S> {
         match writes.len() {
             1 => {
                 if let Some(write) = writes.into_iter().next() {
-                    fail(write, error, &mut self.failed_removals);
+                    fail(write, error, &mut self.doubts.failed_removals);
                 }
             }
             _ => {
@@ -326,7 +328,7 @@ impl<S: Storage> Worker<S> {
                     // forgotten already).
                     lock(&self.common.guards).forget(ticket);
                 }
-                self.removals_in_doubt.remove(&request);
+                self.doubts.removals.remove(&request);
                 if let Some(reply) = reply {
                     let found = match decided {
                         Decided::Removed(found) => found,

@@ -46,9 +46,12 @@ impl<S: Storage> Worker<S> {
                 let deleted = worker.storage.delete_request(owner, keys, *ticket, now)?;
                 if deleted.rows > 0 {
                     removed += deleted.rows;
-                    worker.deleted = true;
-                    worker.pass.extend(keys.iter().cloned());
-                    worker.evicted.note_owner(owner, keys.iter().cloned());
+                    worker.decisions.deleted = true;
+                    worker.decisions.pass.extend(keys.iter().cloned());
+                    worker
+                        .decisions
+                        .evicted
+                        .note_owner(owner, keys.iter().cloned());
                 }
             }
             Ok(removed)

@@ -46,7 +46,7 @@ impl<S: Storage> Worker<S> {
         if lost > 0 {
             // Their rows ran out unseen by this owner's deadlines, which watch other owners'
             // rows: a waiter of this owner behind them may be free.
-            self.look_all = true;
+            self.looks.all = true;
         }
         if self.waits.any_refused() {
             // Callers waiting without a row try again once a heartbeat, whatever else wakes
@@ -89,7 +89,7 @@ impl<S: Storage> Worker<S> {
                     %error,
                     "could not read whether an operator removed waiting requests; will look again"
                 );
-                self.look_all = true;
+                self.looks.all = true;
                 return;
             }
         };
@@ -111,7 +111,7 @@ impl<S: Storage> Worker<S> {
                 // the new request: so the next transaction deletes them, if they are there.
                 for request in found {
                     if let Some(written) = self.requests.remove(&request) {
-                        self.doubtful.push(written);
+                        self.doubts.acquisitions.push(written);
                     }
                 }
                 continue;

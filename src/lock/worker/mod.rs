@@ -64,6 +64,10 @@ use crate::lock::worker::protocol::{
     Acquired, Command, Grant, Removed, SlotState, Wait, WaitSlot, Write,
 };
 use crate::lock::worker::watch::{first_expiries, others_rows, Look, Waits};
+
+use self::look::{Looks, Marker};
+use self::recovery::Doubts;
+use self::transaction::Decisions;
 use crate::lock::{Common, LockError, LockRequest, StorageError};
 use crate::schedule::{Schedule, ScheduleRun};
 use crate::sync::lock;
@@ -89,16 +93,6 @@ fn beat_after(heartbeat: Duration) -> Duration {
 /// When the worker looks for the next command again before it blocks: at once, for [`SPIN`].
 fn spin_schedule() -> Schedule {
     Schedule::spaced(Duration::ZERO).up_to(SPIN)
-}
-
-/// The change poll's next look.
-enum NextLook {
-    /// No waiter: no look. The schedule starts over from the last look when a wait begins.
-    Idle,
-    /// At this time (the clock's monotonic time).
-    At(Duration),
-    /// The schedule is done: no look until the next wait begins (or a poke).
-    Over,
 }
 
 /// What the worker remembers of a request whose rows it wrote.
@@ -183,93 +177,38 @@ pub(crate) struct Worker<S> {
     requests: HashMap<u64, Written>,
     /// This owner's queued requests, and the keys it watches (see `watch.rs`).
     waits: Waits,
-    /// The change poll's schedule, when it says to look next, and when the last look ended
-    /// (the clock's monotonic time).
-    poll: ScheduleRun,
-    next_look: NextLook,
-    last_look: Duration,
-    /// Looking for the next command before blocking ([`spin_schedule`]), on real time.
-    spin: ScheduleRun,
-    poked: bool,
-    /// Keys this owner freed rows on by a call that announced them to other owners only
-    /// (`Storage::decide_at_once`), where a request of its own on several keys waits: the next
-    /// look reads them.
-    own_changes: BTreeSet<String>,
+    /// When to look for other managers' changes, and what to read then (`look.rs`).
+    looks: Looks,
+    /// Whether storage is told that this owner waits (`look.rs`).
+    marker: Marker,
+    /// What the current transaction decided (`transaction.rs`).
+    decisions: Decisions,
+    /// Work whose answer was lost (`recovery.rs`).
+    doubts: Doubts,
     /// When the last renewal renewed every live row of this owner, on the clock's monotonic
     /// time line: whether to renew again is judged on it alone, so that no step of a wall
     /// clock (nor of the store's) makes the worker skip renewals that are due.
     last_renewal: Option<Duration>,
-    /// Whether the current transaction deleted a row (of this owner, or of the one an operator
-    /// evicts).
-    deleted: bool,
     /// Whether a write was ever tried: until then this owner has no row, and closing it writes
     /// nothing (a manager that only read, as the command's `inspect`, leaves the store as it was).
     tried_writing: bool,
-    /// The keys the current transaction's promotion pass looks at: those whose rows it deleted,
-    /// and those a look found grantable.
-    pass: BTreeSet<String>,
-    /// The owners whose requests the current transaction removed for an operator (`evict.rs`),
-    /// and their keys: announced to them, so that they look at once, rather than at their next
-    /// heartbeat, and a removed waiter hears of its removal.
-    evicted: Announced,
-    /// Look at every watched key at the next tick, changed or not.
-    look_all: bool,
-    /// Whether storage was last told that this owner has waiters (`Storage::waiting`), and
-    /// since when it has had none.
-    marked_waiting: bool,
-    idle_since: Option<Duration>,
-    /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
-    /// deleted (if there) by the next transaction.
-    doubtful: Vec<Written>,
-    /// Whether an acquisition decided in one call (`Storage::decide_at_once`) failed, perhaps
-    /// after it committed: its rows, if there, are found (`find_lost_requests`) and deleted
-    /// by the next transaction, as `doubtful` ones are.
-    lost_replies: bool,
-    /// Removals tried in a call or a transaction that failed for a passing reason, perhaps
-    /// after it committed: a later try that finds none of their rows cannot tell whether that
-    /// first try deleted them (`Removed::GoneAfterLostAnswer`); by request, the storage's time
-    /// at the first such try.
-    removals_in_doubt: BTreeMap<u64, i64>,
-    /// The storage's time at the start of the last transaction that began, and whether the
-    /// last one tried began (one that did not committed nothing).
-    began_at: i64,
-    began: bool,
-    /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
-    /// live on, renewed with this owner's others.
-    failed_removals: Vec<u64>,
 }
 
 impl<S: Storage> Worker<S> {
     pub(crate) fn new(storage: S, common: Arc<Common>, rx: Receiver<Command>) -> Self {
-        let last_look = common.clock.monotonic();
-        let poll = common.poll.start(last_look);
         Worker {
             caps: storage.capabilities(),
             storage,
-            common,
             rx,
             requests: HashMap::new(),
             waits: Waits::default(),
-            poll,
-            next_look: NextLook::Idle,
-            last_look,
-            spin: spin_schedule().start(Duration::ZERO),
-            poked: false,
-            own_changes: BTreeSet::new(),
+            looks: Looks::new(&common),
+            marker: Marker::default(),
+            decisions: Decisions::default(),
+            doubts: Doubts::default(),
             last_renewal: None,
-            deleted: false,
             tried_writing: false,
-            pass: BTreeSet::new(),
-            evicted: Announced::default(),
-            look_all: false,
-            marked_waiting: false,
-            idle_since: None,
-            doubtful: Vec::new(),
-            lost_replies: false,
-            removals_in_doubt: BTreeMap::new(),
-            began_at: 0,
-            began: false,
-            failed_removals: Vec::new(),
+            common,
         }
     }
 
@@ -301,8 +240,9 @@ impl<S: Storage> Worker<S> {
     /// Serves commands on this thread until the manager is gone: spins a while for the next
     /// one (see `spin`), then blocks until it comes or the next look, beat or marker is due.
     pub(crate) fn run(mut self) {
+        let mut spin = spin_schedule().start(Duration::ZERO);
         loop {
-            let received = match self.spin() {
+            let received = match self.spin(&mut spin) {
                 Some(received) => received,
                 None => {
                     self.common.replies.worker_sleeps();
@@ -333,7 +273,7 @@ impl<S: Storage> Worker<S> {
             .min();
         let now = self.common.clock.monotonic();
         let left = due.map(|at| at.saturating_sub(now));
-        left.into_iter().chain(self.marker_left(now)).min()
+        left.into_iter().chain(self.marker.left(now)).min()
     }
 
     /// Handles what waiting brought (a command, with whatever else is queued behind it, or
@@ -369,18 +309,11 @@ impl<S: Storage> Worker<S> {
         }
         if self.look_due() {
             self.look_for_changes();
-            self.last_look = self.common.clock.monotonic();
-            self.next_look = self.look_after(self.last_look);
+            self.looks.looked(self.common.clock.monotonic());
         }
         let now = self.common.clock.monotonic();
-        if self.unqueued_or_watched() {
-            self.idle_since = None;
-        } else if self.marked_waiting {
-            let since = *self.idle_since.get_or_insert(now);
-            if now.saturating_sub(since) >= MARKER_LINGER {
-                self.mark_waiting(false);
-                self.idle_since = None;
-            }
+        if self.marker.lingered(self.unqueued_or_watched(), now) {
+            self.mark_waiting(false);
         }
         false
     }
@@ -402,13 +335,13 @@ impl<S: Storage> Worker<S> {
     /// request of a busy task). Waking a blocked thread costs tens of microseconds on small
     /// virtual machines, more than a transaction, so look for a while before blocking. This
     /// spends the worker's own time, never a caller's.
-    fn spin(&mut self) -> Option<Result<Command, RecvTimeoutError>> {
-        self.spin.reset(SystemClock.monotonic());
+    fn spin(&mut self, spin: &mut ScheduleRun) -> Option<Result<Command, RecvTimeoutError>> {
+        spin.reset(SystemClock.monotonic());
         loop {
             if let Some(received) = self.next_now() {
                 return Some(received);
             }
-            match self.spin.next(SystemClock.monotonic()) {
+            match spin.next(SystemClock.monotonic()) {
                 Some(_) => std::thread::yield_now(),
                 None => return None,
             }
@@ -428,9 +361,9 @@ impl<S: Storage> Worker<S> {
     /// Deletes every row of this owner, and promotes whom that frees.
     fn delete_own_rows(&mut self, now: i64) -> Result<(), LockError> {
         let owner = self.common.owner.clone();
-        self.deleted |= self.storage.delete_owner(&owner)? > 0;
+        self.decisions.deleted |= self.storage.delete_owner(&owner)? > 0;
         let keys = self.own_keys();
-        self.pass.extend(keys);
+        self.decisions.pass.extend(keys);
         self.storage.sweep(now)
     }
 

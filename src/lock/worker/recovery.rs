@@ -4,6 +4,26 @@
 
 use super::*;
 
+/// What the worker doubts: writes that failed, perhaps after they committed.
+#[derive(Default)]
+pub(super) struct Doubts {
+    /// Acquisitions whose transaction failed, perhaps at its commit, so perhaps committed:
+    /// deleted (if there) by the next transaction.
+    pub(super) acquisitions: Vec<Written>,
+    /// Whether an acquisition decided in one call (`Storage::decide_at_once`) failed, perhaps
+    /// after it committed: its rows, if there, are found (`find_lost_requests`) and deleted
+    /// by the next transaction, as `acquisitions` are.
+    pub(super) lost_replies: bool,
+    /// Removals tried in a call or a transaction that failed for a passing reason, perhaps
+    /// after it committed: a later try that finds none of their rows cannot tell whether that
+    /// first try deleted them (`Removed::GoneAfterLostAnswer`); by request, the storage's time
+    /// at the first such try.
+    pub(super) removals: BTreeMap<u64, i64>,
+    /// Requests whose removal failed: retried with every heartbeat, so that their rows do not
+    /// live on, renewed with this owner's others.
+    pub(super) failed_removals: Vec<u64>,
+}
+
 impl<S: Storage> Worker<S> {
     /// The removals among `writes`, tried in a call or transaction that failed: perhaps after
     /// it committed.
@@ -11,8 +31,8 @@ impl<S: Storage> Worker<S> {
         for write in writes {
             if let Write::Remove { request, .. } = write {
                 // The earliest time at which a try may have deleted its rows.
-                let began_at = self.began_at;
-                self.removals_in_doubt.entry(*request).or_insert(began_at);
+                let began_at = self.decisions.began_at;
+                self.doubts.removals.entry(*request).or_insert(began_at);
             }
         }
     }
@@ -23,8 +43,8 @@ impl<S: Storage> Worker<S> {
     /// unknown extent: callers waiting without a row try again at once, and the next look reads
     /// every key the queued requests wait on (and finds those that the lost commit promoted).
     pub(super) fn doubt_commit(&mut self) {
-        self.look_all = true;
-        self.poked = true;
+        self.looks.all = true;
+        self.looks.poked = true;
         self.waits.take_refused();
         self.common.changed.notify(usize::MAX);
     }
@@ -37,7 +57,7 @@ impl<S: Storage> Worker<S> {
         if deleted.live == written.keys.len() {
             Removed::AllLive
         } else if let Some(&since) = (deleted.rows == 0)
-            .then(|| self.removals_in_doubt.get(&request))
+            .then(|| self.doubts.removals.get(&request))
             .flatten()
         {
             Removed::GoneAfterLostAnswer { since }
@@ -51,20 +71,20 @@ impl<S: Storage> Worker<S> {
     /// they failed; they become `doubtful`, and the next transaction deletes them. If storage
     /// cannot be read, the next write tries again.
     pub(super) fn find_lost_requests(&mut self) {
-        if !self.lost_replies {
+        if !self.doubts.lost_replies {
             return;
         }
         let owner = self.common.owner.clone();
         match self.storage.requests_of(&owner) {
             Ok(requests) => {
-                self.lost_replies = false;
+                self.doubts.lost_replies = false;
                 let known: BTreeSet<u64> = (self.requests.values())
-                    .chain(&self.doubtful)
+                    .chain(&self.doubts.acquisitions)
                     .map(|written| written.ticket)
                     .collect();
                 for (ticket, keys) in requests {
                     if !known.contains(&ticket) {
-                        self.doubtful.push(Written { ticket, keys });
+                        self.doubts.acquisitions.push(Written { ticket, keys });
                     }
                 }
             }

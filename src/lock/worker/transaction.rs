@@ -3,9 +3,28 @@
 
 use super::*;
 
+/// What the current transaction decided, beyond what its writes return: kept on the worker
+/// because the writes, the promotion pass and an operator's removal each add to it.
+#[derive(Default)]
+pub(super) struct Decisions {
+    /// Whether it deleted a row (of this owner, or of the one an operator evicts).
+    pub(super) deleted: bool,
+    /// The keys its promotion pass looks at: those whose rows it deleted, and those a look
+    /// found grantable.
+    pub(super) pass: BTreeSet<String>,
+    /// The owners whose requests it removed for an operator (`evict.rs`), and their keys:
+    /// announced to them, so that they look at once, rather than at their next heartbeat, and
+    /// a removed waiter hears of its removal.
+    pub(super) evicted: Announced,
+    /// The storage's time at the start of the last transaction that began, and whether the
+    /// last one tried began (one that did not committed nothing).
+    pub(super) began_at: i64,
+    pub(super) began: bool,
+}
+
 impl<S: Storage> Worker<S> {
     /// Begins a transaction that decides on `keys`, runs `body`, then (if `body` deleted rows,
-    /// or a look asked for it: `self.pass`) the promotion pass on those keys, and commits.
+    /// or a look asked for it: `self.decisions.pass`) the promotion pass on those keys, and commits.
     /// Returns what `body` returned and what was freed. A transaction that only adds rows frees
     /// nothing, and lapsed rows are ignored by every decision, so it skips the pass.
     ///
@@ -19,8 +38,8 @@ impl<S: Storage> Worker<S> {
         body: impl FnOnce(&mut Self, i64) -> Result<T, LockError>,
     ) -> Result<(T, Freed), LockError> {
         // The keys a look asked for; `body` adds those whose rows it deletes.
-        let mut pass = std::mem::take(&mut self.pass);
-        let doubtful = std::mem::take(&mut self.doubtful);
+        let mut pass = std::mem::take(&mut self.decisions.pass);
+        let doubtful = std::mem::take(&mut self.doubts.acquisitions);
         let mut locked = keys.to_vec();
         if !doubtful.is_empty() {
             locked.extend(doubtful.iter().flat_map(|w| w.keys.iter().cloned()));
@@ -28,7 +47,7 @@ impl<S: Storage> Worker<S> {
             locked.dedup();
         }
         let keys = locked.as_slice();
-        self.began = false;
+        self.decisions.began = false;
         self.tried_writing = true;
         let now = match self.storage.begin(keys).and_then(within_time_line) {
             Ok(now) => now,
@@ -36,14 +55,14 @@ impl<S: Storage> Worker<S> {
                 // A begin that failed half-way (a lock wait that timed out) may leave a
                 // transaction open, in which every later statement would fail: end it.
                 self.storage.rollback();
-                self.doubtful = doubtful;
+                self.doubts.acquisitions = doubtful;
                 return Err(error);
             }
         };
         Counters::bump(&self.counters().write_transactions);
-        self.began_at = now;
-        self.began = true;
-        self.deleted = false;
+        self.decisions.began_at = now;
+        self.decisions.began = true;
+        self.decisions.deleted = false;
         let result = (|| {
             let owner = self.common.owner.clone();
             for written in &doubtful {
@@ -51,21 +70,21 @@ impl<S: Storage> Worker<S> {
                     self.storage
                         .delete_request(&owner, &written.keys, written.ticket, now)?;
                 if deleted.rows > 0 {
-                    self.deleted = true;
+                    self.decisions.deleted = true;
                     pass.extend(written.keys.iter().cloned());
                 }
             }
             let value = body(self, now)?;
             let mut freed = Freed {
-                any: self.deleted,
+                any: self.decisions.deleted,
                 promoted: Vec::new(),
                 at: now,
                 owners: BTreeSet::new(),
             };
-            pass.append(&mut self.pass);
+            pass.append(&mut self.decisions.pass);
             if !pass.is_empty() {
                 let (expired, promoted, mut announced) = self.promote_pass(&pass, keys, now)?;
-                announced.append(&mut self.evicted);
+                announced.append(&mut self.decisions.evicted);
                 freed.any |= expired > 0 || !promoted.is_empty();
                 freed.promoted = promoted;
                 let freed_keys: Vec<String> = if freed.any {
@@ -82,11 +101,11 @@ impl<S: Storage> Worker<S> {
             self.storage.commit()?;
             Ok((value, freed))
         })();
-        self.evicted = Announced::default();
+        self.decisions.evicted = Announced::default();
         if result.is_err() {
-            self.pass.clear();
+            self.decisions.pass.clear();
             self.storage.rollback();
-            self.doubtful.extend(doubtful);
+            self.doubts.acquisitions.extend(doubtful);
         }
         result
     }
@@ -220,8 +239,8 @@ impl<S: Storage> Worker<S> {
                 let deleted =
                     self.storage
                         .delete_request(owner, &written.keys, written.ticket, now)?;
-                self.deleted |= deleted.rows > 0;
-                self.pass.extend(written.keys.iter().cloned());
+                self.decisions.deleted |= deleted.rows > 0;
+                self.decisions.pass.extend(written.keys.iter().cloned());
                 Ok(Decided::Removed(self.found(*request, &deleted)))
             }
             Write::Renew { .. } => {
