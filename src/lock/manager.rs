@@ -6,7 +6,7 @@ use super::error::StorageError;
 use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::exit::ExitStatus;
@@ -16,7 +16,7 @@ use super::guard::Guard;
 use super::handle::Shared;
 use super::state::Common;
 use super::types::validate;
-use super::worker::protocol::{Acquired, Command, Wait, Write};
+use super::worker::protocol::{Acquired, Command, Wait, Woken, Write};
 use super::{grant, heartbeat};
 use super::{
     Changes, EntryState, LockEntry, LockError, LockManagerBuilder, LockRequest, Removal,
@@ -609,8 +609,8 @@ async fn acquire_in_scope(
     });
     let removal = RemoveOnDrop::new(&shared, id);
     // Whether the waiter's heartbeat was forked: once, when a queued wait first lasts long
-    // enough (see `WaitSlot::arm`), then it beats through every later wait of this call.
-    let beating = Arc::new(AtomicBool::new(false));
+    // enough (see `WaitSlot::beat_due`), then it beats through every later wait of this call.
+    let mut beating = false;
     // The caller still wants the lock whenever a grant or a wait runs out of lease: its place
     // is lost, its turn is not, so it asks again.
     let grant = loop {
@@ -621,15 +621,18 @@ async fn acquire_in_scope(
                 match shared.acquire(id, &requests, Wait::Queued).await? {
                     Acquired::Granted(grant) => grant,
                     Acquired::Queued(ticket, slot) => {
-                        if !beating.load(Ordering::SeqCst) {
-                            let (scope, shared, beating) =
-                                (scope.clone(), shared.clone(), beating.clone());
-                            slot.arm(Box::new(move || {
-                                beating.store(true, Ordering::SeqCst);
-                                drop(scope.fork(heartbeat::waiter(shared, sent_at)));
-                            }));
-                        }
-                        match slot.granted().await? {
+                        let woken = loop {
+                            match slot.woken_by().await? {
+                                Woken::BeatDue if !beating => {
+                                    beating = true;
+                                    drop(scope.fork(heartbeat::waiter(shared.clone(), sent_at)));
+                                }
+                                Woken::BeatDue => {}
+                                Woken::Granted(grant) => break Some(grant),
+                                Woken::Lapsed => break None,
+                            }
+                        };
+                        match woken {
                             Some(grant) => grant,
                             None => {
                                 tracing::warn!(

@@ -5,7 +5,7 @@
 //! its rows gone at its next look (or heartbeat), and its guards' `lost` signals abort. A
 //! removed waiting request is recorded in the same transaction (a tombstone:
 //! `Storage::record_removal`), so that its owner, finding its rows gone, ends the wait with
-//! `LockError::Removed` rather than queue again as after a lapse (`grants::settle`).
+//! `LockError::Removed` rather than queue again as after a lapse (`settle.rs`).
 
 use super::*;
 

@@ -33,21 +33,20 @@
 //! 6. A wait whose rows are found gone ends by what the store recorded, never by a guess: with
 //!    `LockError::Removed` if an operator removed it (a tombstone written in the transaction
 //!    that deleted its rows: `evict.rs`), else as lapsed, and its caller queues again. While
-//!    the store cannot say which, the wait goes on, and the next look asks again (`grants.rs`).
+//!    the store cannot say which, the wait goes on, and the next look asks again (`settle.rs`).
 
 mod at_once;
 mod batch;
 mod evict;
-mod grants;
 mod look;
 pub(crate) mod protocol;
 mod recovery;
+mod settle;
 pub(crate) mod siblings;
 mod transaction;
 pub(crate) mod watch;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
@@ -83,7 +82,8 @@ const MARKER_LINGER: Duration = Duration::from_secs(1);
 /// How long the worker keeps looking for the next command before it blocks.
 const SPIN: Duration = Duration::from_micros(100);
 
-/// How long a queued request waits before its heartbeat's fiber is forked (`WaitSlot::arm`): a
+/// How long a queued request waits before its caller is told to fork its heartbeat's fiber
+/// (`WaitSlot::beat_due`): a
 /// quarter of a heartbeat, well before its first renewal is due (a heartbeat after it was
 /// sent). Most waits end sooner and never fork one.
 fn beat_after(heartbeat: Duration) -> Duration {
@@ -318,16 +318,11 @@ impl<S: Storage> Worker<S> {
         false
     }
 
-    /// Starts the heartbeats of the queued requests that have waited long enough.
+    /// Tells the queued requests that have waited long enough to start their heartbeats.
     fn start_due_beats(&mut self) {
         let now = self.common.clock.monotonic();
-        while let Some((ticket, slot)) = self.waits.due_beat(now) {
-            // It forks a fiber on the caller's spawner: a spawner that panics must not end this
-            // thread. The wait goes on; its rows run out if it outlasts their lease, and it
-            // queues again.
-            if std::panic::catch_unwind(AssertUnwindSafe(|| slot.beat_due())).is_err() {
-                tracing::warn!(ticket, "starting a waiting request's heartbeat panicked");
-            }
+        while let Some((_, slot)) = self.waits.due_beat(now) {
+            slot.beat_due();
         }
     }
 

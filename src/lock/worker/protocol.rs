@@ -2,6 +2,7 @@
 //! back. This is the interface between the public face (`manager.rs`, `guard.rs`,
 //! `heartbeat.rs`) and the worker; neither side needs to know more of the other.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SendError, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -179,13 +180,15 @@ pub(crate) struct Grant {
     pub(crate) began: Duration,
 }
 
-/// Where a queued request learns that it was granted (or can never be), and what starts its
-/// heartbeat should it wait long (see [`WaitSlot::arm`]).
+/// Where a queued request learns that it was granted (or can never be), and that it has waited
+/// long enough to start its heartbeat (see [`WaitSlot::beat_due`]).
 #[derive(Debug, Default)]
 pub(crate) struct WaitSlot {
     state: Mutex<SlotState>,
+    /// Set once by the worker when the wait has lasted long enough for its heartbeat; taken by
+    /// the waiting caller, which starts the heartbeat itself.
+    beat: AtomicBool,
     event: Event,
-    beat: Mutex<Beat>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -202,158 +205,89 @@ pub(crate) enum SlotState {
     Shutdown,
 }
 
-/// The start of a waiter's heartbeat: most waits end long before their first renewal is due,
-/// so the heartbeat's fiber is forked only once the wait has lasted a while (a quarter of a
-/// heartbeat: `worker::beat_after`), when the worker calls `WaitSlot::beat_due`.
-#[derive(Default)]
-enum Beat {
-    /// Neither armed nor due yet.
-    #[default]
-    Unarmed,
-    /// What starts the heartbeat, waiting for its time.
-    Armed(Box<dyn FnOnce() + Send>),
-    /// Its time came before it was armed: `arm` starts it at once.
-    Due,
-    /// Started, or never to start (the wait is over).
-    Over,
-}
-
-impl std::fmt::Debug for Beat {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Beat::Unarmed => "Unarmed",
-            Beat::Armed(_) => "Armed",
-            Beat::Due => "Due",
-            Beat::Over => "Over",
-        })
-    }
+/// What woke a queued request's caller.
+#[derive(Debug)]
+pub(crate) enum Woken {
+    Granted(Grant),
+    /// Its lease ran out while it waited (its rows are gone): it may queue again.
+    Lapsed,
+    /// It still waits, and has waited long enough to start its heartbeat (told once).
+    BeatDue,
 }
 
 impl WaitSlot {
     pub(crate) fn set(&self, state: SlotState) {
-        let over = !matches!(state, SlotState::Waiting);
         *lock(&self.state) = state;
-        if over {
-            // The wait is over: its heartbeat never starts. Dropped outside the lock: what it
-            // holds may be the last handle on the manager.
-            let beat = std::mem::replace(&mut *lock(&self.beat), Beat::Over);
-            drop(beat);
-        }
         self.event.notify(usize::MAX);
     }
 
-    /// Hands the slot what starts the waiter's heartbeat: run when the worker says it is due,
-    /// or now if it said so already; dropped unrun if the wait ends first.
-    pub(crate) fn arm(&self, start: Box<dyn FnOnce() + Send>) {
-        let mut beat = lock(&self.beat);
-        match std::mem::replace(&mut *beat, Beat::Over) {
-            Beat::Unarmed => *beat = Beat::Armed(start),
-            Beat::Due => {
-                drop(beat);
-                start();
-            }
-            // Armed once only: the first stays.
-            armed @ Beat::Armed(_) => *beat = armed,
-            Beat::Over => {}
-        }
-    }
-
-    /// The wait has lasted long enough for its heartbeat: starts it, or has `arm` start it.
+    /// The wait has lasted long enough for its heartbeat (a quarter of a heartbeat:
+    /// `worker::beat_after`): most waits end long before their first renewal is due, so the
+    /// caller forks the heartbeat's fiber only when told this.
     pub(crate) fn beat_due(&self) {
-        let mut beat = lock(&self.beat);
-        match std::mem::replace(&mut *beat, Beat::Over) {
-            Beat::Armed(start) => {
-                drop(beat);
-                start();
-            }
-            Beat::Unarmed => *beat = Beat::Due,
-            Beat::Due | Beat::Over => {}
-        }
+        self.beat.store(true, Ordering::SeqCst);
+        self.event.notify(usize::MAX);
     }
 
-    fn get(&self) -> SlotState {
-        lock(&self.state).clone()
+    fn woken(&self) -> Option<Result<Woken, LockError>> {
+        match &*lock(&self.state) {
+            SlotState::Shutdown => return Some(Err(LockError::Shutdown)),
+            SlotState::Expired => return Some(Ok(Woken::Lapsed)),
+            SlotState::Removed { by } => return Some(Err(LockError::Removed { by: by.clone() })),
+            SlotState::Granted(grant) => return Some(Ok(Woken::Granted(grant.clone()))),
+            SlotState::Waiting => {}
+        }
+        self.beat
+            .swap(false, Ordering::SeqCst)
+            .then_some(Ok(Woken::BeatDue))
     }
 
-    /// Resolves with the grant, `None` if the request's lease ran out while it waited (its rows
-    /// are gone: it may queue again), `Removed` if an operator removed it, or `Shutdown`.
-    pub(crate) async fn granted(&self) -> Result<Option<Grant>, LockError> {
-        loop {
-            match wait_for(&self.event, || {
-                Some(self.get()).filter(|s| !matches!(s, SlotState::Waiting))
-            })
-            .await
-            {
-                SlotState::Shutdown => return Err(LockError::Shutdown),
-                SlotState::Expired => return Ok(None),
-                SlotState::Removed { by } => return Err(LockError::Removed { by }),
-                SlotState::Granted(grant) => return Ok(Some(grant)),
-                SlotState::Waiting => {}
-            }
-        }
+    /// Resolves with what ended the wait (the grant; `Lapsed` if the request's lease ran out
+    /// while it waited; `Removed` if an operator removed it; `Shutdown`), or with `BeatDue`
+    /// once, while it still waits, when its heartbeat is due to start.
+    pub(crate) async fn woken_by(&self) -> Result<Woken, LockError> {
+        wait_for(&self.event, || self.woken()).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
 
-    /// A start that counts its runs.
-    fn counted(runs: &Arc<AtomicUsize>) -> Box<dyn FnOnce() + Send> {
-        let runs = runs.clone();
-        Box::new(move || {
-            runs.fetch_add(1, Ordering::SeqCst);
-        })
+    fn woken(slot: &WaitSlot) -> Option<Result<Woken, LockError>> {
+        futures::FutureExt::now_or_never(slot.woken_by())
     }
 
     #[test]
-    fn a_heartbeat_starts_once_when_due_whether_armed_before_or_after() {
-        // Armed, then due: the worker's call starts it.
-        let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
-        slot.arm(counted(&runs));
-        assert_eq!(runs.load(Ordering::SeqCst), 0, "started before it was due");
+    fn a_due_heartbeat_is_told_once_and_only_while_the_request_waits() {
+        let slot = WaitSlot::default();
+        assert!(woken(&slot).is_none(), "woken before anything happened");
         slot.beat_due();
-        slot.beat_due();
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
-        // Due before the waiting call armed it (its task slow to hear it queued): arming starts it.
-        let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
-        slot.beat_due();
-        slot.arm(counted(&runs));
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
-        // Armed twice: the first start stays, and runs once.
-        let (slot, first, second) = (
-            WaitSlot::default(),
-            Arc::new(AtomicUsize::new(0)),
-            Arc::new(AtomicUsize::new(0)),
-        );
-        slot.arm(counted(&first));
-        slot.arm(counted(&second));
-        slot.beat_due();
-        assert_eq!(first.load(Ordering::SeqCst), 1);
-        assert_eq!(second.load(Ordering::SeqCst), 0);
-    }
-
-    #[test]
-    fn a_heartbeat_never_starts_once_the_wait_is_over() {
-        let granted = SlotState::Granted(Grant {
+        assert!(matches!(woken(&slot), Some(Ok(Woken::BeatDue))));
+        assert!(woken(&slot).is_none(), "told twice");
+        // Due as the wait ends: the end is told, the beat never.
+        let grant = Grant {
             ticket: 1,
             lost: AbortSignal::never(),
             began: Duration::ZERO,
-        });
+        };
         let removed = SlotState::Removed { by: "op".into() };
-        for end in [granted, SlotState::Expired, removed, SlotState::Shutdown] {
-            let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
-            slot.arm(counted(&runs));
-            slot.set(end.clone());
+        for end in [
+            SlotState::Granted(grant),
+            SlotState::Expired,
+            removed,
+            SlotState::Shutdown,
+        ] {
+            let slot = WaitSlot::default();
             slot.beat_due();
-            assert_eq!(runs.load(Ordering::SeqCst), 0, "started after {end:?}");
-            // Nor when armed after the end (a late task), however due.
-            let (slot, runs) = (WaitSlot::default(), Arc::new(AtomicUsize::new(0)));
             slot.set(end.clone());
-            slot.beat_due();
-            slot.arm(counted(&runs));
-            assert_eq!(runs.load(Ordering::SeqCst), 0, "started after {end:?}");
+            for _ in 0..2 {
+                let told = woken(&slot).expect("the end is told");
+                assert!(
+                    !matches!(told, Ok(Woken::BeatDue)),
+                    "a beat told after {end:?}"
+                );
+            }
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Grants and leases: what a commit freed and promoted, the leases a renewal moves on, and the
+//! Settling waits and leases: what a commit freed and promoted, the leases a renewal moves on, and the
 //! deadline of every lease granted (`state::held`).
 
 use super::*;
