@@ -587,16 +587,17 @@ impl LockManagerBuilder {
         waker: Option<Arc<AtomicWaker>>,
     ) -> Result<Parts, LockError> {
         self.validate()?;
+        let clock = self.clock;
         let common = Arc::new(Common {
             owner: new_owner_id(),
             lease: self.lease,
             heartbeat: self.heartbeat,
             poll: self.poll,
             busy: self.busy,
-            clock: self.clock,
+            clock: clock.clone(),
             spawner: self.spawner,
             counters: Counters::default(),
-            guards: Mutex::new(Guards::default()),
+            guards: Mutex::new(Guards::new(clock.clone())),
             changed: Event::new(),
             unqueued: AtomicUsize::new(0),
             watchers: AtomicUsize::new(0),

@@ -54,13 +54,13 @@ impl Guard {
     pub(super) fn new(
         shared: &Arc<Shared>,
         request: u64,
-        grant: Grant,
+        (grant, lost): (Grant, AbortSignal),
         requests: Vec<LockRequest>,
         started: Option<Duration>,
     ) -> Guard {
         let ticket = grant.ticket;
         let now = shared.common.clock.monotonic();
-        if !grant.lost.is_aborted() {
+        if !lost.is_aborted() {
             heartbeat::ensure_daemon(shared, grant.began);
         }
         for request in &requests {
@@ -78,7 +78,7 @@ impl Guard {
             request,
             ticket,
             requests,
-            lost: grant.lost,
+            lost,
             acquired_at: now,
             released: false,
         }
@@ -157,18 +157,20 @@ impl Guard {
         // held the lock meanwhile, even if a slow renewal made this process fear otherwise.
         // When it cannot tell (the answer to a try that may have deleted them was lost), the
         // lease as this process knows it does: still running, and not lost before, it held.
-        let held = match self.shared.common.replies.wait(response).await? {
+        let answer = self.shared.common.replies.wait(response).await?;
+        let now = self.shared.common.clock.monotonic();
+        let held = match answer {
             Removed::AllLive => true,
             Removed::NotAllLive => false,
             Removed::GoneAfterLostAnswer { since } => entry
                 .as_ref()
-                .is_some_and(|entry| !entry.is_lost() && entry.expires_at() > since),
+                .is_some_and(|entry| !entry.is_lost(now) && entry.expires_at() > since),
         };
         runtime::observe(|| Observed::Released {
             owner: self.shared.common.owner.clone(),
             ticket: self.ticket,
             held,
-            ran_out: entry.as_ref().is_none_or(GuardEntry::is_lost),
+            ran_out: entry.as_ref().is_none_or(|entry| entry.is_lost(now)),
         });
         if held {
             return Ok(());

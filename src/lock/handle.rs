@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures::channel::oneshot;
 
+use crate::abort::AbortSignal;
 use crate::sync::lock;
 
 use super::state::Common;
@@ -98,19 +99,20 @@ impl Shared {
             .await
     }
 
-    /// `grant` if its lease has not been lost by now: it ran out (as renewed since the grant,
-    /// if a heartbeat renewed it), or its rows were found gone. Otherwise its rows are removed
-    /// and `None` returned, for the caller to ask again: a grant is read late when the caller's
-    /// executor (or its whole process) was stalled after the worker decided it, and a guard
-    /// whose lease has already run out must never be handed out, since another owner may hold
-    /// the lock.
+    /// `grant`, with the signal that tells of its lease's loss, if its lease has not been lost
+    /// by now: it ran out (as renewed since the grant, if a heartbeat renewed it), or its rows
+    /// were found gone. Otherwise its rows are removed and `None` returned, for the caller to
+    /// ask again: a grant is read late when the caller's executor (or its whole process) was
+    /// stalled after the worker decided it, and a guard whose lease has already run out must
+    /// never be handed out, since another owner may hold the lock.
     pub(super) async fn deliverable(
         &self,
         request: u64,
         grant: Grant,
-    ) -> Result<Option<Grant>, LockError> {
-        if !grant.lost.is_aborted() {
-            return Ok(Some(grant));
+    ) -> Result<Option<(Grant, AbortSignal)>, LockError> {
+        let lost = lock(&self.common.guards).signal(grant.ticket);
+        if !lost.is_aborted() {
+            return Ok(Some((grant, lost)));
         }
         tracing::warn!(
             ticket = grant.ticket,

@@ -14,8 +14,13 @@ use crate::lock::LeaseLost;
 /// the grant until the guard is released (or the request removed before its caller took the
 /// guard), as its heartbeat and its storage worker see them. Every change to them is one of
 /// these methods, so that a lost lease is told in one place.
-#[derive(Default)]
+///
+/// The worker keeps a lease's deadline as it grants and renews it; the caller who takes the
+/// grant makes the guard's `lost()` signal from it ([`Guards::signal`]), so that nothing the
+/// caller holds is made on the storage thread.
 pub(crate) struct Guards {
+    /// The manager's clock, on whose monotonic time line the deadlines are kept.
+    clock: Arc<dyn Clock>,
     entries: HashMap<u64, GuardEntry>,
     /// Whether the owner's lock heartbeat runs (see `heartbeat::ensure_daemon`).
     pub(crate) daemon_running: bool,
@@ -29,15 +34,21 @@ pub(crate) struct GuardEntry {
     keys: Vec<String>,
     /// When its rows' lease runs out by the storage's time, as last granted or renewed.
     expires_at: i64,
-    /// Its signal is the guard's `lost()`: it aborts by itself at the lease's deadline, which
-    /// each renewal of all the request's rows moves on.
-    lost: AbortController,
+    /// The same on the clock's monotonic time line, never moved back.
+    deadline: Duration,
+    /// The guard's `lost()`, once its caller took the grant: it aborts by itself at the
+    /// lease's deadline, which each renewal of all the request's rows moves on.
+    lost: Option<AbortController>,
 }
 
 impl GuardEntry {
-    /// Whether its lease has been lost by now: its deadline came, or it was told.
-    pub(crate) fn is_lost(&self) -> bool {
-        self.lost.signal().is_aborted()
+    /// Whether its lease has been lost by `now` (the clock's monotonic time): its deadline
+    /// came, or its guard was told.
+    pub(crate) fn is_lost(&self, now: Duration) -> bool {
+        match &self.lost {
+            Some(lost) => lost.signal().is_aborted(),
+            None => now >= self.deadline,
+        }
     }
 
     /// When its rows' lease runs out by the storage's time, as last granted or renewed.
@@ -47,47 +58,84 @@ impl GuardEntry {
 
     /// Tells the guard its lease was lost, `why` saying how.
     pub(crate) fn lose(&self, why: LeaseLost) {
-        self.lost.abort(AbortReason::new(why));
+        if let Some(lost) = &self.lost {
+            lost.abort(AbortReason::new(why));
+        }
+    }
+
+    /// Moves its deadline on to `deadline`, unless it came by `now`: then it stays lost.
+    fn extend(&mut self, deadline: Duration, now: Duration) -> bool {
+        if let Some(lost) = &self.lost {
+            return lost.extend_deadline(deadline);
+        }
+        if now >= self.deadline {
+            return false;
+        }
+        self.deadline = self.deadline.max(deadline);
+        true
     }
 }
 
 impl Guards {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
+        Guards {
+            clock,
+            entries: HashMap::new(),
+            daemon_running: false,
+            shut_down: false,
+        }
+    }
+
     /// Whether no lease is kept that may still be live: those lost by their deadline are
     /// forgotten first, so that a heartbeat with nothing left to renew stops.
     pub(crate) fn is_empty(&mut self) -> bool {
-        self.entries.retain(|_, entry| !entry.is_lost());
+        let now = self.clock.monotonic();
+        self.entries.retain(|_, entry| !entry.is_lost(now));
         self.entries.is_empty()
     }
 
     /// Keeps the lease of `ticket`, just granted on `keys`, until `deadline` (the clock's
-    /// monotonic time) unless renewed; returns the signal that tells of its loss. A grant made
-    /// after the manager shut down is born lost.
+    /// monotonic time) unless renewed. A grant made after the manager shut down is not kept:
+    /// its caller finds it lost.
     pub(crate) fn granted(
         &mut self,
         ticket: u64,
         keys: Vec<String>,
-        clock: Arc<dyn Clock>,
         deadline: Duration,
         expires_at: i64,
-    ) -> AbortSignal {
-        let expired = AbortReason::new(LeaseLost::expired());
-        let lost = AbortController::with_deadline(clock, deadline, expired);
-        let signal = lost.signal();
+    ) {
         if self.shut_down {
-            lost.abort(AbortReason::new(LeaseLost::shutdown()));
-            return signal;
+            return;
         }
         let rows = keys.len();
-        self.entries.insert(
-            ticket,
-            GuardEntry {
-                rows,
-                keys,
-                expires_at,
-                lost,
-            },
-        );
-        signal
+        let entry = GuardEntry {
+            rows,
+            keys,
+            expires_at,
+            deadline,
+            lost: None,
+        };
+        self.entries.insert(ticket, entry);
+    }
+
+    /// The signal that tells of the loss of `ticket`'s lease, made by the caller who takes its
+    /// grant: aborted already if the lease was lost before (its deadline came, a renewal found
+    /// its rows gone, or the manager shut down).
+    pub(crate) fn signal(&mut self, ticket: u64) -> AbortSignal {
+        let expired = || AbortReason::new(LeaseLost::expired());
+        if let Some(entry) = self.entries.get_mut(&ticket) {
+            let (clock, deadline) = (&self.clock, entry.deadline);
+            let lost = (entry.lost).get_or_insert_with(|| {
+                AbortController::with_deadline(clock.clone(), deadline, expired())
+            });
+            return lost.signal();
+        }
+        let lost = AbortController::new();
+        lost.abort(match self.shut_down {
+            true => AbortReason::new(LeaseLost::shutdown()),
+            false => expired(),
+        });
+        lost.signal()
     }
 
     /// The guard is released, or its request removed: its lease is no longer this owner's
@@ -107,8 +155,9 @@ impl Guards {
         deadline: Duration,
         expires_at: i64,
     ) -> usize {
+        let now = self.clock.monotonic();
         let lost = self.lose(
-            |ticket, entry| renewed(ticket) < entry.rows || !entry.lost.extend_deadline(deadline),
+            |ticket, entry| renewed(ticket) < entry.rows || !entry.extend(deadline, now),
             "the lock's rows are gone or expired",
         );
         for entry in self.entries.values_mut() {
@@ -119,17 +168,16 @@ impl Guards {
 
     /// Tells every lease for which `is_lost` holds that it is lost, and forgets it; `why` goes
     /// to the log. Returns how many were lost.
-    fn lose(&mut self, mut is_lost: impl FnMut(u64, &GuardEntry) -> bool, why: &str) -> usize {
+    fn lose(&mut self, mut is_lost: impl FnMut(u64, &mut GuardEntry) -> bool, why: &str) -> usize {
         let lost: Vec<u64> = self
             .entries
-            .iter()
-            .filter(|(&ticket, entry)| is_lost(ticket, entry))
-            .map(|(&ticket, _)| ticket)
+            .iter_mut()
+            .filter_map(|(&ticket, entry)| is_lost(ticket, entry).then_some(ticket))
             .collect();
         for &ticket in &lost {
             if let Some(entry) = self.forget(ticket) {
                 tracing::warn!(ticket, keys = ?entry.keys, "lease lost: {why}");
-                entry.lost.abort(AbortReason::new(LeaseLost::expired()));
+                entry.lose(LeaseLost::expired());
             }
         }
         lost.len()
@@ -138,9 +186,8 @@ impl Guards {
     /// The manager has shut down: every lease is lost, and any granted later is born lost.
     pub(crate) fn shut_down(&mut self) {
         self.shut_down = true;
-        let reason = AbortReason::new(LeaseLost::shutdown());
         for (_, entry) in self.entries.drain() {
-            entry.lost.abort(reason.clone());
+            entry.lose(LeaseLost::shutdown());
         }
     }
 }
@@ -162,10 +209,14 @@ mod tests {
     fn a_renewal_moves_on_only_the_leases_whose_rows_it_renewed() {
         let clock = TestClock::new();
         let at = |secs: u64| clock.monotonic() + Duration::from_secs(secs);
-        let mut guards = Guards::default();
-        let lapsed = guards.granted(1, keys("a"), Arc::new(clock.clone()), at(10), i64::MAX);
-        let renewed = guards.granted(2, keys("b"), Arc::new(clock.clone()), at(10), i64::MAX);
-        let released = guards.granted(3, keys("c"), Arc::new(clock.clone()), at(10), i64::MAX);
+        let mut guards = Guards::new(Arc::new(clock.clone()));
+        let mut grant = |ticket: u64, key: &str| {
+            guards.granted(ticket, keys(key), at(10), i64::MAX);
+            guards.signal(ticket)
+        };
+        let lapsed = grant(1, "a");
+        let renewed = grant(2, "b");
+        let released = grant(3, "c");
         clock.advance(Duration::from_secs(5));
         let entry = guards.forget(3).expect("kept until released");
         let lost = guards.renewed(|ticket| usize::from(ticket != 1), at(10), i64::MAX);
@@ -174,7 +225,10 @@ mod tests {
         assert!(!renewed.is_aborted() && !released.is_aborted());
         clock.advance(Duration::from_secs(6));
         assert!(!renewed.is_aborted(), "renewed until 15 s");
-        assert!(entry.is_lost(), "the released guard's own lease ran out");
+        assert!(
+            entry.is_lost(clock.monotonic()),
+            "the released guard's own lease ran out"
+        );
         assert!(released.is_aborted());
         clock.advance(Duration::from_secs(4));
         assert!(renewed.is_aborted(), "past its renewed deadline");
@@ -185,13 +239,56 @@ mod tests {
     #[test]
     fn a_renewal_that_comes_back_too_late_leaves_the_lease_lost() {
         let clock = TestClock::new();
-        let mut guards = Guards::default();
+        let mut guards = Guards::new(Arc::new(clock.clone()));
         let deadline = clock.monotonic() + Duration::from_secs(10);
-        let lost = guards.granted(1, keys("a"), Arc::new(clock.clone()), deadline, i64::MAX);
+        guards.granted(1, keys("a"), deadline, i64::MAX);
+        let lost = guards.signal(1);
         clock.advance(Duration::from_secs(10));
         let later = deadline + Duration::from_secs(10);
         assert_eq!(guards.renewed(|_| 1, later, i64::MAX), 1);
         assert!(lost.is_aborted());
         assert!(guards.is_empty());
+    }
+
+    /// The worker keeps a lease from its grant; the caller makes its signal when it takes the
+    /// grant, however late: renewed meanwhile, it runs to the renewed deadline; lost meanwhile
+    /// (by its deadline, a renewal that did not renew it, or a shutdown), it is born lost, and
+    /// says why.
+    #[test]
+    fn a_grant_taken_late_has_its_lease_as_the_worker_kept_it() {
+        let clock = TestClock::new();
+        let at = |secs: u64| clock.monotonic() + Duration::from_secs(secs);
+        let reason = |signal: &AbortSignal| {
+            signal
+                .reason()
+                .and_then(|r| r.downcast_ref::<LeaseLost>().copied())
+        };
+        let mut guards = Guards::new(Arc::new(clock.clone()));
+        guards.granted(1, keys("renewed"), at(10), i64::MAX);
+        guards.granted(2, keys("not renewed"), at(10), i64::MAX);
+        guards.granted(3, keys("ran out"), at(1), i64::MAX);
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(
+            guards.renewed(|ticket| usize::from(ticket == 1), at(18), 7),
+            2
+        );
+        let renewed = guards.signal(1);
+        clock.advance(Duration::from_secs(15));
+        assert!(
+            !renewed.is_aborted(),
+            "renewed before it was taken, until 20 s"
+        );
+        assert_eq!(reason(&guards.signal(2)), Some(LeaseLost::expired()));
+        assert_eq!(reason(&guards.signal(3)), Some(LeaseLost::expired()));
+        clock.advance(Duration::from_secs(3));
+        assert!(renewed.is_aborted(), "past its renewed deadline");
+
+        let mut guards = Guards::new(Arc::new(clock.clone()));
+        guards.granted(1, keys("a"), at(10), i64::MAX);
+        guards.shut_down();
+        guards.granted(2, keys("b"), at(10), i64::MAX);
+        for ticket in [1, 2] {
+            assert_eq!(reason(&guards.signal(ticket)), Some(LeaseLost::shutdown()));
+        }
     }
 }

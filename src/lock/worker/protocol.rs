@@ -11,7 +11,6 @@ use event_listener::Event;
 use futures::channel::oneshot;
 use futures::task::AtomicWaker;
 
-use crate::abort::AbortSignal;
 use crate::lock::backend::Poke;
 use crate::lock::backend::Row;
 pub(crate) use crate::lock::backend::Wait;
@@ -167,14 +166,12 @@ pub(crate) enum Acquired {
     NotNow,
 }
 
-/// A granted request: its ticket, and its lease as this process knows it, kept by the worker
-/// from the moment it decided the grant (see `state::held::Guards`), so that a caller who reads the
-/// grant late can tell whether it is still good.
-#[derive(Clone, Debug)]
+/// A granted request: its ticket, and when its lease began. The worker keeps the lease from the
+/// moment it decided the grant (see `state::held::Guards`), so that a caller who reads the grant
+/// late can tell whether it is still good (`Guards::signal`).
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Grant {
     pub(crate) ticket: u64,
-    /// Aborted once the lease is lost: by its deadline, or when its rows are found gone.
-    pub(crate) lost: AbortSignal,
     /// When the lease began, on the clock's monotonic time line: the lock heartbeat beats first
     /// one heartbeat after it.
     pub(crate) began: Duration,
@@ -234,7 +231,7 @@ impl WaitSlot {
             SlotState::Shutdown => return Some(Err(LockError::Shutdown)),
             SlotState::Expired => return Some(Ok(Woken::Lapsed)),
             SlotState::Removed { by } => return Some(Err(LockError::Removed { by: by.clone() })),
-            SlotState::Granted(grant) => return Some(Ok(Woken::Granted(grant.clone()))),
+            SlotState::Granted(grant) => return Some(Ok(Woken::Granted(*grant))),
             SlotState::Waiting => {}
         }
         self.beat
@@ -268,7 +265,6 @@ mod tests {
         // Due as the wait ends: the end is told, the beat never.
         let grant = Grant {
             ticket: 1,
-            lost: AbortSignal::never(),
             began: Duration::ZERO,
         };
         let removed = SlotState::Removed { by: "op".into() };

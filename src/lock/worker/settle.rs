@@ -139,19 +139,13 @@ impl<S: Storage> Worker<S> {
     }
 
     /// The grant of `ticket` on `keys`, whose rows' lease runs out at `expires_at` (the
-    /// storage's time): its lease is kept from now on (`Guards::granted`).
+    /// storage's time): its lease is kept from now on (`Guards::granted`), and its caller makes
+    /// its `lost` signal from it as it takes the grant.
     pub(super) fn grant(&self, ticket: u64, keys: Vec<String>, expires_at: i64) -> Grant {
         let deadline = self.deadline(expires_at);
-        let lost = lock(&self.common.guards).granted(
-            ticket,
-            keys,
-            self.common.clock.clone(),
-            deadline,
-            expires_at,
-        );
+        lock(&self.common.guards).granted(ticket, keys, deadline, expires_at);
         Grant {
             ticket,
-            lost,
             began: deadline.saturating_sub(self.common.lease),
         }
     }
