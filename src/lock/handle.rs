@@ -7,13 +7,12 @@ use std::time::Duration;
 
 use futures::channel::oneshot;
 
-use crate::abort::AbortSignal;
 use crate::sync::lock;
 
 use super::state::Common;
 use super::worker::protocol;
-use super::worker::protocol::{Acquired, Command, CommandTx, Grant, Removed, Wait, Write};
-use super::{LockError, LockRequest};
+use super::worker::protocol::{Command, CommandTx, Removed, Write};
+use super::LockError;
 use crate::lock::time::from_micros;
 
 /// A handle: the command sender plus what is common.
@@ -76,51 +75,10 @@ impl Shared {
         self.common.replies.wait(response).await
     }
 
-    pub(super) async fn acquire(
-        &self,
-        request: u64,
-        requests: &[LockRequest],
-        wait: Wait,
-    ) -> Result<Acquired, LockError> {
-        self.call(|reply| {
-            Command::Write(Write::Acquire {
-                request,
-                requests: requests.to_vec(),
-                wait,
-                reply,
-            })
-        })
-        .await
-    }
-
     /// Deletes a request's rows; returns what it found of them.
     pub(super) async fn remove(&self, request: u64) -> Result<Removed, LockError> {
         self.call(|reply| Command::remove(request, Some(reply)))
             .await
-    }
-
-    /// `grant`, with the signal that tells of its lease's loss, if its lease has not been lost
-    /// by now: it ran out (as renewed since the grant, if a heartbeat renewed it), or its rows
-    /// were found gone. Otherwise its rows are removed and `None` returned, for the caller to
-    /// ask again: a grant is read late when the caller's executor (or its whole process) was
-    /// stalled after the worker decided it, and a guard whose lease has already run out must
-    /// never be handed out, since another owner may hold the lock.
-    pub(super) async fn deliverable(
-        &self,
-        request: u64,
-        grant: Grant,
-    ) -> Result<Option<(Grant, AbortSignal)>, LockError> {
-        let lost = lock(&self.common.guards).signal(grant.ticket);
-        if !lost.is_aborted() {
-            return Ok(Some((grant, lost)));
-        }
-        tracing::warn!(
-            ticket = grant.ticket,
-            "a grant's lease ran out before it could be handed over (was this process paused or \
-             starved for longer than the lease?); asking again"
-        );
-        self.remove(request).await?;
-        Ok(None)
     }
 
     /// Renews this owner's rows (or finds them renewed recently); returns when, on the clock's

@@ -29,6 +29,7 @@
 //! The cycles left are those of one idea in two files: a backend's folder and its parts, the
 //! worker's run loop and its parts (one `Worker`, its methods split by concern).
 
+mod acquire;
 pub(crate) mod backend;
 pub(crate) mod builder;
 mod changes;
