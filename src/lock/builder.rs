@@ -14,13 +14,13 @@ use crate::clock::{Clock, SystemClock};
 use crate::schedule::Schedule;
 use crate::spawn::Spawner;
 
-use super::backend::{memory, sqlite, Opening};
+use super::backend::siblings::Siblings;
+use super::backend::{memory, sqlite, Opening, Poke};
 use super::handle::{Shared, WorkerThread};
 use super::state::held::Guards;
 use super::state::reply::Replies;
 use super::state::{Common, Counters};
 use super::worker::protocol::{self, Command, CommandTx};
-use super::worker::siblings;
 use super::worker::RunWorker;
 use super::MemoryStore;
 use super::{LockError, LockManager, StorageError};
@@ -609,13 +609,15 @@ impl LockManagerBuilder {
         }
         let (tx, commands) = protocol::commands(waker);
         let tx = Arc::new(tx);
+        let poke: Arc<dyn Poke> = Arc::new(Arc::downgrade(&tx));
         let opening = Opening {
             existing: self.existing,
             owner: common.owner.clone(),
             heartbeat: common.heartbeat,
             busy: common.busy.clone(),
             clock: common.clock.clone(),
-            poke: Arc::new(Arc::downgrade(&tx)),
+            siblings: Siblings::join(common.store.clone(), &common.owner, poke.clone()),
+            poke,
         };
         Ok(Parts {
             common,
@@ -666,7 +668,6 @@ impl Starting {
             next_request: AtomicU64::new(1),
             worker: Mutex::new(self.worker),
         });
-        siblings::register(&shared.tx, &shared.common);
         Ok(LockManager { shared })
     }
 }

@@ -9,6 +9,7 @@ pub(crate) mod codec;
 pub(crate) mod memory;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+pub(crate) mod siblings;
 pub(crate) mod sqlite;
 
 use std::collections::BTreeSet;
@@ -20,6 +21,8 @@ use crate::lock::grant::RowView;
 use crate::lock::time::micros;
 use crate::lock::{LockError, LockRequest, Mode, StorageError};
 use crate::schedule::Schedule;
+
+use self::siblings::Siblings;
 
 pub(crate) type Result<T> = std::result::Result<T, LockError>;
 
@@ -37,6 +40,9 @@ pub(crate) struct Opening {
     /// The manager's clock: SQLite and the memory store judge leases by it.
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) poke: Arc<dyn Poke>,
+    /// Its membership among the managers of this process on its store, whom its storage
+    /// wakes after a commit (`Storage::wake_others`).
+    pub(crate) siblings: Siblings,
 }
 
 /// What runs over a backend's storage once it is open, on the storage thread: the worker. A
@@ -106,15 +112,16 @@ pub(crate) trait Storage {
     /// waits the next delay of the busy schedule, and the work is to be done again, whole.
     /// False for any other failure, and once the schedule gives up.
     fn again(&mut self) -> bool;
-    /// After a commit that announced something, once this process's own waiters are woken: a
-    /// backend that wakes other processes' managers directly does it here, off the path of the
-    /// local handoff.
-    fn wake_others(&mut self);
-    /// Whether this owner has callers waiting without a row (`Wait::Unqueued`), whom any
-    /// commit that frees rows may let through, so that other managers' announcements should
-    /// reach it at once. Said before the read or inside the transaction that refuses such a
-    /// caller, and again once none waits. (A queued request is woken by name: its promoter
-    /// announces its owner.) A backend that wakes managers some other way does nothing.
+    /// After every commit, once this manager's own waiters are woken, off the path of the
+    /// local handoff: wakes the other managers the commit concerns, in this process (its
+    /// `Siblings`) and, where the backend does it directly, in others. `freed`: the other owners
+    /// whose requests it promoted, if it freed or promoted anything (`None`: nothing).
+    fn wake_others(&mut self, freed: Option<&BTreeSet<String>>);
+    /// Whether this owner has callers waiting without a row (`Wait::Unqueued`) or watchers of
+    /// every change, whom any commit that frees rows may let through, so that other managers'
+    /// commits should reach it at once. Said before the read or inside the transaction that
+    /// refuses such a caller, and again once none waits. (A queued request is woken by name:
+    /// its promoter announces its owner.)
     fn waiting(&mut self, waiting: bool);
 
     /// Called in a write transaction that refused a request on `keys` (sorted) without a queue

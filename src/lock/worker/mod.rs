@@ -42,7 +42,6 @@ mod look;
 pub(crate) mod protocol;
 mod recovery;
 mod settle;
-pub(crate) mod siblings;
 mod transaction;
 pub(crate) mod watch;
 

@@ -14,7 +14,6 @@ impl<S: Storage> Worker<S> {
         }
         if freed.any {
             self.common.changed.notify(usize::MAX);
-            crate::lock::worker::siblings::poke(&self.common, &freed.owners);
         } else if self
             .common
             .watchers
@@ -24,7 +23,7 @@ impl<S: Storage> Worker<S> {
             // A watcher of every change (`LockManager::changes`) hears of this owner's own.
             self.common.changed.notify(usize::MAX);
         }
-        self.storage.wake_others();
+        self.storage.wake_others(freed.any.then_some(&freed.owners));
     }
 
     /// After a renewal at `now` (the storage's time) that renewed `renewed`, every live request

@@ -387,8 +387,8 @@ impl Storage for SimStorage {
         }
     }
 
-    fn wake_others(&mut self) {
-        self.inner.wake_others();
+    fn wake_others(&mut self, freed: Option<&BTreeSet<String>>) {
+        self.inner.wake_others(freed);
     }
 
     fn waiting(&mut self, waiting: bool) {

@@ -386,7 +386,8 @@ impl LockManagerBuilder {
             .prepare(Some(store.memory().name()), Some(waker.clone()))?;
         let common = parts.common;
         let attached = store.attach(&common.owner, waker.clone());
-        let connection = Memory::new(store.memory(), parts.opening.clock.clone());
+        let connection =
+            Memory::new(store.memory(), parts.opening.clock.clone()).joined(parts.opening.siblings);
         let storage = SimStorage::new(
             connection,
             faults,

@@ -6,7 +6,7 @@
 //!
 //! Several managers may share one store (`MemoryStore`), each an owner, as processes share a
 //! SQLite file; the managers of one store wake each other as the managers of one file in one
-//! process do (`worker::siblings`).
+//! process do (`backend::siblings`).
 //!
 //! Invariants:
 //!
@@ -44,6 +44,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use crate::clock::Clock;
 use crate::lock::backend::codec::{by_ticket, key_hash};
+use crate::lock::backend::siblings::Siblings;
 use crate::lock::backend::{
     Capabilities, Changes, DecidesAtOnce, Deleted, Opening, OwnedRequest, Result, Row, Serve,
     Storage, TOMBSTONE_KEPT,
@@ -97,7 +98,7 @@ impl MemoryStore {
         MemoryStore::default()
     }
 
-    /// A name the managers of this process that share the store know it by (`worker::siblings`).
+    /// A name the managers of this process that share the store know it by (`backend::siblings`).
     pub(crate) fn name(&self) -> String {
         format!("memory store {}", self.shared.id)
     }
@@ -213,7 +214,7 @@ pub(crate) fn serve(
     opened: impl FnOnce(Result<()>),
     worker: impl Serve,
 ) {
-    let connection = Memory::new(store, opening.clock);
+    let connection = Memory::new(store, opening.clock).joined(opening.siblings);
     // Its managers judge leases on one time line: the first's.
     let first = *lock(&connection.store.line).get_or_insert(connection.line);
     if first != connection.line {
@@ -241,6 +242,8 @@ pub(crate) struct Memory {
     /// The store's version and change log as this connection last saw them.
     seen_version: u64,
     seen_seq: u64,
+    /// The store's other managers, woken after a commit that freed something.
+    siblings: Siblings,
 }
 
 impl Memory {
@@ -260,7 +263,14 @@ impl Memory {
             in_write: false,
             seen_version,
             seen_seq,
+            siblings: Siblings::alone(),
         }
+    }
+
+    /// The connection of a manager known to the store's other managers as `siblings` says.
+    pub(crate) fn joined(mut self, siblings: Siblings) -> Self {
+        self.siblings = siblings;
+        self
     }
 
     /// Waits while another connection's write transaction is open, then opens this one's
@@ -503,9 +513,15 @@ impl Storage for Memory {
     }
 
     /// The managers of a store are all in this process: they are woken as siblings are.
-    fn wake_others(&mut self) {}
+    fn wake_others(&mut self, freed: Option<&BTreeSet<String>>) {
+        if let Some(owners) = freed {
+            self.siblings.wake(owners);
+        }
+    }
 
-    fn waiting(&mut self, _waiting: bool) {}
+    fn waiting(&mut self, waiting: bool) {
+        self.siblings.waiting(waiting);
+    }
 
     fn watching(&mut self, _owner: &str, _keys: &[String], _now: i64, _lease: i64) -> Result<()> {
         Ok(())

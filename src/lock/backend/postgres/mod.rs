@@ -75,6 +75,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::lock::backend::codec::{
     by_ticket, decode_keys, key_hash, mode_code, mode_of, sql_ticket, stored_keys, ticket_of,
 };
+use crate::lock::backend::siblings::Siblings;
 use crate::lock::backend::{Capabilities, DecidesAtOnce, Opening, Poke, Serve};
 use crate::lock::backend::{Changes, Deleted, OwnedRequest, Result, Row, Storage, TOMBSTONE_KEPT};
 use crate::lock::grant::RowView;
@@ -167,6 +168,9 @@ pub(crate) struct Postgres {
     /// Whether the schema must be there already, with this build's version: never created or
     /// migrated (`Opening::existing`).
     existing: bool,
+    /// Wakes this process's other managers of the schema after a commit that freed something
+    /// (those of other processes hear its notification).
+    siblings: Siblings,
 }
 
 /// Connects to `target` (its waits bounded by the heartbeat: `Target::bound_by`), brings the
@@ -181,7 +185,8 @@ pub(crate) fn serve(
 ) {
     let target = target.bound_by(opening.heartbeat);
     match Postgres::connect(target, schema, opening.busy, opening.poke, opening.existing) {
-        Ok(storage) => {
+        Ok(mut storage) => {
+            storage.siblings = opening.siblings;
             opened(Ok(()));
             worker.serve(storage);
         }
@@ -216,6 +221,7 @@ impl Postgres {
             started: Instant::now(),
             heard: Arc::new(Mutex::new(Heard::default())),
             existing,
+            siblings: Siblings::alone(),
         };
         storage.client()?;
         let listener = Listener {
@@ -884,10 +890,16 @@ impl Storage for Postgres {
         Some(self)
     }
 
-    fn wake_others(&mut self) {}
+    fn wake_others(&mut self, freed: Option<&BTreeSet<String>>) {
+        if let Some(owners) = freed {
+            self.siblings.wake(owners);
+        }
+    }
 
     /// Every release announces itself to owners that may be waiting (see `WATCHERS`).
-    fn waiting(&mut self, _waiting: bool) {}
+    fn waiting(&mut self, waiting: bool) {
+        self.siblings.waiting(waiting);
+    }
 
     fn requests_of(&mut self, owner: &str) -> Result<Vec<(u64, Vec<String>)>> {
         let rows = self.query(

@@ -29,6 +29,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::lock::backend::codec::{
     by_ticket, decode_keys, key_hash, mode_code, mode_of, sql_ticket, stored_keys, ticket_of,
 };
+use crate::lock::backend::siblings::Siblings;
 use crate::lock::backend::{
     Capabilities, Changes, DecidesAtOnce, Deleted, Opening, OwnedRequest, Result, Row, Serve,
     Storage, TOMBSTONE_KEPT,
@@ -109,6 +110,7 @@ pub(crate) fn serve(
     };
     let file = path.and_then(FileIdentity::of);
     let mut db = Db::new(&conn, opening.clock, file, opening.busy);
+    db.siblings = opening.siblings;
     if opening.existing {
         // Opened as it is: its rows are judged on the line it records, a wall clock's by the
         // wall clock; on another boot's (an earlier one), nothing of it is live, and nothing is
@@ -153,6 +155,8 @@ pub(crate) struct Db<'c> {
     /// `PRAGMA data_version` and the change log's last entry as of the last `changes`.
     seen_version: Option<i64>,
     seen_seq: Option<i64>,
+    /// Wakes this process's other managers of the file after a commit that freed something.
+    siblings: Siblings,
     /// Wakes other processes' managers after a commit that announced something.
     #[cfg(unix)]
     doorbell: Option<crate::lock::backend::sqlite::doorbell::Doorbell>,
@@ -255,6 +259,7 @@ impl<'c> Db<'c> {
             seen_version: None,
             seen_seq: None,
             #[cfg(unix)]
+            siblings: Siblings::alone(),
             doorbell: None,
             ring: false,
             ring_owners: BTreeSet::new(),
@@ -676,7 +681,10 @@ impl Storage for Db<'_> {
         Ok(())
     }
 
-    fn wake_others(&mut self) {
+    fn wake_others(&mut self, freed: Option<&BTreeSet<String>>) {
+        if let Some(owners) = freed {
+            self.siblings.wake(owners);
+        }
         let owners = std::mem::take(&mut self.ring_owners);
         if std::mem::take(&mut self.ring) {
             #[cfg(unix)]
@@ -695,6 +703,7 @@ impl Storage for Db<'_> {
     }
 
     fn waiting(&mut self, waiting: bool) {
+        self.siblings.waiting(waiting);
         #[cfg(unix)]
         if let Some(doorbell) = &mut self.doorbell {
             doorbell.set_waiting(waiting);
