@@ -1,4 +1,4 @@
-//! The storage worker: one OS thread per manager that owns its storage (see `storage.rs`), or,
+//! The storage worker: one OS thread per manager that owns its storage (see `backend/`), or,
 //! for a manager inside a simulation (`open_simulated`), one task of the simulation that runs
 //! the same steps (`step`), awaiting the next command or deadline instead of blocking for it.
 //!
@@ -19,7 +19,7 @@
 //!    written until they are deleted. The caller sends `Remove` by that id, so it is right
 //!    whether the acquisition was granted, queued or promoted; and since commands are handled in
 //!    order, a `Remove` sent after an `Acquire` whose reply was never read still finds its rows.
-//! 4. While this owner has waiters (or watchers: the command's `watch`, told of every commit a
+//! 4. While this owner has waiters (or watchers: `LockManager::changes`, told of every commit a
 //!    look finds), the worker asks storage what other connections changed
 //!    (`Storage::changes`, a cheap check) when the poll's schedule says (on the monotonic time of
 //!    the manager's clock) or when poked, and remembers, per key it waits on, when the first
@@ -34,6 +34,14 @@
 //!    `LockError::Removed` if an operator removed it (a tombstone written in the transaction
 //!    that deleted its rows: `evict.rs`), else as lapsed, and its caller queues again. While
 //!    the store cannot say which, the wait goes on, and the next look asks again (`settle.rs`).
+//! 7. The worker makes nothing a caller holds and runs no caller's code. It keeps a granted
+//!    lease's deadline as data (`Guards::granted`), from which the caller who takes the grant
+//!    makes its `lost` signal (`Guards::signal`); it tells a queued request that has waited long
+//!    enough that its heartbeat is due (`WaitSlot::beat_due`), and the waiting caller forks it.
+//! 8. After every commit the worker wakes its own waiters, then has its storage wake the other
+//!    managers the commit concerns (`Storage::wake_others`): each backend has its own way (this
+//!    process's managers of the store, `backend::siblings`; a doorbell; notifications), and the
+//!    worker knows none of them.
 
 mod at_once;
 mod batch;
