@@ -470,18 +470,15 @@ fn a_renewal_held_up_past_the_lease_does_not_revive_the_row() {
         )
         .await;
 
+        let waits = locks.stats().lock_waits;
         let write_lock = common::WriteLock::take(place.path());
         clock.advance(BEAT);
         within(
             Duration::from_secs(5),
-            "the heartbeat woke to renew",
-            || async { clock.sleepers() == 0 },
+            "the renewal reached the worker and waits for the write lock",
+            || async { locks.stats().lock_waits > waits },
         )
         .await;
-        // Let the renewal reach the worker and wait for the write lock. (Too short a pause
-        // could only let the renewal read the clock late, which hides a bug; it cannot fail a
-        // correct build.)
-        std::thread::sleep(Duration::from_millis(30));
         // While it waits, the row runs out: past `expires_at`, before `renewal time + LEASE`.
         clock.advance(LEASE - BEAT + Duration::from_secs(1));
         assert!(clock.now() > expires_at);

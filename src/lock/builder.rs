@@ -615,6 +615,7 @@ impl LockManagerBuilder {
             busy: common.busy.clone(),
             clock: common.clock.clone(),
             poke: Arc::new(Arc::downgrade(&tx)),
+            lock_waits: common.counters.lock_waits.clone(),
         };
         Ok(Parts {
             common,

@@ -12,6 +12,7 @@ pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 use std::collections::BTreeSet;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,6 +38,9 @@ pub(crate) struct Opening {
     /// The manager's clock: SQLite and the memory store judge leases by it.
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) poke: Arc<dyn Poke>,
+    /// Counts the waits for another connection's write lock (`StorageStats::lock_waits`):
+    /// SQLite's; the other backends have none.
+    pub(crate) lock_waits: Arc<AtomicU64>,
 }
 
 /// What runs over a backend's storage once it is open, on the storage thread: the worker. A
