@@ -3,6 +3,8 @@
 //! Every test binary compiles this module but uses only part of it.
 #![allow(dead_code)]
 
+pub mod child;
+
 use std::future::Future;
 use std::panic::resume_unwind;
 use std::path::{Path, PathBuf};
@@ -147,10 +149,25 @@ pub async fn join_within<T: Send + 'static>(
 }
 
 /// [`within`] for plain (non-async) test code: blocks the calling thread between checks.
-pub fn within_blocking(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+pub fn within_blocking(limit: Duration, what: &str, condition: impl FnMut() -> bool) {
+    assert!(
+        until_blocking(limit, condition),
+        "not within {limit:?}: {what}"
+    );
+}
+
+/// Whether `condition` comes to hold within `limit`, checked every millisecond, blocking the
+/// calling thread in between: [`within_blocking`] for a wait whose failure says more, or is
+/// no failure.
+pub fn until_blocking(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
-    while !condition() {
-        assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(1));
     }
 }
