@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::path::PathBuf;
 
-use leasehold::{Clock, LockManager, LockManagerBuilder, MemoryStore, SystemClock};
+use leasehold::{Clock, LockManager, LockManagerBuilder, MemoryStore, SystemClock, TestClock};
 
 #[cfg(all(feature = "postgres", feature = "testkit"))]
 use leasehold::testkit::postgres as pg_support;
@@ -41,6 +41,12 @@ impl Store {
     /// A new store in this process's memory.
     pub fn memory() -> Store {
         Store::Memory(MemoryStore::new())
+    }
+
+    /// A new store inside `sim`, for a scenario that runs in it (`common::in_simulation`).
+    #[cfg(feature = "testkit")]
+    pub fn simulated(sim: &leasehold::testkit::Sim) -> Store {
+        Store::Simulated(leasehold::testkit::SimStore::new(sim))
     }
 
     /// The stores that live in this process or its file system, each new: SQLite and memory
@@ -109,6 +115,41 @@ impl Store {
             #[cfg(all(feature = "postgres", feature = "testkit"))]
             Store::Postgres { .. } => "PostgreSQL",
         }
+    }
+
+    /// Whether the test moves the time this store judges leases by: on SQLite each manager
+    /// may read a `TestClock` of the test's own ([`open_on`](Store::open_on)). Elsewhere it
+    /// cannot: a memory store's time is the latest of its managers' clocks, a simulated
+    /// store's is the simulation's, and PostgreSQL's is the server's.
+    pub fn moves_time(&self) -> bool {
+        matches!(self, Store::Sqlite { .. })
+    }
+
+    /// Whether this is a store inside a simulation.
+    pub fn is_simulated(&self) -> bool {
+        #[cfg(feature = "testkit")]
+        if let Store::Simulated(_) = self {
+            return true;
+        }
+        false
+    }
+
+    /// The clock a manager on this store reads unless given one: inside a simulation (a
+    /// simulated store is used in none other) the simulation's, else the system's.
+    pub fn clock(&self) -> std::sync::Arc<dyn Clock> {
+        crate::common::test_clock()
+    }
+
+    /// A new owner on this store, with `builder`'s settings, reading `clock`, which the test
+    /// moves (see [`moves_time`](Store::moves_time)).
+    pub async fn open_on(&self, builder: LockManagerBuilder, clock: &TestClock) -> LockManager {
+        assert!(
+            self.moves_time(),
+            "the test cannot move {}'s time",
+            self.name()
+        );
+        self.open_with(builder.clock(std::sync::Arc::new(clock.clone())))
+            .await
     }
 
     /// A new owner on this store, with default settings.
@@ -286,12 +327,7 @@ where
     #[cfg(feature = "testkit")]
     {
         eprintln!("=== in a simulation");
-        let mut sim = leasehold::testkit::Sim::new(1);
-        let store = Store::Simulated(leasehold::testkit::SimStore::new(&sim));
-        let clock: std::sync::Arc<dyn leasehold::Clock> = std::sync::Arc::new(sim.clock());
-        let run = scenario(store);
-        crate::common::in_simulation(clock, || sim.block_on(run))
-            .unwrap_or_else(|error| panic!("the simulation failed: {error}"));
+        crate::common::in_simulation(1, |sim| scenario(Store::simulated(sim)));
     }
     #[cfg(not(feature = "testkit"))]
     let _ = scenario;
