@@ -196,7 +196,7 @@ async fn open_owner(store: &Store) -> Owner {
     if store.moves_time() {
         let clock = TestClock::default();
         Owner {
-            locks: store.open_on(builder, &clock).await,
+            locks: store.open_on(builder, &clock),
             clock: Arc::new(clock.clone()),
             test_clock: Some(clock),
             frozen: false,

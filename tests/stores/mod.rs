@@ -140,16 +140,11 @@ impl Store {
         crate::common::test_clock()
     }
 
-    /// A new owner on this store, with `builder`'s settings, reading `clock`, which the test
-    /// moves (see [`moves_time`](Store::moves_time)).
-    pub async fn open_on(&self, builder: LockManagerBuilder, clock: &TestClock) -> LockManager {
-        assert!(
-            self.moves_time(),
-            "the test cannot move {}'s time",
-            self.name()
-        );
-        self.open_with(builder.clock(std::sync::Arc::new(clock.clone())))
-            .await
+    /// A new owner on this store, with `builder`'s settings, reading `clock`, a test's own. It
+    /// judges the manager's leases alone on SQLite; a memory store's time is the latest of its
+    /// managers' clocks (see [`moves_time`](Store::moves_time)).
+    pub fn open_on(&self, builder: LockManagerBuilder, clock: &TestClock) -> LockManager {
+        self.open_local(builder.clock(std::sync::Arc::new(clock.clone())))
     }
 
     /// A new owner on this store, with default settings.
@@ -160,6 +155,20 @@ impl Store {
     /// A new owner on this store, with `builder`'s settings.
     pub async fn open_with(&self, builder: LockManagerBuilder) -> LockManager {
         match self {
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
+            Store::Postgres { url, schema } => builder
+                .schema(schema)
+                .connect(url)
+                .await
+                .expect("connect to the test server"),
+            _ => self.open_local(builder),
+        }
+    }
+
+    /// [`open_with`](Store::open_with) on a store of this process (not PostgreSQL), which
+    /// opens without an await.
+    pub fn open_local(&self, builder: LockManagerBuilder) -> LockManager {
+        match self {
             Store::Sqlite { path, .. } => builder.open(path).expect("open the database"),
             Store::Memory(store) => builder.open_in(store).expect("open the memory store"),
             #[cfg(feature = "testkit")]
@@ -167,11 +176,7 @@ impl Store {
                 .open_simulated(store, leasehold::testkit::FaultPlan::none())
                 .expect("open the simulated store"),
             #[cfg(all(feature = "postgres", feature = "testkit"))]
-            Store::Postgres { url, schema } => builder
-                .schema(schema)
-                .connect(url)
-                .await
-                .expect("connect to the test server"),
+            Store::Postgres { .. } => panic!("a PostgreSQL store is connected to: open_with"),
         }
     }
 }
@@ -301,6 +306,19 @@ impl Drop for Stall {
                 }
             }
         }
+    }
+}
+
+/// Runs `scenario` once on each of `stores`, in turn, under one executor: for tests that drive
+/// time themselves, where running under every executor adds nothing.
+pub fn on_each<F, Fut>(stores: impl IntoIterator<Item = Store>, scenario: F)
+where
+    F: Fn(Store) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    for store in stores {
+        eprintln!("=== on {}", store.name());
+        futures::executor::block_on(scenario(store));
     }
 }
 
