@@ -227,7 +227,10 @@ fn the_server_is_gone_after_the_test_process_ends() {
         let mut words = report.split_whitespace();
         let (Some(pid), Some(dir)) = (words.next(), words.next()) else {
             assert_eq!(report, "skip", "a report of the child ({ending})");
-            eprintln!("skipped: the child ({ending}) found no PostgreSQL server programs");
+            eprintln!(
+                "skipped the_server_is_gone_after_the_test_process_ends, which needs \
+                 PostgreSQL: the child ({ending}) found no server programs"
+            );
             return;
         };
         let (pid, dir): (u32, PathBuf) = (pid.parse().expect("a pid"), dir.into());
