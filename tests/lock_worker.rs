@@ -9,7 +9,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{bounded, join_within, rows_of, temp_db, within, WriteLock, GENEROUS};
+use common::{
+    bounded, join_within, rows_of, temp_db, within, within_blocking, WriteLock, GENEROUS,
+};
 use futures::executor::block_on;
 use leasehold::{
     fork_daemon, AbortController, AbortReason, Clock, LockError, LockManager, LockRequest,
@@ -284,24 +286,18 @@ fn a_call_whose_reply_is_held_up_stops_yielding_and_is_woken_by_the_reply() {
 
     let parked = counter.count();
     drop(write_lock);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while counter.count() == parked {
-        assert!(
-            Instant::now() < deadline,
-            "the reply did not wake the caller"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let guard = loop {
-        match acquire.as_mut().poll(&mut cx) {
-            Poll::Ready(result) => break result.unwrap().expect("the key is free"),
-            Poll::Pending => {
-                assert!(Instant::now() < deadline, "no reply after the wake-up");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-    };
-    block_on(guard.release()).unwrap();
+    within_blocking(Duration::from_secs(10), "the reply woke the caller", || {
+        counter.count() != parked
+    });
+    let mut reply = None;
+    within_blocking(Duration::from_secs(10), "a reply after the wake-up", || {
+        reply = match acquire.as_mut().poll(&mut cx) {
+            Poll::Ready(result) => Some(result.unwrap().expect("the key is free")),
+            Poll::Pending => None,
+        };
+        reply.is_some()
+    });
+    block_on(reply.expect("a reply").release()).unwrap();
 }
 
 /// Two round trips to the worker: whatever it was due to do at the clock's time when this was
