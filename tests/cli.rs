@@ -1245,6 +1245,11 @@ fn finish(command: &mut Command) -> Ran {
 }
 
 /// A started `leasehold`. Dropping it kills its process group and reaps it.
+///
+/// A harness of its own rather than `common::child::Child`, which runs this test binary again in
+/// a role: this runs the built command as its users do, in a process group of its own that a
+/// test signals as a whole (`STOP`, `CONT`, `INT`...), its output and error kept apart for the
+/// tests that judge each.
 struct Running {
     child: Child,
     what: String,

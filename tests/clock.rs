@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{on_every_executor, poll_once};
+use common::{on_every_executor, poll_once, within_blocking};
 use futures::FutureExt;
 use leasehold::{Clock, SystemClock, TestClock};
 
@@ -237,15 +237,10 @@ fn a_scoped_clock_is_inherited_by_nested_scopes_and_fibers_and_an_explicit_one_w
     })
     .with_clock(Arc::new(inherited.clone()));
     let running = std::thread::spawn(move || futures::executor::block_on(work));
-    let deadline = Instant::now() + Duration::from_secs(10);
     // The fiber has made its signals, and the nested `Scoped` sleeps on the inherited clock.
-    while signals.lock().unwrap().len() < 2 || inherited.sleepers() == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the work did not start within 10 s"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    within_blocking(Duration::from_secs(10), "the work started", || {
+        signals.lock().unwrap().len() >= 2 && inherited.sleepers() > 0
+    });
     inherited.advance(Duration::from_secs(10));
     let signals = signals.lock().unwrap().clone();
     assert!(

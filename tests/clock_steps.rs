@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use leasehold::{BootTime, Clock, LockManager, SystemClock};
-use stores::Store;
+use stores::{on_each, Store};
 
 const LEASE: Duration = Duration::from_millis(900);
 const BEAT: Duration = Duration::from_millis(300);
@@ -60,26 +60,13 @@ async fn open(store: &Store, clock: &Arc<Stepped>) -> LockManager {
     store.open_with(builder).await
 }
 
-/// Runs `scenario` on each store there is (SQLite, memory, and PostgreSQL when there is a test
-/// server), a fresh one each.
-fn on_every_store<F, Fut>(scenario: F)
-where
-    F: Fn(Store) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    for store in Store::all() {
-        eprintln!("=== on {}", store.name());
-        smol::block_on(scenario(store));
-    }
-}
-
 /// A holder renewing, an exclusive and a shared request queued behind it; the clock steps an
 /// hour forward, then two hours back, and stays there a few leases each time. Nobody is granted
 /// over the holder, which loses nothing and renews all along; once it releases, the others are
 /// granted in turn, with growing fencing tokens.
 #[test]
 fn a_step_of_the_wall_clock_either_way_lets_no_one_in_and_loses_no_lease() {
-    on_every_store(|store| async move {
+    on_each(Store::all(), |store| async move {
         let clock = Arc::new(Stepped::default());
         let (a, b, c) = (
             open(&store, &clock).await,

@@ -1,90 +1,32 @@
 //! Leases and heartbeats, driven by `TestClock`s: an owner whose clock never moves never
 //! heartbeats, which is how a frozen or crashed process looks to the others. Each runs on a
-//! SQLite file and on a store in memory (`on_both`).
+//! SQLite file and on a store in memory (`Store::local`); PostgreSQL judges leases by the
+//! server's clock, which a test cannot move.
 
 mod common;
+mod stores;
 
 use common::{granted_while_stalled, read_when_stalled, within};
+use stores::{on_each, Store};
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::executor::block_on;
 use leasehold::{
-    fork_daemon, Clock, EntryState, Fiber, Guard, LeaseLost, LockError, LockManager,
-    LockManagerBuilder, LockRequest, MemoryStore, SystemClock, TestClock,
+    fork_daemon, Clock, EntryState, Fiber, Guard, LeaseLost, LockError, LockManager, LockRequest,
+    SystemClock, TestClock,
 };
 
 const LEASE: Duration = Duration::from_secs(10);
 const BEAT: Duration = Duration::from_secs(2);
 
-/// Where a test's managers keep their rows: a SQLite file, or a store in memory. The tests here
-/// run on both; PostgreSQL judges leases by the server's clock, which a test cannot move.
-enum Place {
-    File {
-        _dir: tempfile::TempDir,
-        path: std::path::PathBuf,
-    },
-    Memory(MemoryStore),
-}
-
-impl Place {
-    /// The SQLite file, for a test that holds it past the managers.
-    fn path(&self) -> &std::path::Path {
-        match self {
-            Place::File { path, .. } => path,
-            Place::Memory(_) => panic!("a store in memory has no file"),
-        }
-    }
-}
-
-/// Opening a manager at a `Place`.
-trait OpenAt {
-    fn open_at(self, place: &Place) -> Result<LockManager, LockError>;
-}
-
-impl OpenAt for LockManagerBuilder {
-    fn open_at(self, place: &Place) -> Result<LockManager, LockError> {
-        match place {
-            Place::File { path, .. } => self.open(path),
-            Place::Memory(store) => self.open_in(store),
-        }
-    }
-}
-
-/// Runs `test` on a fresh SQLite file, then on a fresh store in memory.
-fn on_both<F, Fut>(test: F)
-where
-    F: Fn(Place) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l.db");
-    eprintln!("=== on SQLite");
-    block_on(test(Place::File { _dir: dir, path }));
-    eprintln!("=== in memory");
-    block_on(test(Place::Memory(MemoryStore::new())));
-}
-
-/// Runs `test` on a fresh SQLite file alone, for a test that holds the file past the managers.
-fn on_sqlite<F, Fut>(test: F)
-where
-    F: Fn(Place) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l.db");
-    block_on(test(Place::File { _dir: dir, path }));
-}
-
-fn manager(place: &Place, clock: &TestClock) -> LockManager {
-    LockManager::builder()
+fn manager(store: &Store, clock: &TestClock) -> LockManager {
+    let builder = LockManager::builder()
         .lease(LEASE)
         .heartbeat(BEAT)
-        .poll(Duration::from_millis(5))
-        .clock(Arc::new(clock.clone()))
-        .open_at(place)
-        .unwrap()
+        .poll(Duration::from_millis(5));
+    store.open_on(builder, clock)
 }
 
 /// Starts an exclusive acquisition of "k" on `locks` in the background, and waits until it is
@@ -153,9 +95,9 @@ async fn advance_with_heartbeats_until(
 
 #[test]
 fn heartbeats_keep_a_held_lock_past_its_lease() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let locks = manager(&place, &clock);
+        let locks = manager(&store, &clock);
         let guard = locks.exclusive("k", "long job").await.unwrap();
         advance_with_heartbeats(&clock, &locks, LEASE * 3).await;
         let entries = locks.inspect(Some("k")).await.unwrap();
@@ -168,11 +110,11 @@ fn heartbeats_keep_a_held_lock_past_its_lease() {
 
 #[test]
 fn a_frozen_owners_lock_goes_to_a_waiter_after_its_lease_and_not_before() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let frozen_clock = TestClock::new();
         let live_clock = TestClock::new();
-        let frozen = manager(&place, &frozen_clock);
-        let live = manager(&place, &live_clock);
+        let frozen = manager(&store, &frozen_clock);
+        let live = manager(&store, &live_clock);
 
         let stale = frozen.exclusive("k", "frozen").await.unwrap();
         let waiter = queue_behind_the_holder(&live, "waiter").await;
@@ -215,17 +157,17 @@ fn a_frozen_owners_lock_goes_to_a_waiter_after_its_lease_and_not_before() {
 /// here the poll is an hour.
 #[test]
 fn a_frozen_owners_lock_passes_on_when_its_lease_ends_however_long_the_poll() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let frozen_clock = TestClock::new();
         let live_clock = TestClock::new();
-        let frozen = manager(&place, &frozen_clock);
-        let live = LockManager::builder()
-            .lease(LEASE)
-            .heartbeat(BEAT)
-            .poll(Duration::from_secs(3_600))
-            .clock(Arc::new(live_clock.clone()))
-            .open_at(&place)
-            .unwrap();
+        let frozen = manager(&store, &frozen_clock);
+        let live = store.open_local(
+            LockManager::builder()
+                .lease(LEASE)
+                .heartbeat(BEAT)
+                .poll(Duration::from_secs(3_600))
+                .clock(Arc::new(live_clock.clone())),
+        );
         let stale = frozen.exclusive("k", "frozen").await.unwrap();
         let waiter = queue_behind_the_holder(&live, "waiter").await;
         start_waiter_heartbeat(&live_clock, BEAT).await;
@@ -242,9 +184,9 @@ fn a_frozen_owners_lock_passes_on_when_its_lease_ends_however_long_the_poll() {
 
 #[test]
 fn a_heartbeat_renews_a_thousand_locks_in_one_transaction() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let locks = manager(&place, &clock);
+        let locks = manager(&store, &clock);
         let mut guards = Vec::new();
         for i in 0..1_000 {
             guards.push(locks.shared(format!("key{i}"), "hold").await.unwrap());
@@ -260,9 +202,9 @@ fn a_heartbeat_renews_a_thousand_locks_in_one_transaction() {
 
 #[test]
 fn waiting_costs_no_write_transactions_however_many_wait() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let locks = manager(&place, &clock);
+        let locks = manager(&store, &clock);
         let holder = locks.exclusive("k", "holder").await.unwrap();
         let mut waiters = Vec::new();
         for i in 0..200 {
@@ -310,9 +252,9 @@ fn waiting_costs_no_write_transactions_however_many_wait() {
 
 #[test]
 fn a_heartbeat_never_revives_an_expired_row() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let locks = manager(&place, &clock);
+        let locks = manager(&store, &clock);
         let guard = locks.exclusive("k", "paused").await.unwrap();
         let lost = guard.lost();
         // Jump past the lease in one step: the heartbeat that then runs must not renew.
@@ -338,11 +280,11 @@ fn a_heartbeat_never_revives_an_expired_row() {
 /// memory store share the store's time, which never goes back).
 #[test]
 fn a_waiter_whose_lease_ran_out_queues_again_and_is_granted() {
-    on_sqlite(|place| async move {
+    on_each([Store::sqlite()], |store| async move {
         let holder_clock = TestClock::new();
         let waiter_clock = TestClock::new();
-        let holder = manager(&place, &holder_clock);
-        let waiting = manager(&place, &waiter_clock);
+        let holder = manager(&store, &holder_clock);
+        let waiting = manager(&store, &waiter_clock);
 
         let guard = holder.exclusive("k", "holder").await.unwrap();
         let waiter = queue_behind_the_holder(&waiting, "frozen waiter").await;
@@ -389,20 +331,20 @@ impl LateSpawner {
 /// runs: a fiber that starts a whole heartbeat late renews at once.
 #[test]
 fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_starts() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
         let late = LateSpawner::default();
         let locks = {
             let late = late.clone();
-            LockManager::builder()
-                .lease(LEASE)
-                .heartbeat(BEAT)
-                .clock(Arc::new(clock.clone()))
-                .spawner(Arc::new(move |task| late.0.lock().unwrap().push(task)))
-                .open_at(&place)
-                .unwrap()
+            store.open_local(
+                LockManager::builder()
+                    .lease(LEASE)
+                    .heartbeat(BEAT)
+                    .clock(Arc::new(clock.clone()))
+                    .spawner(Arc::new(move |task| late.0.lock().unwrap().push(task))),
+            )
         };
-        let other = manager(&place, &clock);
+        let other = manager(&store, &clock);
         let guard = other.exclusive("k", "holder").await.unwrap();
         let waiter = queue_behind_the_holder(&locks, "waiter").await;
         let queued_until = clock.now() + LEASE;
@@ -458,9 +400,9 @@ fn a_waiters_first_heartbeat_counts_from_its_request_however_late_its_fiber_star
 /// over) stays out, and its guard is told it is lost.
 #[test]
 fn a_renewal_held_up_past_the_lease_does_not_revive_the_row() {
-    on_sqlite(|place| async move {
+    on_each([Store::sqlite()], |store| async move {
         let clock = TestClock::new();
-        let locks = manager(&place, &clock);
+        let locks = manager(&store, &clock);
         let guard = locks.exclusive("k", "held").await.unwrap();
         let expires_at = clock.now() + LEASE;
         within(
@@ -470,18 +412,15 @@ fn a_renewal_held_up_past_the_lease_does_not_revive_the_row() {
         )
         .await;
 
-        let write_lock = common::WriteLock::take(place.path());
+        let waits = locks.stats().lock_waits;
+        let write_lock = common::WriteLock::take(store.sqlite_path().expect("a file"));
         clock.advance(BEAT);
         within(
             Duration::from_secs(5),
-            "the heartbeat woke to renew",
-            || async { clock.sleepers() == 0 },
+            "the renewal reached the worker and waits for the write lock",
+            || async { locks.stats().lock_waits > waits },
         )
         .await;
-        // Let the renewal reach the worker and wait for the write lock. (Too short a pause
-        // could only let the renewal read the clock late, which hides a bug; it cannot fail a
-        // correct build.)
-        std::thread::sleep(Duration::from_millis(30));
         // While it waits, the row runs out: past `expires_at`, before `renewal time + LEASE`.
         clock.advance(LEASE - BEAT + Duration::from_secs(1));
         assert!(clock.now() > expires_at);
@@ -499,15 +438,15 @@ fn a_renewal_held_up_past_the_lease_does_not_revive_the_row() {
 
 /// Two managers on one file, sharing `clock`, with the smallest lease the builder allows
 /// (twice the heartbeat).
-fn tight_managers(place: &Place, clock: &TestClock) -> (LockManager, LockManager) {
+fn tight_managers(store: &Store, clock: &TestClock) -> (LockManager, LockManager) {
     let open = || {
-        LockManager::builder()
-            .lease(Duration::from_secs(2))
-            .heartbeat(Duration::from_secs(1))
-            .poll(Duration::from_millis(5))
-            .clock(Arc::new(clock.clone()))
-            .open_at(place)
-            .unwrap()
+        store.open_local(
+            LockManager::builder()
+                .lease(Duration::from_secs(2))
+                .heartbeat(Duration::from_secs(1))
+                .poll(Duration::from_millis(5))
+                .clock(Arc::new(clock.clone())),
+        )
     };
     (open(), open())
 }
@@ -517,9 +456,9 @@ fn tight_managers(place: &Place, clock: &TestClock) -> (LockManager, LockManager
 /// heartbeat that comes 200 ms late.
 #[test]
 fn a_lock_granted_from_the_queue_starts_with_a_whole_lease() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let (a, b) = tight_managers(&place, &clock);
+        let (a, b) = tight_managers(&store, &clock);
         let holder = a.exclusive("k", "A").await.unwrap();
         let waiter = queue_behind_the_holder(&b, "B").await;
         start_waiter_heartbeat(&clock, Duration::from_secs(1)).await;
@@ -582,14 +521,14 @@ fn a_lock_granted_from_the_queue_starts_with_a_whole_lease() {
 /// waiter's heartbeat was due. Every promoted guard outlives a whole lease.
 #[test]
 fn locks_granted_from_the_queue_on_real_clocks_are_not_lost() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let open = || {
-            LockManager::builder()
-                .lease(Duration::from_millis(400))
-                .heartbeat(Duration::from_millis(200))
-                .poll(Duration::from_millis(5))
-                .open_at(&place)
-                .unwrap()
+            store.open_local(
+                LockManager::builder()
+                    .lease(Duration::from_millis(400))
+                    .heartbeat(Duration::from_millis(200))
+                    .poll(Duration::from_millis(5)),
+            )
         };
         let (a, b) = (open(), open());
         let mut lost = 0;
@@ -647,9 +586,9 @@ async fn beat(clock: &TestClock, b: &LockManager, times: usize) {
 /// stalled past the lease) is never handed out: the caller gets a live guard or keeps waiting.
 #[test]
 fn a_grant_delivered_after_its_lease_ran_out_is_not_handed_out() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let (a, b) = tight_managers(&place, &clock);
+        let (a, b) = tight_managers(&store, &clock);
         let mut acquisition = granted_while_stalled(&a, &b).await;
 
         // The stall outlasts the lease, and nobody renews the row meanwhile.
@@ -669,9 +608,9 @@ fn a_grant_delivered_after_its_lease_ran_out_is_not_handed_out() {
 /// keeps its ticket, and its lease is the renewed one.
 #[test]
 fn a_grant_read_late_whose_row_heartbeats_kept_live_is_handed_out() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let (a, b) = tight_managers(&place, &clock);
+        let (a, b) = tight_managers(&store, &clock);
         let other = b
             .exclusive("other", "keeps B's heartbeat beating")
             .await
@@ -696,9 +635,9 @@ fn a_grant_read_late_whose_row_heartbeats_kept_live_is_handed_out() {
 /// (which would be after the row ran out): with every heartbeat on time, the lock is kept.
 #[test]
 fn a_guard_delivered_late_but_live_is_renewed_before_its_lease_runs_out() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let (a, b) = tight_managers(&place, &clock);
+        let (a, b) = tight_managers(&store, &clock);
         let mut acquisition = granted_while_stalled(&a, &b).await;
         let expires = b.inspect(Some("k")).await.unwrap()[0].expires_at;
 
@@ -839,9 +778,9 @@ fn a_guard_whose_heartbeat_is_never_polled_is_told_when_its_lease_runs_out() {
 /// out takes the lock again, with a new ticket, or reports it busy; never an expired guard.
 #[test]
 fn an_immediate_grant_read_after_its_lease_ran_out_is_not_handed_out() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let (locks, _) = tight_managers(&place, &clock);
+        let (locks, _) = tight_managers(&store, &clock);
         let mut stalled = 0;
         for _ in 0..20 {
             let mut attempt = Box::pin(locks.try_acquire(LockRequest::exclusive("k", "late")));
@@ -876,9 +815,9 @@ fn an_immediate_grant_read_after_its_lease_ran_out_is_not_handed_out() {
 /// with another holder's.
 #[test]
 fn releasing_a_lost_lease_reports_it() {
-    on_both(|place| async move {
+    on_each(Store::local(), |store| async move {
         let clock = TestClock::new();
-        let locks = manager(&place, &clock);
+        let locks = manager(&store, &clock);
 
         // Lost, and told so by the heartbeat.
         let guard = locks.exclusive("k", "told").await.unwrap();

@@ -27,12 +27,13 @@
 //! backend's managers stepped by a seeded simulation (`testkit::Sim`) on virtual time, where an
 //! owner expires by being killed, time moves as the steps sleep, and settling takes no real
 //! time; a failure prints the trace that replays it. And with the `postgres` feature on a
-//! PostgreSQL server too (`pg_support`), without the steps that move time: there the server's
-//! clock judges leases, and owners beat in real time.
+//! PostgreSQL server too (`stores::Store::postgres`), without the steps that move time: there
+//! the server's clock judges leases, and owners beat in real time.
+//!
+//! The stores are `tests/stores`'s, and the simulation `common::in_simulation`.
 
 mod common;
-#[cfg(all(feature = "postgres", feature = "testkit"))]
-use leasehold::testkit::postgres as pg_support;
+mod stores;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -40,7 +41,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{entries, join_within, rows_of, temp_db};
+use common::{entries, join_within, rows_of};
 use futures::executor::block_on;
 use futures::FutureExt;
 use leasehold::{
@@ -48,6 +49,7 @@ use leasehold::{
     LockManager, LockRequest, Mode, Scoped, TestClock,
 };
 use proptest::prelude::*;
+use stores::Store;
 
 const LEASE: Duration = Duration::from_secs(6);
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -183,79 +185,40 @@ impl Owner {
     }
 }
 
-/// Where the owners keep their rows.
-enum Store {
-    /// A SQLite file; each owner has a `TestClock`, which the test moves.
-    Sqlite(std::path::PathBuf),
-    /// A store inside a simulation (`open_simulated`): every owner reads the simulation's
-    /// clock, which moves as the steps sleep on it, and an owner expires by being killed.
-    #[cfg(feature = "testkit")]
-    Simulated(leasehold::testkit::SimStore),
-    /// A schema on a PostgreSQL server, whose clock judges leases: no step moves time there,
-    /// and the owners heartbeat in real time.
-    #[cfg(all(feature = "postgres", feature = "testkit"))]
-    Postgres { url: String, schema: String },
+/// A new owner on `store`: on SQLite with a `TestClock` of its own, which the test moves;
+/// elsewhere reading the store's clock (the simulation's, or the system's on PostgreSQL, whose
+/// server judges leases).
+async fn open_owner(store: &Store) -> Owner {
+    let builder = LockManager::builder()
+        .lease(LEASE)
+        .heartbeat(HEARTBEAT)
+        .poll(POLL);
+    if store.moves_time() {
+        let clock = TestClock::default();
+        Owner {
+            locks: store.open_on(builder, &clock),
+            clock: Arc::new(clock.clone()),
+            test_clock: Some(clock),
+            frozen: false,
+        }
+    } else {
+        Owner {
+            locks: store.open_with(builder).await,
+            clock: store.clock(),
+            test_clock: None,
+            frozen: false,
+        }
+    }
 }
 
-impl Store {
-    /// A manager on this store, reading `clock` (a fresh `TestClock` if `None`, on SQLite).
-    async fn open(
-        &self,
-        clock: Option<TestClock>,
-    ) -> (LockManager, Arc<dyn Clock>, Option<TestClock>) {
-        let builder = LockManager::builder()
-            .lease(LEASE)
-            .heartbeat(HEARTBEAT)
-            .poll(POLL);
-        match self {
-            Store::Sqlite(path) => {
-                let clock = clock.unwrap_or_default();
-                let locks = builder
-                    .clock(Arc::new(clock.clone()))
-                    .open(path)
-                    .expect("open a manager");
-                (locks, Arc::new(clock.clone()), Some(clock))
-            }
-            #[cfg(feature = "testkit")]
-            Store::Simulated(store) => {
-                let locks = builder
-                    .open_simulated(store, leasehold::testkit::FaultPlan::none())
-                    .expect("open a manager");
-                (locks, common::test_clock(), None)
-            }
-            #[cfg(all(feature = "postgres", feature = "testkit"))]
-            Store::Postgres { url, schema } => {
-                let locks = builder
-                    .schema(schema)
-                    .connect(url)
-                    .await
-                    .expect("connect a manager");
-                (locks, Arc::new(leasehold::SystemClock), None)
-            }
-        }
-    }
-
-    /// Whether the store is inside a simulation: time moves by sleeping on its clock, and
-    /// every owner's heartbeats run as they fall due.
-    fn simulated(&self) -> bool {
-        #[cfg(feature = "testkit")]
-        if let Store::Simulated(_) = self {
-            return true;
-        }
-        false
-    }
-
-    /// How much of its lease a held row of a live owner keeps, at least, once settled: a lease
-    /// less one heartbeat where the test moves time (one late beat never loses a lock); less
-    /// two in real time, where a beat may also be late by however busy the machine is.
-    fn margin(&self) -> Duration {
-        match self {
-            Store::Sqlite(_) => LEASE - HEARTBEAT,
-            #[cfg(feature = "testkit")]
-            Store::Simulated(_) => LEASE - HEARTBEAT,
-            #[cfg(all(feature = "postgres", feature = "testkit"))]
-            Store::Postgres { .. } => LEASE - 2 * HEARTBEAT,
-        }
+/// How much of its lease a held row of a live owner keeps, at least, once settled: a lease less
+/// one heartbeat where the test moves time or a simulation does (one late beat never loses a
+/// lock); less two in real time, where a beat may also be late by however busy the machine is.
+fn margin(store: &Store) -> Duration {
+    if store.moves_time() || store.is_simulated() {
+        LEASE - HEARTBEAT
+    } else {
+        LEASE - 2 * HEARTBEAT
     }
 }
 
@@ -405,13 +368,7 @@ impl World {
     async fn open(store: Store, owners: usize, keys: usize) -> World {
         let mut opened = Vec::new();
         for _ in 0..owners {
-            let (locks, clock, test_clock) = store.open(None).await;
-            opened.push(Owner {
-                locks,
-                clock,
-                test_clock,
-                frozen: false,
-            });
+            opened.push(open_owner(&store).await);
         }
         let owners = opened;
         World {
@@ -978,7 +935,7 @@ impl World {
     /// clocks move, and after, when the beats they woke have renewed. A queued request's
     /// heartbeat is forked once it has waited a quarter of a heartbeat.
     async fn heartbeats_asleep(&self) {
-        if self.store.simulated() {
+        if self.store.is_simulated() {
             // The simulation runs every beat that falls due as its clock moves.
             return;
         }
@@ -1007,7 +964,7 @@ impl World {
     /// then run, and grants made next fall between beats.
     async fn advance(&mut self, by: Duration) {
         self.log.push(format!("advance {by:?}"));
-        if self.store.simulated() {
+        if self.store.is_simulated() {
             self.owners[0].clock.sleep(by).await;
             return;
         }
@@ -1018,7 +975,7 @@ impl World {
         self.heartbeats_asleep().await;
     }
 
-    /// Every held row of a live owner has at least `Store::margin` of its lease left, by its
+    /// Every held row of a live owner has at least `margin` of its lease left, by its
     /// owner's clock: one late heartbeat does not lose it.
     fn check_margins(&self, rows: &[LockEntry]) {
         for row in rows
@@ -1033,7 +990,7 @@ impl World {
                 continue;
             };
             let left = row.expires_at.saturating_sub(owner.clock.now());
-            let margin = self.store.margin();
+            let margin = margin(&self.store);
             if left < margin {
                 self.fail(
                     &format!(
@@ -1091,7 +1048,7 @@ impl World {
                 Some(&r) => grouped.entry(r).or_default().push(row),
                 // A killed owner's waiting request, promoted by another owner once what it
                 // waited behind ran out: granted with a whole lease, which runs out unused.
-                None if self.store.simulated() && self.in_graveyard(row) => {}
+                None if self.store.is_simulated() && self.in_graveyard(row) => {}
                 None => self.fail(
                     &format!(
                         "a row of {}, which is released, interrupted or of an expired owner",
@@ -1267,7 +1224,7 @@ impl World {
         while !self.requests.is_empty() {
             self.release(0).await;
         }
-        if self.store.simulated() && !self.graveyard.is_empty() {
+        if self.store.is_simulated() && !self.graveyard.is_empty() {
             // Killed owners' rows, promoted perhaps after the kill, run out within a lease.
             common::test_clock().sleep(LEASE).await;
         }
@@ -1285,12 +1242,12 @@ impl World {
         }
         for owner in &self.owners {
             // A killed owner (an expired one, in a simulation) is shut down already.
-            let killed = owner.frozen && self.store.simulated();
+            let killed = owner.frozen && self.store.is_simulated();
             if !killed {
                 owner.locks.shutdown().await.expect("shutdown");
             }
         }
-        let (fresh, _, _) = self.store.open(None).await;
+        let fresh = open_owner(&self.store).await.locks;
         let left = entries(&fresh).await;
         if !left.is_empty() {
             self.fail("rows left after every owner shut down", &left);
@@ -1313,13 +1270,11 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..=30),
     ) {
         block_on(async {
-            let (dir, path) = temp_db();
-            let mut world = World::open(Store::Sqlite(path), owners, keys).await;
+            let mut world = World::open(Store::sqlite(), owners, keys).await;
             for op in &ops {
                 world.step(op).await;
             }
             world.finish().await;
-            drop(dir);
         });
     }
 }
@@ -1337,33 +1292,16 @@ fn simulated_cases() -> u32 {
 /// trace that replays it.
 #[cfg(feature = "testkit")]
 fn run_simulated(seed: u64, owners: usize, keys: usize, ops: Vec<Op>) {
-    use leasehold::testkit::{Sim, SimStore};
-    let mut sim = Sim::new(seed);
-    let store = SimStore::new(&sim);
-    let clock: Arc<dyn Clock> = Arc::new(sim.clock());
-    let run = async move {
-        let mut world = World::open(Store::Simulated(store), owners, keys).await;
-        for op in &ops {
-            world.step(op).await;
+    common::in_simulation(seed, |sim| {
+        let store = Store::simulated(sim);
+        async move {
+            let mut world = World::open(store, owners, keys).await;
+            for op in &ops {
+                world.step(op).await;
+            }
+            world.finish().await;
         }
-        world.finish().await;
-    };
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        common::in_simulation(clock, || sim.block_on(run))
-    }));
-    let replay = || format!("seed {seed}; replay with Sim::replay({:?})", sim.trace());
-    match outcome {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => panic!("the simulation failed: {error}"),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_default();
-            panic!("{what}\n{}", replay())
-        }
-    }
+    });
 }
 
 #[cfg(feature = "testkit")]
@@ -1412,14 +1350,10 @@ proptest! {
             1..=30,
         ),
     ) {
-        let Some(server) = pg_support::server() else {
+        let Some(store) = Store::postgres() else {
             return Ok(());
         };
         block_on(async {
-            let store = Store::Postgres {
-                url: server.url().to_owned(),
-                schema: pg_support::schema("model"),
-            };
             let mut world = World::open(store, owners, keys).await;
             for op in &ops {
                 world.step(op).await;

@@ -9,7 +9,9 @@ use leasehold::testkit::postgres as pg_support;
 
 use std::time::Duration;
 
-use common::{bounded, granted_while_stalled, join_within, read_when_stalled, within};
+use common::{
+    bounded, granted_while_stalled, join_within, read_when_stalled, until_blocking, within,
+};
 use futures::executor::block_on;
 use leasehold::{
     fork_daemon, AbortController, EntryState, Exit, LockError, LockManager, LockRequest, Schedule,
@@ -330,20 +332,11 @@ fn a_renewal_that_waited_past_the_lease_does_not_revive_the_row() {
             };
             // A renewal comes within a heartbeat and waits for the row; let the lease pass
             // while it waits.
-            let waited = {
-                let deadline = std::time::Instant::now() + Duration::from_secs(2);
-                loop {
-                    let now = micros(&mut blocker, server_now).unwrap();
-                    let waiting = server.sql(&renewal_waits) == "1";
-                    if now > expires_at && waiting {
-                        break true;
-                    }
-                    if std::time::Instant::now() > deadline {
-                        break false;
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            };
+            let waited = until_blocking(Duration::from_secs(2), || {
+                let now = micros(&mut blocker, server_now).unwrap();
+                let waiting = server.sql(&renewal_waits) == "1";
+                now > expires_at && waiting
+            });
             blocker.batch_execute("ROLLBACK").unwrap();
             if !waited {
                 continue;

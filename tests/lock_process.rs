@@ -1,26 +1,24 @@
 //! Owners in real child processes sharing one database file with the test.
 //!
-//! The test binary is its own child: `child_entry` does nothing unless `LEASEHOLD_CHILD` names a
-//! role, and the parent runs `current_exe() --exact child_entry --nocapture` with it set. Parent
-//! and child coordinate through marker files in a temporary folder (written whole, then renamed
-//! into place). Every wait has a deadline, children write their output to a log file that a
-//! failure shows, and a child is killed and reaped whenever its handle is dropped, so that a
-//! failing test leaves neither a hung test nor a zombie.
+//! The test binary is its own child (`common::child`): `child_entry` does nothing unless this
+//! process was started in a role. Parent and child coordinate through marker files in a
+//! temporary folder (written whole, then renamed into place). Every wait has a deadline, and a
+//! child is killed and reaped whenever its handle is dropped, so that a failing test leaves
+//! neither a hung test nor a zombie.
 
 mod common;
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{entries, join_within, within};
+use common::child::{self, Child};
+use common::{entries, join_within, within, within_blocking};
 use futures::executor::block_on;
 use leasehold::{fork_daemon, EntryState, Exit, LockManager, LockRequest, Mode};
 
-const ROLE: &str = "LEASEHOLD_CHILD";
 const DB: &str = "LEASEHOLD_CHILD_DB";
 const FOLDER: &str = "LEASEHOLD_CHILD_FOLDER";
 const ID: &str = "LEASEHOLD_CHILD_ID";
@@ -48,20 +46,17 @@ fn mark(folder: &Path, name: &str, content: &str) {
 
 /// Waits (in the child) for a marker of the parent's.
 fn await_marker(folder: &Path, name: &str) {
-    let deadline = Instant::now() + CHILD_PATIENCE;
-    while !folder.join(name).exists() {
-        assert!(
-            Instant::now() < deadline,
-            "child: no {name} from the parent"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    within_blocking(
+        CHILD_PATIENCE,
+        &format!("child: {name} from the parent"),
+        || folder.join(name).exists(),
+    );
 }
 
 /// The child's side. Returns at once unless this process was started as a child.
 #[test]
 fn child_entry() {
-    let Ok(role) = std::env::var(ROLE) else {
+    let Some(role) = child::role() else {
         return;
     };
     let db = PathBuf::from(std::env::var(DB).expect("database path"));
@@ -173,91 +168,14 @@ fn append(log: &Path, line: &str) {
     file.write_all(line.as_bytes()).expect("append to the log");
 }
 
-/// A running child: killed and reaped when dropped, whatever happened.
-struct ChildProcess {
-    child: Child,
-    log: PathBuf,
-}
-
-impl ChildProcess {
-    fn spawn(role: &str, db: &Path, folder: &Path, id: &str) -> ChildProcess {
-        let log = folder.join(format!("child-{role}-{id}.log"));
-        let output = fs::File::create(&log).expect("create the child's log");
-        let child = Command::new(std::env::current_exe().expect("the test binary"))
-            .args(["--exact", "child_entry", "--nocapture"])
-            .env(ROLE, role)
+/// A child in `role` (see `child_entry`) on `db`, its markers in `folder`, named `id`.
+fn spawn(role: &str, db: &Path, folder: &Path, id: &str) -> Child {
+    Child::start(
+        Child::command("child_entry", role)
             .env(DB, db)
             .env(FOLDER, folder)
-            .env(ID, id)
-            .stdin(Stdio::null())
-            .stdout(output.try_clone().expect("share the log"))
-            .stderr(output)
-            .spawn()
-            .expect("start a child");
-        ChildProcess { child, log }
-    }
-
-    fn output(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits for `marker`, failing at once if the child exits first.
-    fn await_marker(&mut self, folder: &Path, marker: &str, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        while !folder.join(marker).exists() {
-            if let Some(status) = self.child.try_wait().expect("poll the child") {
-                panic!(
-                    "the child exited ({status}) before {marker}:\n{}",
-                    self.output()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no {marker} from the child within {limit:?}:\n{}",
-                self.output()
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    fn wait(&mut self, limit: Duration) -> ExitStatus {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("poll the child") {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the child did not exit within {limit:?}:\n{}",
-                self.output()
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    fn assert_success(&mut self, limit: Duration) {
-        let status = self.wait(limit);
-        assert!(
-            status.success(),
-            "the child failed ({status}):\n{}",
-            self.output()
-        );
-    }
-
-    /// SIGKILL on Unix: no destructor, no clean-up, as in a crash.
-    fn kill(&mut self) {
-        self.child.kill().expect("kill the child");
-        self.wait(Duration::from_secs(10));
-    }
-}
-
-impl Drop for ChildProcess {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+            .env(ID, id),
+    )
 }
 
 fn folder_and_db() -> (tempfile::TempDir, PathBuf, PathBuf) {
@@ -288,8 +206,8 @@ fn a_lock_is_handed_over_from_a_child_process_within_about_one_poll() {
 #[test]
 fn a_killed_childs_lock_is_granted_when_its_lease_runs_out_and_not_before() {
     let (_dir, folder, db) = folder_and_db();
-    let mut child = ChildProcess::spawn("hold-until-killed", &db, &folder, "0");
-    child.await_marker(&folder, "held", Duration::from_secs(20));
+    let mut child = spawn("hold-until-killed", &db, &folder, "0");
+    child.await_file(&folder.join("held"), Duration::from_secs(20));
     block_on(async {
         let locks = LockManager::builder()
             .lease(SHORT_LEASE)
@@ -364,12 +282,12 @@ fn a_killed_childs_lock_is_granted_when_its_lease_runs_out_and_not_before() {
 #[test]
 fn owners_in_several_processes_take_turns() {
     let (_dir, folder, db) = folder_and_db();
-    let mut children: Vec<ChildProcess> = ["a", "b"]
+    let mut children: Vec<Child> = ["a", "b"]
         .iter()
-        .map(|id| ChildProcess::spawn("contend", &db, &folder, id))
+        .map(|id| spawn("contend", &db, &folder, id))
         .collect();
     for (child, id) in children.iter_mut().zip(["a", "b"]) {
-        child.await_marker(&folder, &format!("ready-{id}"), Duration::from_secs(20));
+        child.await_file(&folder.join(format!("ready-{id}")), Duration::from_secs(20));
     }
     let log = folder.join("log");
     block_on(async {
@@ -490,8 +408,8 @@ fn several_owners_in_one_process_hand_off_correctly() {
 #[test]
 fn a_holder_whose_executor_is_stalled_past_its_lease_loses_the_lock_and_is_told() {
     let (_dir, folder, db) = folder_and_db();
-    let mut child = ChildProcess::spawn("hold-on-a-stalled-executor", &db, &folder, "0");
-    child.await_marker(&folder, "held", Duration::from_secs(20));
+    let mut child = spawn("hold-on-a-stalled-executor", &db, &folder, "0");
+    child.await_file(&folder.join("held"), Duration::from_secs(20));
     block_on(async {
         let locks = LockManager::open(&db).unwrap();
         mark(&folder, "stall", "");
@@ -508,7 +426,7 @@ fn a_holder_whose_executor_is_stalled_past_its_lease_loses_the_lock_and_is_told(
             !folder.join("stall-over").exists(),
             "the parent waited for the stalled holder to recover"
         );
-        child.await_marker(&folder, "lost", Duration::from_secs(20));
+        child.await_file(&folder.join("lost"), Duration::from_secs(20));
         assert_eq!(
             fs::read_to_string(folder.join("lost")).unwrap(),
             "yes",
@@ -577,15 +495,10 @@ fn after_the_doorbell_folder_is_deleted_a_waiting_process_is_still_woken_by_it()
                             .count()
                     })
                 };
-                let deadline = std::time::Instant::now() + Duration::from_secs(5);
                 // Both managers' sockets, and the parent's marker if it waits without a row.
-                while entries(".sock") < 2 || (!queued && entries(".wait") < 1) {
-                    assert!(
-                        std::time::Instant::now() < deadline,
-                        "the doorbell was not made again within 5 s"
-                    );
-                    std::thread::sleep(Duration::from_millis(5));
-                }
+                within_blocking(Duration::from_secs(5), "the doorbell made again", || {
+                    entries(".sock") >= 2 && (queued || entries(".wait") >= 1)
+                });
             },
         );
     }
@@ -697,8 +610,8 @@ fn handed_over_after(
     queued: bool,
     meanwhile: impl FnOnce(&Path),
 ) {
-    let mut child = ChildProcess::spawn("hold-then-release", db, folder, "0");
-    child.await_marker(folder, "held", Duration::from_secs(20));
+    let mut child = spawn("hold-then-release", db, folder, "0");
+    child.await_file(&folder.join("held"), Duration::from_secs(20));
     block_on(async {
         let locks = LockManager::builder().poll(poll).open(db).unwrap();
         let waiter = {

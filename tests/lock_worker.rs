@@ -9,27 +9,72 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{bounded, join_within, rows_of, temp_db, within, WriteLock};
+use common::{
+    bounded, join_within, rows_of, temp_db, within, within_blocking, WriteLock, GENEROUS,
+};
 use futures::executor::block_on;
 use leasehold::{
     fork_daemon, AbortController, AbortReason, Clock, LockError, LockManager, LockRequest,
-    Schedule, TestClock,
+    Schedule, SystemClock, TestClock,
 };
 
 /// Starts a write on `locks` that stalls in `BEGIN IMMEDIATE` while a `WriteLock` is held, and
-/// gives the worker time to take it off its queue alone. Too short a pause could only make the
-/// command under test share the stalled batch, which hides a bug; it cannot fail a correct build.
-fn stall_worker(
+/// returns once the worker waits there (`StorageStats::lock_waits`): it took the write off its
+/// queue alone, so whatever is sent next reaches it together, in a later batch.
+async fn stall_worker(
     locks: &LockManager,
 ) -> leasehold::Fiber<Result<Option<leasehold::Guard>, LockError>> {
-    let locks = locks.clone();
-    let blocker = fork_daemon(async move {
-        locks
-            .try_acquire(LockRequest::exclusive("blocker", "blocker"))
-            .await
+    let before = locks.stats().lock_waits;
+    let blocker = fork_daemon({
+        let locks = locks.clone();
+        async move {
+            locks
+                .try_acquire(LockRequest::exclusive("blocker", "blocker"))
+                .await
+        }
     });
-    std::thread::sleep(Duration::from_millis(30));
+    within(GENEROUS, "the worker waits for the write lock", || async {
+        locks.stats().lock_waits > before
+    })
+    .await;
     blocker
+}
+
+/// A write that finds another connection's write lock and waits for it counts one lock wait,
+/// however many times SQLite tries again while it waits; a write that finds the file free counts
+/// none.
+#[test]
+fn a_write_behind_another_connections_write_lock_counts_one_lock_wait() {
+    block_on(async {
+        let (_dir, path) = temp_db();
+        let locks = LockManager::open(&path).unwrap();
+        let free = locks.exclusive("free", "uncontended").await.unwrap();
+        free.release().await.unwrap();
+        assert_eq!(locks.stats().lock_waits, 0, "nobody else held the file");
+
+        let write_lock = WriteLock::take(&path);
+        let held_up = fork_daemon({
+            let locks = locks.clone();
+            async move { locks.exclusive("k", "held up").await }
+        });
+        within(GENEROUS, "the write waits for the lock", || async {
+            locks.stats().lock_waits > 0
+        })
+        .await;
+        // Held on a while: SQLite calls the busy handler again and again meanwhile, and none of
+        // those calls may count. (However short the pause, the count below must hold.)
+        SystemClock.sleep(Duration::from_millis(50)).await;
+        assert!(!held_up.is_finished(), "written past the write lock");
+        drop(write_lock);
+
+        let guard = join_within(GENEROUS, "the held-up acquisition", held_up)
+            .await
+            .success()
+            .unwrap()
+            .unwrap();
+        guard.release().await.unwrap();
+        assert_eq!(locks.stats().lock_waits, 1, "one wait");
+    });
 }
 
 #[test]
@@ -40,7 +85,7 @@ fn an_interruption_that_reaches_the_worker_with_its_acquire_leaves_no_row() {
         for attempt in 0..3 {
             let operation = format!("interrupted-{attempt}");
             let write_lock = WriteLock::take(&path);
-            let blocker = stall_worker(&locks);
+            let blocker = stall_worker(&locks).await;
 
             let stop = AbortController::new();
             let reason = AbortReason::from("stop");
@@ -84,7 +129,7 @@ fn an_acquisition_sent_right_after_shutdown_leaves_no_row() {
         let locks = LockManager::open(&path).unwrap();
         let observer = LockManager::open(&path).unwrap();
         let write_lock = WriteLock::take(&path);
-        let blocker = stall_worker(&locks);
+        let blocker = stall_worker(&locks).await;
 
         let mut shutdown = Box::pin(locks.shutdown());
         assert!(futures::poll!(shutdown.as_mut()).is_pending());
@@ -113,7 +158,7 @@ fn a_guard_granted_in_the_batch_that_shuts_down_is_told_it_is_lost() {
         let locks = LockManager::open(&path).unwrap();
         let observer = LockManager::open(&path).unwrap();
         let write_lock = WriteLock::take(&path);
-        let blocker = stall_worker(&locks);
+        let blocker = stall_worker(&locks).await;
 
         let mut early = Box::pin(locks.exclusive("k", "early"));
         assert!(futures::poll!(early.as_mut()).is_pending());
@@ -241,24 +286,18 @@ fn a_call_whose_reply_is_held_up_stops_yielding_and_is_woken_by_the_reply() {
 
     let parked = counter.count();
     drop(write_lock);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while counter.count() == parked {
-        assert!(
-            Instant::now() < deadline,
-            "the reply did not wake the caller"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let guard = loop {
-        match acquire.as_mut().poll(&mut cx) {
-            Poll::Ready(result) => break result.unwrap().expect("the key is free"),
-            Poll::Pending => {
-                assert!(Instant::now() < deadline, "no reply after the wake-up");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-    };
-    block_on(guard.release()).unwrap();
+    within_blocking(Duration::from_secs(10), "the reply woke the caller", || {
+        counter.count() != parked
+    });
+    let mut reply = None;
+    within_blocking(Duration::from_secs(10), "a reply after the wake-up", || {
+        reply = match acquire.as_mut().poll(&mut cx) {
+            Poll::Ready(result) => Some(result.unwrap().expect("the key is free")),
+            Poll::Pending => None,
+        };
+        reply.is_some()
+    });
+    block_on(reply.expect("a reply").release()).unwrap();
 }
 
 /// Two round trips to the worker: whatever it was due to do at the clock's time when this was
@@ -455,7 +494,7 @@ fn renewals_asked_for_together_are_one_write() {
         .await;
         let before = locks.stats().heartbeats;
         let write_lock = WriteLock::take(&path);
-        let blocker = stall_worker(&locks);
+        let blocker = stall_worker(&locks).await;
         clock.advance(Duration::from_secs(1));
         within(Duration::from_secs(5), "every heartbeat woke", || async {
             clock.sleepers() == 0

@@ -6,12 +6,12 @@
 mod common;
 use leasehold::testkit::postgres as pg_support;
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Stdio;
+use std::time::Duration;
 
+use common::child::{self, Child};
 use common::within_blocking;
 use pg_support::{Shutdown, Tls};
 
@@ -182,19 +182,16 @@ fn other_connections_can_be_terminated() {
     assert!(stderr.contains("terminat"), "{stderr}");
 }
 
-/// Set by [`the_server_is_gone_after_the_test_process_ends`] for the child it starts: `exit` or
-/// `kill`, how that child's life ends.
-const CHILD_VAR: &str = "LEASEHOLD_PG_HARNESS_CHILD";
-/// Starts the lines the child reports on.
+/// Starts the lines the child of [`the_server_is_gone_after_the_test_process_ends`] reports on.
 const MARK: &str = "pg-harness-child:";
 
-/// In a normal run, does nothing. In the child started by
-/// [`the_server_is_gone_after_the_test_process_ends`], starts the shared server, reports its
-/// postmaster's pid and directory, and then either returns (the process exits as any test
-/// binary does) or waits to be killed.
+/// In a normal run, does nothing. In a child started by
+/// [`the_server_is_gone_after_the_test_process_ends`] in the role `exit` or `kill` (how its
+/// life ends), starts the shared server, reports its postmaster's pid and directory, and then
+/// either returns (the process exits as any test binary does) or waits to be killed.
 #[test]
 fn child_process_runs_a_server() {
-    let Ok(ending) = std::env::var(CHILD_VAR) else {
+    let Some(ending) = child::role() else {
         return;
     };
     let Some(pg) = pg_support::server() else {
@@ -215,21 +212,36 @@ fn child_process_runs_a_server() {
 
 #[test]
 fn the_server_is_gone_after_the_test_process_ends() {
-    let children: Vec<_> = ["exit", "kill"].map(spawn_child).into_iter().collect();
+    let children: Vec<_> = ["exit", "kill"]
+        .map(|ending| {
+            let mut command = Child::command("child_process_runs_a_server", ending);
+            (
+                ending,
+                Child::start(command.env_remove(pg_support::URL_VAR)),
+            )
+        })
+        .into_iter()
+        .collect();
     for (ending, mut child) in children {
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        let Some((pid, dir)) = child_report(ending, stdout, &mut child) else {
-            eprintln!("skipped: the child ({ending}) found no PostgreSQL server programs");
+        let report = child.await_report(MARK, LIMIT);
+        let mut words = report.split_whitespace();
+        let (Some(pid), Some(dir)) = (words.next(), words.next()) else {
+            assert_eq!(report, "skip", "a report of the child ({ending})");
+            eprintln!(
+                "skipped the_server_is_gone_after_the_test_process_ends, which needs \
+                 PostgreSQL: the child ({ending}) found no server programs"
+            );
             return;
         };
+        let (pid, dir): (u32, PathBuf) = (pid.parse().expect("a pid"), dir.into());
         assert!(
             pg_support::is_running(pid),
             "{ending}: the server runs while its process does"
         );
         if ending == "kill" {
-            child.kill().expect("SIGKILL the child");
+            child.kill();
         }
-        wait_within(&mut child, "the child to end");
+        child.wait(LIMIT);
         within_blocking(LIMIT, &format!("{ending}: postmaster {pid} to end"), || {
             !pg_support::is_running(pid)
         });
@@ -238,68 +250,6 @@ fn the_server_is_gone_after_the_test_process_ends() {
             &format!("{ending}: {} to be removed", dir.display()),
             || !dir.exists(),
         );
-    }
-}
-
-fn spawn_child(ending: &'static str) -> (&'static str, std::process::Child) {
-    let child = Command::new(std::env::current_exe().expect("this test binary"))
-        .args([
-            "--exact",
-            "child_process_runs_a_server",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_VAR, ending)
-        .env_remove(pg_support::URL_VAR)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start a child test process");
-    (ending, child)
-}
-
-/// The pid and directory of the child's server, or `None` when the child skipped. Panics with
-/// the child's output if it reports nothing within [`LIMIT`].
-fn child_report(
-    ending: &str,
-    stdout: impl BufRead + Send + 'static,
-    child: &mut std::process::Child,
-) -> Option<(u32, PathBuf)> {
-    let (sender, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in stdout.lines().map_while(Result::ok) {
-            if sender.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match lines.recv_timeout(left) {
-            Ok(line) => {
-                // libtest may have begun the line with "test NAME ... ".
-                let Some((_, report)) = line.split_once(MARK) else {
-                    continue;
-                };
-                let mut words = report.split_whitespace();
-                let first = words.next()?;
-                if first == "skip" {
-                    return None;
-                }
-                let pid = first.parse().expect("a pid");
-                let dir = PathBuf::from(words.next().expect("a directory"));
-                return Some((pid, dir));
-            }
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                let mut stderr = String::new();
-                let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
-                panic!("the child ({ending}) reported no server within {LIMIT:?}:\n{stderr}");
-            }
-        }
     }
 }
 

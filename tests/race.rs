@@ -5,18 +5,16 @@ mod common;
 
 use std::fmt;
 use std::panic::AssertUnwindSafe;
-use std::time::{Duration, Instant};
 
 use common::{
-    interrupted_by, interrupted_with, on_every_executor, record_status, slow_finalizer, within,
-    yield_now, Counter, Flag, Log, Statuses, GENEROUS, SLOW,
+    interrupted_by, interrupted_with, on_every_executor, record_status, rows_of, slow_finalizer,
+    within, yield_now, Counter, Flag, Log, Statuses, GENEROUS, SLOW,
 };
 use futures::executor::block_on;
 use futures::future::{self, FusedFuture};
 use futures::FutureExt;
 use leasehold::{
-    all, race, AbortController, AbortReason, Clock, EntryState, Interrupted, LockEntry,
-    LockManager, RaceLost, Scoped, SystemClock,
+    all, race, AbortController, AbortReason, EntryState, Interrupted, LockManager, RaceLost, Scoped,
 };
 
 /// A test's own error type, as users have: a failure of the work, or an interruption.
@@ -275,15 +273,6 @@ fn alls_first_failure_interrupts_the_others_with_race_lost_and_awaits_their_fina
     });
 }
 
-/// The live rows whose operation is `operation`.
-async fn rows_of(locks: &LockManager, operation: &str) -> Vec<LockEntry> {
-    let entries = locks.inspect(None).await.expect("inspect");
-    entries
-        .into_iter()
-        .filter(|entry| entry.operation == operation)
-        .collect()
-}
-
 #[test]
 fn racing_two_acquisitions_on_busy_keys_leaves_one_guard_and_no_row_of_the_loser() {
     on_every_executor(|| async {
@@ -292,11 +281,10 @@ fn racing_two_acquisitions_on_busy_keys_leaves_one_guard_and_no_row_of_the_loser
         let holder_of_b = locks.exclusive("b", "hold").await.unwrap();
         let racers = [locks.exclusive("a", "race"), locks.exclusive("b", "race")];
         let free_a = async {
-            let deadline = Instant::now() + GENEROUS;
-            while rows_of(&locks, "race").await.len() < 2 {
-                assert!(Instant::now() < deadline, "both racers queued");
-                SystemClock.sleep(Duration::from_millis(1)).await;
-            }
+            within(GENEROUS, "both racers queued", || async {
+                rows_of(&locks, "race").await.len() >= 2
+            })
+            .await;
             holder_of_a.release().await.unwrap();
         };
 

@@ -186,14 +186,12 @@ fn an_aborted_tokio_task_that_holds_a_lock_cleans_up_and_leaves_no_row_within_a_
 
         task.abort();
 
-        let deadline = std::time::Instant::now() + Duration::from_secs(1);
-        while !(cleaned_up.is_set() && locks.inspect(None).await.unwrap().is_empty()) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "not within a second: the finalizer finished and the row is gone"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        within(
+            Duration::from_secs(1),
+            "the finalizer finished and the row is gone",
+            || async { cleaned_up.is_set() && locks.inspect(None).await.unwrap().is_empty() },
+        )
+        .await;
     });
 }
 

@@ -1,5 +1,9 @@
 //! Storage faults give clear errors: no panic, no hang.
 
+mod common;
+
+use common::child::{self, Child};
+use common::{until_blocking, within};
 use leasehold::{LockError, LockManager, LockRequest};
 
 #[test]
@@ -281,27 +285,24 @@ fn a_doorbell_socket_and_its_folder_follow_the_databases_permissions() {
     let doorbell = dir.path().join("locks.db-doorbell");
     // The worker sets the doorbell up after the open returns, and the socket's mode just after
     // binding it.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let sockets = loop {
-        let sockets: Vec<_> = std::fs::read_dir(&doorbell)
+    let mut sockets = Vec::new();
+    let made = until_blocking(std::time::Duration::from_secs(10), || {
+        sockets = std::fs::read_dir(&doorbell)
             .into_iter()
             .flatten()
             .map(|entry| entry.unwrap().path())
             .filter(|path| path.extension().is_some_and(|e| e == "sock"))
             .collect();
-        if sockets.len() == 1 && mode_of(&sockets[0]) == 0o660 {
-            break sockets;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no doorbell socket of mode 0o660: {:?}",
-            sockets
-                .iter()
-                .map(|s| octal(mode_of(s)))
-                .collect::<Vec<_>>()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    };
+        sockets.len() == 1 && mode_of(&sockets[0]) == 0o660
+    });
+    assert!(
+        made,
+        "no doorbell socket of mode 0o660 within 10 s: {:?}",
+        sockets
+            .iter()
+            .map(|s| octal(mode_of(s)))
+            .collect::<Vec<_>>()
+    );
     assert_eq!(sockets.len(), 1, "{sockets:?}");
     assert_eq!(octal(mode_of(&doorbell)), octal(0o770), "the folder");
     drop(locks);
@@ -405,7 +406,7 @@ fn remove_database(path: &std::path::Path) {
 /// clear error once it looks at the path again (within a millisecond), and the guard it held is
 /// told it is lost within about one lease; a manager on the new file starts from nothing.
 fn assert_file_loss_is_reported(replace: bool) {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     futures::executor::block_on(async {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("locks.db");
@@ -421,31 +422,31 @@ fn assert_file_loss_is_reported(replace: bool) {
             drop(LockManager::open(&other).unwrap());
             std::fs::rename(&other, &path).unwrap();
         }
-        let started = Instant::now();
-        loop {
-            match locks.exclusive("j", "after").await {
-                Err(LockError::Storage(error)) => {
-                    assert!(error.to_string().contains("deleted or replaced"), "{error}");
-                    break;
+        within(
+            Duration::from_secs(5),
+            "writes to the old file were refused",
+            || async {
+                match locks.exclusive("j", "after").await {
+                    Err(LockError::Storage(error)) => {
+                        assert!(error.to_string().contains("deleted or replaced"), "{error}");
+                        true
+                    }
+                    // Granted on the old file, in the moment before the manager looked again.
+                    Ok(guard) => {
+                        drop(guard);
+                        false
+                    }
+                    Err(other) => panic!("expected a storage error, got {other:?}"),
                 }
-                // Granted on the old file, in the moment before the manager looked again.
-                Ok(guard) => drop(guard),
-                Err(other) => panic!("expected a storage error, got {other:?}"),
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(5),
-                "writes to the old file were not refused"
-            );
-            smol::Timer::after(Duration::from_millis(1)).await;
-        }
-        let started = Instant::now();
-        while !guard.lost().is_aborted() {
-            assert!(
-                started.elapsed() < Duration::from_secs(5),
-                "the guard was not told it is lost"
-            );
-            smol::Timer::after(Duration::from_millis(10)).await;
-        }
+            },
+        )
+        .await;
+        within(
+            Duration::from_secs(5),
+            "the guard was told it is lost",
+            || async { guard.lost().is_aborted() },
+        )
+        .await;
         assert!(matches!(
             guard.release().await,
             Err(LockError::Storage(_)) | Ok(())
@@ -473,7 +474,8 @@ fn a_database_replaced_while_a_manager_runs_is_reported_and_loses_its_guards() {
     assert_file_loss_is_reported(true);
 }
 
-const HAMMER_CHILD: &str = "LEASEHOLD_HAMMER_DB";
+/// The shared file, for the children of `eight_processes_hammering_one_file_never_see_busy`.
+const HAMMER_DB: &str = "LEASEHOLD_HAMMER_DB";
 const HAMMER_PROCESSES: usize = 8;
 const HAMMER_ROUNDS: usize = 60;
 
@@ -482,10 +484,10 @@ const HAMMER_ROUNDS: usize = 60;
 /// as fast as it can. Any error fails the child.
 #[test]
 fn hammer_child() {
-    let Some(db) = std::env::var_os(HAMMER_CHILD) else {
+    if child::role().is_none() {
         return;
-    };
-    let db = std::path::PathBuf::from(db);
+    }
+    let db = std::path::PathBuf::from(std::env::var_os(HAMMER_DB).expect("the shared file"));
     let log = db.with_file_name("exclusive.log");
     let id = std::process::id();
     futures::executor::block_on(async {
@@ -536,42 +538,13 @@ fn append(log: &std::path::Path, line: &str) {
 
 #[test]
 fn eight_processes_hammering_one_file_never_see_busy() {
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("locks.db");
-    let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..HAMMER_PROCESSES)
-        .map(|i| {
-            let output = std::fs::File::create(dir.path().join(format!("child-{i}.log"))).unwrap();
-            Command::new(&exe)
-                .args(["--exact", "hammer_child", "--nocapture"])
-                .env(HAMMER_CHILD, &db)
-                .stdin(Stdio::null())
-                .stdout(output.try_clone().unwrap())
-                .stderr(output)
-                .spawn()
-                .unwrap()
-        })
+    let mut children: Vec<Child> = (0..HAMMER_PROCESSES)
+        .map(|_| Child::start(Child::command("hammer_child", "hammer").env(HAMMER_DB, &db)))
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    for (i, child) in children.iter_mut().enumerate() {
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                break child.wait().unwrap();
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        let output = std::fs::read_to_string(dir.path().join(format!("child-{i}.log")));
-        assert!(
-            status.success(),
-            "child {i} failed ({status}):\n{}",
-            output.unwrap_or_default()
-        );
+    for child in &mut children {
+        child.assert_success(std::time::Duration::from_secs(120));
     }
     // Exclusive holds never overlapped: every entry is followed by the same process's exit.
     let log = std::fs::read_to_string(dir.path().join("exclusive.log")).unwrap();

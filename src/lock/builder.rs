@@ -618,6 +618,7 @@ impl LockManagerBuilder {
             clock: common.clock.clone(),
             siblings: Siblings::join(common.store.clone(), &common.owner, poke.clone()),
             poke,
+            lock_waits: common.counters.lock_waits.clone(),
         };
         Ok(Parts {
             common,

@@ -364,6 +364,7 @@ impl LockManager {
             write_transactions: counters.write_transactions.load(Ordering::Relaxed),
             change_checks: counters.change_checks.load(Ordering::Relaxed),
             heartbeats: counters.heartbeats.load(Ordering::Relaxed),
+            lock_waits: counters.lock_waits.load(Ordering::Relaxed),
         }
     }
 }

@@ -309,6 +309,11 @@ pub struct StorageStats {
     pub change_checks: u64,
     /// Lease renewal rounds.
     pub heartbeats: u64,
+    /// Times a write found the store locked by another connection and waited for it: each
+    /// wait counts once, however long it lasts. Counted on SQLite, where a write waits for the
+    /// file's one write lock (held by another manager, process or tool); always 0 on
+    /// PostgreSQL, whose writers wait for rows rather than the store, and on the memory store.
+    pub lock_waits: u64,
 }
 
 pub(super) fn validate(requests: &[LockRequest]) -> Result<(), LockError> {

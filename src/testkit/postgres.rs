@@ -24,8 +24,10 @@
 //! - `LEASEHOLD_POSTGRES_URL=postgres://...`: [`server()`] is that existing server instead, and
 //!   [`tls_server()`] and [`start()`], which need a server the harness controls, are skipped.
 //!
-//! When the server programs are missing, each of them prints why and returns `None`: the test
-//! returns early and passes. With `LEASEHOLD_REQUIRE_POSTGRES=1` (set by `.ci/run`) a skip panics
+//! When the server programs are missing, each of them prints to standard error that the running
+//! test is skipped, and why (`cargo test -- --nocapture` shows it), and returns `None`: the test
+//! returns early and passes. Every PostgreSQL test of this crate reaches its server through
+//! these, so none passes silently. With `LEASEHOLD_REQUIRE_POSTGRES=1` (set by `.ci/run`) a skip panics
 //! instead, with the same reason. A server that exists but fails to start always panics, with
 //! its log: that is a failure, not a missing program.
 //!
@@ -232,7 +234,11 @@ fn skip_or_panic<T>(failure: &Failure) -> Option<T> {
             panic!("PostgreSQL tests cannot run, and {REQUIRE_VAR}=1: {reason}")
         }
         Failure::Skip(reason) => {
-            eprintln!("skipped: {reason}");
+            let test = std::thread::current().name().unwrap_or("a test").to_owned();
+            eprintln!(
+                "skipped {test}, which needs PostgreSQL: {reason} \
+                 (with {REQUIRE_VAR}=1 this fails instead)"
+            );
             None
         }
     }

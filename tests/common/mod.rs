@@ -3,6 +3,8 @@
 //! Every test binary compiles this module but uses only part of it.
 #![allow(dead_code)]
 
+pub mod child;
+
 use std::future::Future;
 use std::panic::resume_unwind;
 use std::path::{Path, PathBuf};
@@ -114,10 +116,19 @@ pub fn test_clock() -> std::sync::Arc<dyn Clock> {
         .unwrap_or_else(|| std::sync::Arc::new(SystemClock))
 }
 
-/// Runs `run` with the helpers (`within`, `bounded`) waiting on `clock`, a simulation's.
-#[allow(dead_code)]
-pub fn in_simulation<T>(clock: std::sync::Arc<dyn Clock>, run: impl FnOnce() -> T) -> T {
-    SIMULATED.with(|current| *current.borrow_mut() = Some(clock));
+/// Runs the scenario that `start` makes for a new simulation of `seed` (feature `testkit`)
+/// inside it, to its end and the end of every task it started: they are stepped in the seed's
+/// order on virtual time, on which the helpers here (`within`, `bounded`) wait too. Panics if
+/// the simulation fails (a deadlock, tasks left behind), and adds to any panic of the scenario
+/// the seed and the trace that replays it.
+#[cfg(feature = "testkit")]
+pub fn in_simulation<Fut: Future>(
+    seed: u64,
+    start: impl FnOnce(&leasehold::testkit::Sim) -> Fut,
+) -> Fut::Output {
+    let mut sim = leasehold::testkit::Sim::new(seed);
+    let scenario = start(&sim);
+    SIMULATED.with(|current| *current.borrow_mut() = Some(Arc::new(sim.clock())));
     struct Reset;
     impl Drop for Reset {
         fn drop(&mut self) {
@@ -125,7 +136,22 @@ pub fn in_simulation<T>(clock: std::sync::Arc<dyn Clock>, run: impl FnOnce() -> 
         }
     }
     let _reset = Reset;
-    run()
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sim.block_on(scenario)));
+    match outcome {
+        Ok(Ok(output)) => output,
+        Ok(Err(error)) => panic!("the simulation failed: {error}"),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default();
+            panic!(
+                "{what}\nseed {seed}; replay with Sim::replay({:?})",
+                sim.trace()
+            )
+        }
+    }
 }
 
 /// `future`'s output, or a panic naming `what` if it takes longer than `limit`.
@@ -147,10 +173,25 @@ pub async fn join_within<T: Send + 'static>(
 }
 
 /// [`within`] for plain (non-async) test code: blocks the calling thread between checks.
-pub fn within_blocking(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+pub fn within_blocking(limit: Duration, what: &str, condition: impl FnMut() -> bool) {
+    assert!(
+        until_blocking(limit, condition),
+        "not within {limit:?}: {what}"
+    );
+}
+
+/// Whether `condition` comes to hold within `limit`, checked every millisecond, blocking the
+/// calling thread in between: [`within_blocking`] for a wait whose failure says more, or is
+/// no failure.
+pub fn until_blocking(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
-    while !condition() {
-        assert!(Instant::now() < deadline, "not within {limit:?}: {what}");
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(1));
     }
 }

@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::path::PathBuf;
 
-use leasehold::{Clock, LockManager, LockManagerBuilder, MemoryStore, SystemClock};
+use leasehold::{Clock, LockManager, LockManagerBuilder, MemoryStore, SystemClock, TestClock};
 
 #[cfg(all(feature = "postgres", feature = "testkit"))]
 use leasehold::testkit::postgres as pg_support;
@@ -41,6 +41,12 @@ impl Store {
     /// A new store in this process's memory.
     pub fn memory() -> Store {
         Store::Memory(MemoryStore::new())
+    }
+
+    /// A new store inside `sim`, for a scenario that runs in it (`common::in_simulation`).
+    #[cfg(feature = "testkit")]
+    pub fn simulated(sim: &leasehold::testkit::Sim) -> Store {
+        Store::Simulated(leasehold::testkit::SimStore::new(sim))
     }
 
     /// The stores that live in this process or its file system, each new: SQLite and memory
@@ -111,6 +117,36 @@ impl Store {
         }
     }
 
+    /// Whether the test moves the time this store judges leases by: on SQLite each manager
+    /// may read a `TestClock` of the test's own ([`open_on`](Store::open_on)). Elsewhere it
+    /// cannot: a memory store's time is the latest of its managers' clocks, a simulated
+    /// store's is the simulation's, and PostgreSQL's is the server's.
+    pub fn moves_time(&self) -> bool {
+        matches!(self, Store::Sqlite { .. })
+    }
+
+    /// Whether this is a store inside a simulation.
+    pub fn is_simulated(&self) -> bool {
+        #[cfg(feature = "testkit")]
+        if let Store::Simulated(_) = self {
+            return true;
+        }
+        false
+    }
+
+    /// The clock a manager on this store reads unless given one: inside a simulation (a
+    /// simulated store is used in none other) the simulation's, else the system's.
+    pub fn clock(&self) -> std::sync::Arc<dyn Clock> {
+        crate::common::test_clock()
+    }
+
+    /// A new owner on this store, with `builder`'s settings, reading `clock`, a test's own. It
+    /// judges the manager's leases alone on SQLite; a memory store's time is the latest of its
+    /// managers' clocks (see [`moves_time`](Store::moves_time)).
+    pub fn open_on(&self, builder: LockManagerBuilder, clock: &TestClock) -> LockManager {
+        self.open_local(builder.clock(std::sync::Arc::new(clock.clone())))
+    }
+
     /// A new owner on this store, with default settings.
     pub async fn open(&self) -> LockManager {
         self.open_with(LockManager::builder()).await
@@ -119,6 +155,20 @@ impl Store {
     /// A new owner on this store, with `builder`'s settings.
     pub async fn open_with(&self, builder: LockManagerBuilder) -> LockManager {
         match self {
+            #[cfg(all(feature = "postgres", feature = "testkit"))]
+            Store::Postgres { url, schema } => builder
+                .schema(schema)
+                .connect(url)
+                .await
+                .expect("connect to the test server"),
+            _ => self.open_local(builder),
+        }
+    }
+
+    /// [`open_with`](Store::open_with) on a store of this process (not PostgreSQL), which
+    /// opens without an await.
+    pub fn open_local(&self, builder: LockManagerBuilder) -> LockManager {
+        match self {
             Store::Sqlite { path, .. } => builder.open(path).expect("open the database"),
             Store::Memory(store) => builder.open_in(store).expect("open the memory store"),
             #[cfg(feature = "testkit")]
@@ -126,11 +176,7 @@ impl Store {
                 .open_simulated(store, leasehold::testkit::FaultPlan::none())
                 .expect("open the simulated store"),
             #[cfg(all(feature = "postgres", feature = "testkit"))]
-            Store::Postgres { url, schema } => builder
-                .schema(schema)
-                .connect(url)
-                .await
-                .expect("connect to the test server"),
+            Store::Postgres { .. } => panic!("a PostgreSQL store is connected to: open_with"),
         }
     }
 }
@@ -263,6 +309,19 @@ impl Drop for Stall {
     }
 }
 
+/// Runs `scenario` once on each of `stores`, in turn, under one executor: for tests that drive
+/// time themselves, where running under every executor adds nothing.
+pub fn on_each<F, Fut>(stores: impl IntoIterator<Item = Store>, scenario: F)
+where
+    F: Fn(Store) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    for store in stores {
+        eprintln!("=== on {}", store.name());
+        futures::executor::block_on(scenario(store));
+    }
+}
+
 /// Runs `scenario` under every executor (`common::on_every_executor`), once on each store: a
 /// fresh one for every run.
 pub fn on_every_store<F, Fut>(scenario: F)
@@ -286,12 +345,7 @@ where
     #[cfg(feature = "testkit")]
     {
         eprintln!("=== in a simulation");
-        let mut sim = leasehold::testkit::Sim::new(1);
-        let store = Store::Simulated(leasehold::testkit::SimStore::new(&sim));
-        let clock: std::sync::Arc<dyn leasehold::Clock> = std::sync::Arc::new(sim.clock());
-        let run = scenario(store);
-        crate::common::in_simulation(clock, || sim.block_on(run))
-            .unwrap_or_else(|error| panic!("the simulation failed: {error}"));
+        crate::common::in_simulation(1, |sim| scenario(Store::simulated(sim)));
     }
     #[cfg(not(feature = "testkit"))]
     let _ = scenario;

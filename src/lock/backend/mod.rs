@@ -13,6 +13,7 @@ pub(crate) mod siblings;
 pub(crate) mod sqlite;
 
 use std::collections::BTreeSet;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +44,9 @@ pub(crate) struct Opening {
     /// Its membership among the managers of this process on its store, whom its storage
     /// wakes after a commit (`Storage::wake_others`).
     pub(crate) siblings: Siblings,
+    /// Counts the waits for another connection's write lock (`StorageStats::lock_waits`):
+    /// SQLite's; the other backends have none.
+    pub(crate) lock_waits: Arc<AtomicU64>,
 }
 
 /// What runs over a backend's storage once it is open, on the storage thread: the worker. A

@@ -57,6 +57,8 @@ pub(crate) struct Counters {
     pub(crate) write_transactions: AtomicU64,
     pub(crate) change_checks: AtomicU64,
     pub(crate) heartbeats: AtomicU64,
+    /// Shared with the storage, which counts as it waits.
+    pub(crate) lock_waits: Arc<AtomicU64>,
 }
 
 impl Counters {

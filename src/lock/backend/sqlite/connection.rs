@@ -3,6 +3,7 @@
 //! kept, to notice the file deleted or replaced under it.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,9 +16,37 @@ use crate::lock::LockError;
 use crate::lock::StorageError;
 use crate::schedule::Schedule;
 
-/// How long SQLite's own busy handler waits for the write lock inside each try; between tries
-/// refused at once, the manager's busy schedule decides.
-const BUSY_TIMEOUT_MS: usize = 5_000;
+/// How long the busy handler waits for the write lock inside each try; between tries refused
+/// at once, the manager's busy schedule decides.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The busy handler's pauses, in milliseconds, one per call of a wait; then the last, again and
+/// again. SQLite's own (`sqlite3_busy_timeout`): short at first, as most locks are let go
+/// within a transaction's time.
+const BUSY_PAUSES_MS: [u64; 12] = [1, 2, 5, 10, 15, 20, 25, 25, 25, 50, 50, 100];
+
+/// What SQLite calls while another connection holds the lock a statement needs: counts the wait
+/// into `lock_waits` at its first call (`tries` is 0), then pauses as `sqlite3_busy_timeout`
+/// would and says to try again, until [`BUSY_TIMEOUT`] has passed in pauses. SQLite's own
+/// handler, but for the count (`StorageStats::lock_waits`).
+fn busy_handler(lock_waits: Arc<AtomicU64>) -> impl FnMut(usize) -> bool + Send + 'static {
+    let mut waited = Duration::ZERO;
+    move |tries| {
+        if tries == 0 {
+            lock_waits.fetch_add(1, Ordering::Relaxed);
+            waited = Duration::ZERO;
+        }
+        let last = BUSY_PAUSES_MS[BUSY_PAUSES_MS.len() - 1];
+        let pause = Duration::from_millis(BUSY_PAUSES_MS.get(tries).copied().unwrap_or(last))
+            .min(BUSY_TIMEOUT.saturating_sub(waited));
+        if pause.is_zero() {
+            return false;
+        }
+        std::thread::sleep(pause);
+        waited += pause;
+        true
+    }
+}
 
 /// Every connection's settings: write-ahead logging, synced at checkpoints, and for a new file
 /// pages of 1 KiB (SQLite's default is 4 KiB; a file created with another page size keeps it).
@@ -34,14 +63,16 @@ const CONFIGURE: &str =
 
 /// Opens (creating if needed, with the permission bits `file_mode` on unix) the database at
 /// `path`, or an in-memory one for `None`, sets it up and brings its schema up to date, waiting
-/// on `busy` while another connection holds it. With `existing`, opens only a file that is
-/// there with this build's schema, and changes nothing in it.
+/// on `busy` while another connection holds it, and counting each such wait into
+/// `lock_waits`. With `existing`, opens only a file that is there with this build's schema, and
+/// changes nothing in it.
 pub(super) fn connect(
     path: Option<&Path>,
     file_mode: u32,
     busy: &Schedule,
     existing: bool,
     clock: &Arc<dyn Clock>,
+    lock_waits: &Arc<AtomicU64>,
 ) -> Result<Connection> {
     let mut flags = OpenFlags::new().with_read_write().with_no_mutex();
     match path {
@@ -60,8 +91,8 @@ pub(super) fn connect(
     let target = path.unwrap_or_else(|| Path::new(":memory:"));
     let mut conn =
         Connection::open_with_flags(target, flags).map_err(|e| open_error(target, &e))?;
-    conn.set_busy_timeout(BUSY_TIMEOUT_MS)
-        .map_err(|e| storage_error("setting the busy timeout", &e))?;
+    conn.set_busy_handler(busy_handler(lock_waits.clone()))
+        .map_err(|e| storage_error("setting the busy handler", &e))?;
     let mut db = Db::new(&conn, clock.clone(), None, busy.clone());
     if existing {
         db.check_version(target)?;

@@ -104,6 +104,7 @@ pub(crate) fn serve(
         &opening.busy,
         opening.existing,
         &opening.clock,
+        &opening.lock_waits,
     ) {
         Ok(conn) => conn,
         Err(error) => return opened(Err(error)),

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 fn tombstones_live_until_heard_or_swept() {
     let busy = Schedule::recurs(0);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let conn = connect(None, 0o600, &busy, false, &clock).unwrap();
+    let conn = connect(None, 0o600, &busy, false, &clock, &Default::default()).unwrap();
     let mut db = Db::new(&conn, clock, None, busy);
     crate::lock::backend::tombstones_live_until_heard_or_swept(&mut db);
 }
@@ -165,8 +165,8 @@ proptest! {
         let busy = Schedule::recurs(0);
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let (first, second) = (
-            connect(Some(&path), 0o600, &busy, false, &clock).unwrap(),
-            connect(Some(&path), 0o600, &busy, false, &clock).unwrap(),
+            connect(Some(&path), 0o600, &busy, false, &clock, &Default::default()).unwrap(),
+            connect(Some(&path), 0o600, &busy, false, &clock, &Default::default()).unwrap(),
         );
         let mut dbs = [
             (Db::new(&first, clock.clone(), None, busy.clone()), "owner a"),
@@ -219,7 +219,7 @@ impl Clock for OnBoot {
 /// `key` with a lease of `lease` micros, and commits; returns its ticket.
 fn hold(path: &Path, clock: &Arc<dyn Clock>, owner: &str, key: &str, lease: i64) -> u64 {
     let busy = Schedule::recurs(0);
-    let conn = connect(Some(path), 0o600, &busy, false, clock).unwrap();
+    let conn = connect(Some(path), 0o600, &busy, false, clock, &Default::default()).unwrap();
     let mut db = Db::new(&conn, clock.clone(), None, busy);
     let now = db.begin(&[]).unwrap();
     let ticket = db.next_ticket().unwrap();
@@ -234,7 +234,14 @@ fn hold(path: &Path, clock: &Arc<dyn Clock>, owner: &str, key: &str, lease: i64)
 /// with `existing`.
 fn live(path: &Path, clock: &Arc<dyn Clock>, existing: bool) -> Result<Vec<Row>> {
     let busy = Schedule::recurs(0);
-    let conn = connect(Some(path), 0o600, &busy, existing, clock)?;
+    let conn = connect(
+        Some(path),
+        0o600,
+        &busy,
+        existing,
+        clock,
+        &Default::default(),
+    )?;
     let mut db = Db::new(&conn, clock.clone(), None, busy);
     if existing {
         db.stale = db.stored_time_line()? != Some(db.line);
@@ -325,7 +332,7 @@ fn a_manager_without_a_boot_clock_is_refused_a_store_on_one_rows_or_none() {
     let refused = live(&path, &wall, false).unwrap_err().to_string();
     assert!(refused.contains("boot_time"), "{refused}");
     let busy = Schedule::recurs(0);
-    let conn = connect(Some(&path), 0o600, &busy, false, &boot).unwrap();
+    let conn = connect(Some(&path), 0o600, &busy, false, &boot, &Default::default()).unwrap();
     let mut db = Db::new(&conn, boot.clone(), None, busy);
     db.begin(&[]).unwrap();
     assert_eq!(db.delete_owner("a").unwrap(), 1);
@@ -343,7 +350,7 @@ fn a_manager_on_the_wall_clock_stops_writing_once_the_store_moved_to_the_boot_cl
     let wall: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), None));
     let boot: Arc<dyn Clock> = Arc::new(OnBoot(test.clone(), Some(7)));
     let busy = Schedule::recurs(0);
-    let conn = connect(Some(&path), 0o600, &busy, false, &wall).unwrap();
+    let conn = connect(Some(&path), 0o600, &busy, false, &wall, &Default::default()).unwrap();
     let mut db = Db::new(&conn, wall.clone(), None, busy);
     db.begin(&[]).unwrap();
     db.commit().unwrap();
