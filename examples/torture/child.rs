@@ -504,7 +504,8 @@ pub(crate) async fn work_on(
                 }
             }
         },
-        Mode::Shared => {
+        // The run takes no permits yet; were it to, its holders would read beside each other.
+        Mode::Shared | Mode::Permits { .. } => {
             if register.read().await? != first {
                 outcome.overlap(lost);
             }

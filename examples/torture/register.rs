@@ -150,7 +150,7 @@ impl Register {
         self.update(|state| {
             let stale = match mode {
                 Mode::Exclusive => mark.token < state.fence,
-                Mode::Shared => mark.token < state.fence_exclusive,
+                Mode::Shared | Mode::Permits { .. } => mark.token < state.fence_exclusive,
             };
             if stale {
                 state.superseded.push(mark.clone());
@@ -162,7 +162,7 @@ impl Register {
                     state.writer = Some(mark.clone());
                     state.fence_exclusive = mark.token;
                 }
-                Mode::Shared => {
+                Mode::Shared | Mode::Permits { .. } => {
                     if state.writer.as_ref().is_some_and(|w| w.token < mark.token) {
                         let writer = state.writer.take().expect("checked above");
                         state.superseded.push(writer);

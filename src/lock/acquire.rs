@@ -53,6 +53,54 @@ impl LockManager {
         self.acquire(LockRequest::exclusive(key.as_ref(), operation.as_ref()))
     }
 
+    /// Waits for `count` of the `limit` permits of `key`: at most `limit` permits of a key are
+    /// held at once, across every owner of the store ([`LockRequest::permits`]). See
+    /// [`acquire`](LockManager::acquire).
+    ///
+    /// Granted in the order asked for: a request that does not fit waits, and so does every
+    /// request behind it on the key, however few permits it asks for, so that none waits for
+    /// ever. A permit guard is a [`Guard`] like any other: a fencing token, heartbeats,
+    /// [`lost`](Guard::lost), released by [`release`](Guard::release) or by drop.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](LockManager::acquire), and [`LockError::InvalidRequest`] for a `count` of
+    /// 0 or above `limit`, a `limit` of 0, a limit other than the one the key's other requests
+    /// name, a key held or waited for in shared or exclusive mode, or a store that does not keep
+    /// permits yet (PostgreSQL).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::LockManager;
+    ///
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::open_in_memory()?;
+    /// // At most three backups at once.
+    /// let first = locks.permits("backups", "photos", 1, 3).await?;
+    /// let second = locks.permits("backups", "music", 2, 3).await?;
+    /// let full = locks.try_acquire(leasehold::LockRequest::permits("backups", "mail", 1, 3));
+    /// assert!(full.await?.is_none(), "three of three are held");
+    /// second.release().await?;
+    /// first.release().await?;
+    /// # Ok::<(), leasehold::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn permits(
+        &self,
+        key: impl AsRef<str>,
+        operation: impl AsRef<str>,
+        count: u32,
+        limit: u32,
+    ) -> Scoped<Guard, LockError> {
+        self.acquire(LockRequest::permits(
+            key.as_ref(),
+            operation.as_ref(),
+            count,
+            limit,
+        ))
+    }
+
     /// Waits, in FIFO order, for the lock `request` describes.
     ///
     /// # Errors

@@ -3,15 +3,23 @@
 //!
 //! Per key, counting only live rows (lease not expired), held and waiting alike:
 //!
-//! | request   | granted iff                                                  |
-//! |-----------|--------------------------------------------------------------|
-//! | shared    | no exclusive row on the key has a smaller ticket             |
-//! | exclusive | no row at all on the key has a smaller ticket                |
+//! | request                   | granted iff, of the rows on the key with a smaller ticket   |
+//! |---------------------------|-------------------------------------------------------------|
+//! | shared                    | every one is shared                                         |
+//! | exclusive                 | there is none                                               |
+//! | `count` of `limit` permits| every one is of permits, and their counts plus `count` are  |
+//! |                           | at most `limit` (the smallest limit any of them names)      |
 //!
 //! A request on several keys (one ticket) is granted iff it is granted on every key. Because the
 //! rule looks at rows with *smaller* tickets only, and does not care whether they are held or
 //! waiting, promoting one request never changes whether another can be promoted: promotion is a
-//! single pass in any order.
+//! single pass in any order. For permits, counting the waiting rows ahead too is what makes the
+//! queue strictly first in, first out: a request that does not fit holds back every one behind
+//! it, however small, since their sums include its count.
+//!
+//! A key is used for shared and exclusive requests or for permits, never both, and with one
+//! limit: a request that would mix them is refused before it is written ([`misfit`]). The rule
+//! still judges mixed rows safely (a mode meets only its own kind ahead of it).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -49,9 +57,65 @@ pub(crate) fn grantable(
     ticket: u64,
     rows: impl IntoIterator<Item = (Mode, u64)>,
 ) -> bool {
-    rows.into_iter()
-        .filter(|&(_, other)| other < ticket)
-        .all(|(other_mode, _)| mode == Mode::Shared && other_mode == Mode::Shared)
+    let (mut taken, mut limit) = match mode {
+        Mode::Permits { count, limit } => (u64::from(count), limit),
+        Mode::Shared | Mode::Exclusive => (0, 0),
+    };
+    for (other, _) in rows.into_iter().filter(|&(_, other)| other < ticket) {
+        match (mode, other) {
+            (Mode::Shared, Mode::Shared) => {}
+            (
+                Mode::Permits { .. },
+                Mode::Permits {
+                    count,
+                    limit: theirs,
+                },
+            ) => {
+                taken += u64::from(count);
+                limit = limit.min(theirs);
+            }
+            _ => return false,
+        }
+    }
+    taken <= u64::from(limit)
+}
+
+/// Why `requests` may not be written beside `rows` (every live row on their keys), if they may
+/// not: a request of permits on a key with shared or exclusive rows, or the reverse, or one
+/// naming another limit than the key's rows name. `None` if they fit.
+pub(crate) fn misfit<'a>(
+    requests: impl IntoIterator<Item = (&'a str, Mode)>,
+    rows: &[RowView],
+) -> Option<String> {
+    for (key, mode) in requests {
+        for row in rows.iter().filter(|row| &*row.key == key) {
+            match (mode, row.mode) {
+                (Mode::Permits { limit, .. }, Mode::Permits { limit: theirs, .. })
+                    if limit != theirs =>
+                {
+                    return Some(format!(
+                        "the key {key:?} has {theirs} permits, as its requests say; this one \
+                         says {limit}"
+                    ));
+                }
+                (Mode::Permits { .. }, Mode::Shared | Mode::Exclusive) => {
+                    return Some(format!(
+                        "the key {key:?} is locked in {} mode: permits of it cannot be asked \
+                         for until no shared or exclusive request is on it",
+                        row.mode
+                    ));
+                }
+                (Mode::Shared | Mode::Exclusive, Mode::Permits { limit, .. }) => {
+                    return Some(format!(
+                        "the key {key:?} is used for permits (a limit of {limit}): it cannot be \
+                         locked in {mode} mode until no permits request is on it"
+                    ));
+                }
+                _ => {}
+            }
+        }
+    }
+    None
 }
 
 /// Whether a new request (whose ticket is larger than every existing one) would be granted now
@@ -143,6 +207,11 @@ mod tests {
     use super::*;
     use Mode::{Exclusive as X, Shared as S};
 
+    /// `count` of `limit` permits.
+    fn p(count: u32, limit: u32) -> Mode {
+        Mode::Permits { count, limit }
+    }
+
     fn row(key: &str, mode: Mode, ticket: u64, held: bool) -> RowView {
         RowView {
             key: key.into(),
@@ -215,6 +284,76 @@ mod tests {
                 assert_eq!(grantable(X, 10, rows.clone()), len == 0, "{rows:?}");
             }
         }
+    }
+
+    #[test]
+    fn permits_fit_while_the_counts_ahead_leave_room() {
+        assert!(grantable(p(1, 3), 5, [(p(1, 3), 1), (p(1, 3), 2)]));
+        assert!(!grantable(p(1, 3), 5, [(p(1, 3), 1), (p(2, 3), 2)]));
+        assert!(grantable(p(3, 3), 5, []));
+        assert!(
+            grantable(p(3, 3), 5, [(p(1, 3), 7)]),
+            "later rows do not count"
+        );
+        // Another kind ahead blocks, whatever the counts; and permits block the other kinds.
+        assert!(!grantable(p(1, 3), 5, [(S, 1)]));
+        assert!(!grantable(p(1, 3), 5, [(X, 1)]));
+        assert!(!grantable(S, 5, [(p(1, 3), 1)]));
+        assert!(!grantable(X, 5, [(p(1, 3), 1)]));
+        // Rows that name a smaller limit (never written together: `misfit`) are judged by it.
+        assert!(!grantable(p(1, 3), 5, [(p(1, 1), 1)]));
+    }
+
+    #[test]
+    fn permits_exhaustive_over_small_queues() {
+        // Every queue of up to 4 earlier permit rows with counts 1 to 3, limit 4: granted iff
+        // the counts ahead plus its own fit; never when any earlier row is of another kind.
+        for len in 0..=4u32 {
+            for code in 0..3u32.pow(len) {
+                let counts: Vec<u32> = (0..len).map(|i| code / 3u32.pow(i) % 3 + 1).collect();
+                let rows: Vec<(Mode, u64)> = (counts.iter().enumerate())
+                    .map(|(i, &count)| (p(count, 4), i as u64))
+                    .collect();
+                let ahead: u32 = counts.iter().sum();
+                for count in 1..=4 {
+                    let fits = ahead + count <= 4;
+                    assert_eq!(grantable(p(count, 4), 10, rows.clone()), fits, "{rows:?}");
+                    for other in [S, X] {
+                        let mut mixed = rows.clone();
+                        mixed.push((other, 9));
+                        assert!(!grantable(p(count, 4), 10, mixed), "{rows:?} and {other}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_large_permits_request_at_the_head_is_not_passed_by_smaller_ones() {
+        // Limit 3: two held, a request of 2 at the head, a request of 1 behind it.
+        let rows = [
+            row("k", p(2, 3), 1, true),
+            row("k", p(2, 3), 2, false),
+            row("k", p(1, 3), 3, false),
+        ];
+        assert!(
+            promotable(&rows).is_empty(),
+            "1 would fit beside the held 2, but waits"
+        );
+        // The held 2 released: both fit, and go together.
+        assert_eq!(promotable(&rows[1..]), vec![2, 3]);
+    }
+
+    #[test]
+    fn a_misfit_is_a_request_of_another_kind_or_limit() {
+        let rows = [row("s", S, 1, true), row("p", p(1, 3), 2, false)];
+        assert_eq!(misfit([("p", p(2, 3)), ("s", S)], &rows), None);
+        assert_eq!(misfit([("free", p(1, 9))], &rows), None);
+        let said =
+            |requests: &[(&str, Mode)]| misfit(requests.iter().copied(), &rows).expect("a misfit");
+        assert!(said(&[("p", p(1, 4))]).contains("has 3 permits"));
+        assert!(said(&[("s", p(1, 3))]).contains("locked in shared mode"));
+        assert!(said(&[("p", X)]).contains("used for permits (a limit of 3)"));
     }
 
     #[test]

@@ -9,7 +9,11 @@ use super::LockError;
 /// The longest key or operation name accepted, in bytes.
 pub const MAX_NAME_BYTES: usize = 1024;
 
-/// How a lock is held: many shared holders at once, or one exclusive holder.
+/// How a lock is held: many shared holders at once, one exclusive holder, or some of a key's
+/// permits.
+///
+/// A key is used either for shared and exclusive requests or for permits, never both at once;
+/// and every permits request on a key names the same limit.
 ///
 /// # Examples
 ///
@@ -17,6 +21,10 @@ pub const MAX_NAME_BYTES: usize = 1024;
 /// use leasehold::{LockRequest, Mode};
 ///
 /// assert_eq!(LockRequest::shared("repo", "backup").mode, Mode::Shared);
+/// assert_eq!(
+///     LockRequest::permits("backups", "nightly", 1, 3).mode,
+///     Mode::Permits { count: 1, limit: 3 },
+/// );
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Mode {
@@ -24,10 +32,19 @@ pub enum Mode {
     Shared,
     /// Held alone (a writer).
     Exclusive,
+    /// `count` of the key's `limit` permits: held together with other permit holders while
+    /// their counts add up to at most `limit`. Granted in the order asked for: a request that
+    /// does not fit waits, and every request behind it waits too, however small.
+    Permits {
+        /// How many permits the request takes: at least 1, at most `limit`.
+        count: u32,
+        /// How many the key has: at least 1, the same in every request on the key.
+        limit: u32,
+    },
 }
 
-/// `shared` or `exclusive`, as [`LockEntry`]'s `Display` writes it. Width and alignment are
-/// honoured, for tables.
+/// `shared`, `exclusive`, or `permits K/N` (K of N permits), as [`LockEntry`]'s `Display`
+/// writes it. Width and alignment are honoured, for tables.
 ///
 /// # Examples
 ///
@@ -37,13 +54,16 @@ pub enum Mode {
 /// assert_eq!(Mode::Shared.to_string(), "shared");
 /// assert_eq!(format!("[{:<9}]", Mode::Exclusive), "[exclusive]");
 /// assert_eq!(format!("[{:<9}]", Mode::Shared), "[shared   ]");
+/// assert_eq!(Mode::Permits { count: 2, limit: 3 }.to_string(), "permits 2/3");
+/// assert_eq!(format!("[{:<12}]", Mode::Permits { count: 1, limit: 3 }), "[permits 1/3 ]");
 /// ```
 impl fmt::Display for Mode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.pad(match self {
-            Mode::Shared => "shared",
-            Mode::Exclusive => "exclusive",
-        })
+        match self {
+            Mode::Shared => f.pad("shared"),
+            Mode::Exclusive => f.pad("exclusive"),
+            Mode::Permits { count, limit } => f.pad(&format!("permits {count}/{limit}")),
+        }
     }
 }
 
@@ -61,7 +81,7 @@ impl fmt::Display for Mode {
 pub struct LockRequest {
     /// The lock's name: non-empty, at most 1 KiB, no NUL.
     pub key: String,
-    /// Shared or exclusive.
+    /// Shared, exclusive, or some of the key's permits.
     pub mode: Mode,
     /// What the holder is doing, for people reading `inspect`: at most 1 KiB, no NUL.
     pub operation: String,
@@ -82,6 +102,44 @@ impl LockRequest {
         LockRequest {
             key: key.into(),
             mode: Mode::Exclusive,
+            operation: operation.into(),
+        }
+    }
+
+    /// A request for `count` of the `limit` permits of `key`: at most `limit` permits of the
+    /// key are held at once, by however many holders ([`Mode::Permits`]).
+    ///
+    /// A `count` of 0 or above `limit`, a `limit` of 0, a limit other than the one the key's
+    /// other requests name, or a key held or waited for in shared or exclusive mode, make the
+    /// acquisition fail with [`LockError::InvalidRequest`](crate::LockError::InvalidRequest).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{LockManager, LockRequest};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let locks = LockManager::open_in_memory()?;
+    /// // The repository alone, and one of three backup slots: both or neither.
+    /// let both = locks
+    ///     .many(vec![
+    ///         LockRequest::exclusive("repo/photos", "backup"),
+    ///         LockRequest::permits("backup-slots", "backup photos", 1, 3),
+    ///     ])
+    ///     .await?;
+    /// assert!(both.fencing_token() > 0);
+    /// # Ok::<(), leasehold::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn permits(
+        key: impl Into<String>,
+        operation: impl Into<String>,
+        count: u32,
+        limit: u32,
+    ) -> Self {
+        LockRequest {
+            key: key.into(),
+            mode: Mode::Permits { count, limit },
             operation: operation.into(),
         }
     }
@@ -340,6 +398,19 @@ pub(super) fn validate(requests: &[LockRequest]) -> Result<(), LockError> {
         }
         if !seen.insert(key.as_str()) {
             return invalid(format!("the key {key:?} is named twice"));
+        }
+        if let Mode::Permits { count, limit } = request.mode {
+            if limit == 0 {
+                return invalid(format!(
+                    "the key {key:?} is asked for with a limit of 0 permits"
+                ));
+            }
+            if count == 0 || count > limit {
+                return invalid(format!(
+                    "{count} permits of the key {key:?} are asked for: at least 1 and at most \
+                     its limit, {limit}, can be held"
+                ));
+            }
         }
     }
     Ok(())

@@ -61,20 +61,29 @@ pub(crate) fn decode_keys(mut text: &str) -> Vec<String> {
     keys
 }
 
-/// How a mode is stored: 0 shared, 1 exclusive.
-pub(crate) fn mode_code(mode: Mode) -> i16 {
+/// How a mode is stored, in one 64-bit integer: 0 shared, 1 exclusive, and `count` of `limit`
+/// permits as the bits of `count << 32 | limit` (a count is at least 1, so such a code is never 0
+/// or 1; read as a signed integer it is negative from a count of 2^31 on). A build that knew only
+/// the first two reads every other code as exclusive, which is blocked by every row before it
+/// and blocks every row after it: a store shared with one never over-grants.
+pub(crate) fn mode_code(mode: Mode) -> i64 {
     match mode {
         Mode::Shared => 0,
         Mode::Exclusive => 1,
+        Mode::Permits { count, limit } => (u64::from(count) << 32 | u64::from(limit)) as i64,
     }
 }
 
-/// The mode stored as `code`.
+/// The mode stored as `code` (see [`mode_code`]).
 pub(crate) fn mode_of(code: i64) -> Mode {
-    if code == 0 {
-        Mode::Shared
-    } else {
-        Mode::Exclusive
+    let bits = code as u64;
+    match (bits >> 32, bits as u32) {
+        (0, 0) => Mode::Shared,
+        (0, _) => Mode::Exclusive,
+        (count, limit) => Mode::Permits {
+            count: count as u32,
+            limit,
+        },
     }
 }
 
@@ -111,5 +120,28 @@ mod tests {
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(key_hash("k"), key_hash("k"));
         assert_ne!(key_hash("k"), key_hash("j"));
+    }
+
+    #[test]
+    fn every_mode_survives_being_stored_and_an_old_reader_sees_permits_as_exclusive() {
+        let mut modes = vec![Mode::Shared, Mode::Exclusive];
+        for count in [1, 2, u32::MAX / 2, u32::MAX / 2 + 1, u32::MAX] {
+            for limit in [count, u32::MAX] {
+                modes.push(Mode::Permits { count, limit });
+            }
+        }
+        for mode in modes {
+            let code = mode_code(mode);
+            assert_eq!(mode_of(code), mode, "{code}");
+            // What a build of shared and exclusive only made of a code: 0 shared, else exclusive.
+            let old = if code == 0 {
+                Mode::Shared
+            } else {
+                Mode::Exclusive
+            };
+            if let Mode::Permits { .. } = mode {
+                assert_eq!(old, Mode::Exclusive, "{mode:?} as {code}");
+            }
+        }
     }
 }

@@ -263,6 +263,9 @@ pub(crate) struct Capabilities {
     /// change log, the memory store's version). Not on PostgreSQL, whose commits announce only
     /// what may free a waiter: a request queued elsewhere is announced to nobody.
     pub(crate) hears_every_commit: bool,
+    /// Whether it keeps permits (`Mode::Permits`): a request of them on a store that does not
+    /// fails with `InvalidRequest` before it reaches the store.
+    pub(crate) permits: bool,
 }
 
 /// Decisions in one round trip (PostgreSQL's function `decide`), for a backend that has them

@@ -29,6 +29,16 @@ impl<S: Storage> Worker<S> {
                     // where the storage needs it noted (`Storage::watching`). Where the storage
                     // decides in one call, which writes nothing for a `try_acquire` refused, a
                     // read first would only add a round trip to every one granted.
+                    if !self.caps.permits
+                        && requests
+                            .iter()
+                            .any(|r| matches!(r.mode, crate::lock::Mode::Permits { .. }))
+                    {
+                        let why = "this store does not keep permits yet: use a SQLite or memory \
+                                   store for them";
+                        let _ = reply.send(Err(LockError::InvalidRequest(why.into())));
+                        continue;
+                    }
                     let read_first = match wait {
                         Wait::No => self.storage.at_once().is_none(),
                         _ => self.caps.refuses_by_reads,
@@ -123,7 +133,9 @@ impl<S: Storage> Worker<S> {
         if self.storage.rows_on_keys(&keys, now, &mut rows).is_err() {
             return false;
         }
-        let refused = !grantable_now(requests.iter().map(|r| (r.key.as_str(), r.mode)), &rows);
+        let wanted = || requests.iter().map(|r| (r.key.as_str(), r.mode));
+        // A misfit is the write's to report.
+        let refused = misfit(wanted(), &rows).is_none() && !grantable_now(wanted(), &rows);
         if refused {
             let common = Arc::clone(&self.common);
             self.not_granted(&keys, others_rows(&common.owner, &rows), wait);
@@ -317,6 +329,9 @@ impl<S: Storage> Worker<S> {
                 let at = self.common.clock.monotonic() + beat_after(self.common.heartbeat);
                 self.waits.beat_at(ticket, at);
                 let _ = reply.send(Ok(Acquired::Queued(ticket, slot)));
+            }
+            (Write::Acquire { reply, .. }, Decided::Misfit(why)) => {
+                let _ = reply.send(Err(LockError::InvalidRequest(why)));
             }
             (Write::Acquire { reply, .. }, _) => {
                 let _ = reply.send(Ok(Acquired::NotNow));

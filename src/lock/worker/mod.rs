@@ -63,7 +63,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::lock::backend::{
     AtOnce, Capabilities, Changes, Deleted, Outcome, OwnedRequest, Serve, Storage,
 };
-use crate::lock::grant::{grantable_now, other_keys, promotable_within, RowView};
+use crate::lock::grant::{grantable_now, misfit, other_keys, promotable_within, RowView};
 use crate::lock::state::Counters;
 use crate::lock::time::{from_micros, micros};
 use crate::lock::worker::protocol::{
@@ -148,6 +148,8 @@ enum Decided {
     },
     Queued(u64),
     NotNow,
+    /// The request may not be written beside the rows there (`grant::misfit`): why.
+    Misfit(String),
     /// A removal: what it found of the request's rows.
     Removed(Removed),
     /// A renewal: this owner's live requests, all renewed.

@@ -211,8 +211,11 @@ impl<S: Storage> Worker<S> {
                 }
                 let mut rows = Vec::new();
                 self.storage.rows_on_keys(&keys, now, &mut rows)?;
-                let wanted = requests.iter().map(|r| (r.key.as_str(), r.mode));
-                let granted = grantable_now(wanted, &rows);
+                let wanted = || requests.iter().map(|r| (r.key.as_str(), r.mode));
+                if let Some(why) = misfit(wanted(), &rows) {
+                    return Ok(Decided::Misfit(why));
+                }
+                let granted = grantable_now(wanted(), &rows);
                 if !granted {
                     let common = Arc::clone(&self.common);
                     self.not_granted(&keys, others_rows(&common.owner, &rows), *wait);

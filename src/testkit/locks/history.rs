@@ -226,10 +226,34 @@ impl Replay {
         // shared holders may be granted out of ticket order (a waiter whose blocker's lease ran
         // out, passed by a new shared request before anyone promoted it), and fencing orders
         // only holders that exclude each other.
+        if let Mode::Permits { count, limit } = mode {
+            // Whatever the rule says: the live holders of a key never hold more than its limit.
+            let (mut held, mut least) = (u64::from(count), limit);
+            for (other, row) in self
+                .live_on(key, at)
+                .filter(|&(t, row)| t != ticket && row.held)
+            {
+                let Mode::Permits { count, limit } = row.mode else {
+                    return Err(format!(
+                        "event {n}: ticket {ticket} was granted {mode} on {key:?} at {at} while \
+                         ticket {other} held it {}",
+                        row.mode
+                    ));
+                };
+                held += u64::from(count);
+                least = least.min(limit);
+            }
+            if held > u64::from(least) {
+                return Err(format!(
+                    "event {n}: ticket {ticket} was granted {mode} on {key:?} at {at}: its live \
+                     holders then held {held} permits, over the key's limit of {least}"
+                ));
+            }
+        }
         let last = self.last_granted.entry(key.to_owned()).or_default();
         let before = match mode {
             Mode::Exclusive => last.any,
-            Mode::Shared => last.exclusive,
+            Mode::Shared | Mode::Permits { .. } => last.exclusive,
         };
         if before.is_some_and(|before| ticket <= before) {
             return Err(format!(

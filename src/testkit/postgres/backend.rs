@@ -34,11 +34,11 @@ mod the_rule_in_sql {
     use postgres::{Client, NoTls};
 
     use super::super as pg_support;
-    use crate::lock::backend::codec::mode_code;
     use crate::lock::backend::postgres::decide::{DecideArgs, OneArgs, DECIDE};
     use crate::lock::backend::postgres::listener::channel;
     use crate::lock::backend::postgres::quote;
     use crate::lock::backend::postgres::schema::migrate;
+    use crate::lock::backend::postgres::small_mode_code;
     use crate::lock::backend::{AtOnce, Wait};
     use crate::lock::grant::{grantable_now, promotable, RowView};
     use crate::lock::{LockRequest, Mode};
@@ -141,7 +141,7 @@ mod the_rule_in_sql {
                         ),
                         &[
                             &key,
-                            &mode_code(mode),
+                            &small_mode_code(mode),
                             &owner,
                             &ticket,
                             &held,

@@ -116,10 +116,15 @@ pub(crate) fn unix_now() -> Duration {
         .unwrap_or_default()
 }
 
-fn mode_name(mode: Mode) -> &'static str {
+/// The mode's name in JSON, with its permits (`null` for shared and exclusive).
+fn mode_json(mode: Mode) -> (&'static str, String) {
     match mode {
-        Mode::Shared => "shared",
-        Mode::Exclusive => "exclusive",
+        Mode::Shared => ("shared", "null".to_owned()),
+        Mode::Exclusive => ("exclusive", "null".to_owned()),
+        Mode::Permits { count, limit } => (
+            "permits",
+            format!("{{\"count\":{count},\"limit\":{limit}}}"),
+        ),
     }
 }
 
@@ -150,7 +155,7 @@ pub(crate) fn table(entries: &[LockEntry], now: Duration) -> String {
             [
                 printable(&entry.key),
                 state,
-                mode_name(entry.mode).to_owned(),
+                entry.mode.to_string(),
                 printable(&entry.operation),
                 printable(&entry.owner),
                 entry.ticket.to_string(),
@@ -187,12 +192,13 @@ pub(crate) fn json_line(entry: &LockEntry, now: Duration) -> String {
         EntryState::Held => ("held", "null".to_owned()),
         EntryState::Waiting { position } => ("waiting", position.to_string()),
     };
+    let (mode, permits) = mode_json(entry.mode);
     format!(
-        "{{\"key\":{},\"mode\":\"{}\",\"state\":\"{state}\",\"position\":{position},\
+        "{{\"key\":{},\"mode\":\"{mode}\",\"permits\":{permits},\"state\":\"{state}\",\
+         \"position\":{position},\
          \"owner\":{},\"operation\":{},\"ticket\":{},\"since_ms\":{},\"expires_at_ms\":{},\
          \"lease_left_ms\":{}}}",
         json_string(&entry.key),
-        mode_name(entry.mode),
         json_string(&entry.owner),
         json_string(&entry.operation),
         entry.ticket,

@@ -8,8 +8,9 @@ use postgres::types::ToSql;
 
 use super::listener::{channel, payload};
 use super::schema::{key_lock, key_locks};
+use super::small_mode_code;
 use super::Postgres;
-use crate::lock::backend::codec::{encode_keys, key_hash, mode_code, sql_ticket, ticket_of};
+use crate::lock::backend::codec::{encode_keys, key_hash, sql_ticket, ticket_of};
 use crate::lock::backend::{
     AtOnce, DecidesAtOnce, Decision, Deleted, Outcome, OwnedRequest, Removal, Result, Wait,
 };
@@ -66,7 +67,7 @@ impl<'a> DecideArgs<'a> {
             AtOnce::Acquire { requests, wait } => {
                 for request in requests {
                     self.keys.push(request.key.clone());
-                    self.modes.push(mode_code(request.mode));
+                    self.modes.push(small_mode_code(request.mode));
                     self.operations.push(&request.operation);
                 }
                 self.tickets.push(None);
@@ -161,7 +162,7 @@ impl<'a> OneArgs<'a> {
                 lock: key_lock(schema, &request.key),
                 schema_lock,
                 key: &request.key,
-                mode: mode_code(request.mode),
+                mode: small_mode_code(request.mode),
                 operation: &request.operation,
                 wait: wait_code(wait),
             }),

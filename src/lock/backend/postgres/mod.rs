@@ -173,6 +173,13 @@ pub(crate) struct Postgres {
     siblings: Siblings,
 }
 
+/// A mode as this schema stores it, in a `smallint`: shared or exclusive (`mode_code`). This
+/// backend is not given permits (`Capabilities::permits`); were it given one, it would keep it
+/// as exclusive, which never grants more than the limit.
+pub(crate) fn small_mode_code(mode: crate::lock::Mode) -> i16 {
+    i16::try_from(mode_code(mode)).unwrap_or(1)
+}
+
 /// Connects to `target` (its waits bounded by the heartbeat: `Target::bound_by`), brings the
 /// schema up to date, starts the listener; says through `opened` whether it could, and hands
 /// the storage to `worker`. Runs on the storage thread, which owns the client and its runtime.
@@ -551,6 +558,7 @@ impl Storage for Postgres {
             // A waiter without a row is noted (`watching`) under the locks of its keys.
             refuses_by_reads: false,
             hears_every_commit: false,
+            permits: false,
         }
     }
 
@@ -718,7 +726,7 @@ impl Storage for Postgres {
         let keys = stored_keys(requests, held);
         // One statement for every row of the request, whatever its number of keys.
         let names: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
-        let modes: Vec<i16> = requests.iter().map(|r| mode_code(r.mode)).collect();
+        let modes: Vec<i16> = requests.iter().map(|r| small_mode_code(r.mode)).collect();
         let operations: Vec<&str> = requests.iter().map(|r| r.operation.as_str()).collect();
         self.execute(
             "writing a request's rows",

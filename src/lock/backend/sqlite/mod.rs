@@ -621,6 +621,7 @@ impl Storage for Db<'_> {
             keys_locked: false,
             refuses_by_reads: true,
             hears_every_commit: true,
+            permits: true,
         }
     }
 
@@ -844,7 +845,7 @@ impl Storage for Db<'_> {
         for request in requests {
             statement.reset().map_err(|e| storage_error(doing, &e))?;
             bind(doing, &mut statement, 1, request.key.as_str())?;
-            bind(doing, &mut statement, 2, i64::from(mode_code(request.mode)))?;
+            bind(doing, &mut statement, 2, mode_code(request.mode))?;
             bind(doing, &mut statement, 3, request.operation.as_str())?;
             bind(doing, &mut statement, 4, owner)?;
             bind(doing, &mut statement, 5, ticket)?;
