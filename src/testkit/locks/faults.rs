@@ -87,6 +87,8 @@ pub struct FaultPlan {
 pub(crate) enum Planted {
     /// The store hides held exclusive rows from the reads that decide grants.
     HidesHeldExclusive,
+    /// The store hides one held permits row of a key from the reads that decide grants.
+    HidesHeldPermits,
     /// The store renews rows as if it were a lease ago: rows lapsed since are renewed too.
     RenewsWithStaleTime,
 }
@@ -407,6 +409,16 @@ impl Storage for SimStorage {
             into.retain(|row| {
                 n += 1;
                 n <= before || !(row.held && row.mode == Mode::Exclusive)
+            });
+        }
+        if self.planted(Planted::HidesHeldPermits) {
+            let (mut n, mut hidden) = (0, false);
+            into.retain(|row| {
+                n += 1;
+                let hide =
+                    n > before && !hidden && row.held && matches!(row.mode, Mode::Permits { .. });
+                hidden |= hide;
+                !hide
             });
         }
         Ok(())

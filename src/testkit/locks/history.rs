@@ -198,9 +198,34 @@ impl Replay {
             .map(|((_, ticket), row)| (*ticket, row))
     }
 
-    /// Judges the grant of `ticket` on `key` for `mode` at `at`, by the grant rule over the rows
+    /// Judges the grant of `ticket` on `key` for `mode` at `at`: for permits, by the counts the
+    /// live holders then held, within the key's limit; then by the grant rule over the rows
     /// live then, and the order of fencing tokens on the key.
     fn grant(&mut self, n: usize, key: &str, ticket: u64, mode: Mode, at: i64) -> Check {
+        if let Mode::Permits { count, limit } = mode {
+            // Whatever the rule says: the live holders of a key never hold more than its limit.
+            let (mut held, mut least) = (u64::from(count), limit);
+            for (other, row) in self
+                .live_on(key, at)
+                .filter(|&(t, row)| t != ticket && row.held)
+            {
+                let Mode::Permits { count, limit } = row.mode else {
+                    return Err(format!(
+                        "event {n}: ticket {ticket} was granted {mode} on {key:?} at {at} while \
+                         ticket {other} held it {}",
+                        row.mode
+                    ));
+                };
+                held += u64::from(count);
+                least = least.min(limit);
+            }
+            if held > u64::from(least) {
+                return Err(format!(
+                    "event {n}: ticket {ticket} was granted {mode} on {key:?} at {at}: its live \
+                     holders then held {held} permits, over the key's limit of {least}"
+                ));
+            }
+        }
         let others: Vec<(Mode, u64)> = self
             .live_on(key, at)
             .filter(|&(other, _)| other != ticket)
@@ -226,30 +251,6 @@ impl Replay {
         // shared holders may be granted out of ticket order (a waiter whose blocker's lease ran
         // out, passed by a new shared request before anyone promoted it), and fencing orders
         // only holders that exclude each other.
-        if let Mode::Permits { count, limit } = mode {
-            // Whatever the rule says: the live holders of a key never hold more than its limit.
-            let (mut held, mut least) = (u64::from(count), limit);
-            for (other, row) in self
-                .live_on(key, at)
-                .filter(|&(t, row)| t != ticket && row.held)
-            {
-                let Mode::Permits { count, limit } = row.mode else {
-                    return Err(format!(
-                        "event {n}: ticket {ticket} was granted {mode} on {key:?} at {at} while \
-                         ticket {other} held it {}",
-                        row.mode
-                    ));
-                };
-                held += u64::from(count);
-                least = least.min(limit);
-            }
-            if held > u64::from(least) {
-                return Err(format!(
-                    "event {n}: ticket {ticket} was granted {mode} on {key:?} at {at}: its live \
-                     holders then held {held} permits, over the key's limit of {least}"
-                ));
-            }
-        }
         let last = self.last_granted.entry(key.to_owned()).or_default();
         let before = match mode {
             Mode::Exclusive => last.any,
@@ -280,6 +281,8 @@ type Check = Result<(), String>;
 ///   allows over the rows live at that moment, as the store judged them: no two holders where
 ///   the rule forbids it while both leases are live, and no waiter passed over (FIFO with
 ///   writer preference).
+/// - **Permits within the limit.** At no grant of permits do the live holders of the key hold
+///   more than its limit, or hold it in another mode.
 /// - **Fencing.** On each key, a grant's ticket is larger than those of every earlier grant
 ///   it conflicts with (an exclusive one after any, any after an exclusive one).
 /// - **No revival.** No renewal or promotion touches a row whose lease had run out.

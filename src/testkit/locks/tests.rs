@@ -5,6 +5,7 @@
 //!
 //! A workload is drawn from one seed: two or three processes (managers on one store), each with
 //! a few tasks that take, hold and give up locks on two keys (queued, `try_acquire`, `many`),
+//! and for half the seeds one or two tasks that also take permits of a third key,
 //! some interrupted while they wait (by a timeout, or by being dropped), some releasing by
 //! `release`, by drop, or by the scope that adopted the guard; and a controller that kills one
 //! process or stops one past its lease. Every process's connection meets drawn faults: busy
@@ -29,6 +30,9 @@ use crate::{Clock, LockError, LockManager, LockRequest, Mode, Scoped};
 const LEASE: Duration = Duration::from_secs(3);
 const HEARTBEAT: Duration = Duration::from_secs(1);
 const KEYS: [&str; 2] = ["a", "b"];
+/// The key of permits tasks (step key `KEYS.len()`), with [`SLOTS_LIMIT`] permits.
+const SLOTS: &str = "slots";
+const SLOTS_LIMIT: u32 = 2;
 
 /// A small deterministic generator (SplitMix64), so that a workload is its seed.
 struct Draw(u64);
@@ -100,6 +104,33 @@ struct Workload {
     fault_rate: f64,
 }
 
+/// A step's ask, on a key of `keys` keys (the last may be [`SLOTS`]).
+fn drawn_step(draw: &mut Draw, keys: usize) -> Step {
+    Step {
+        ask: match draw.below(5) {
+            0 => Ask::Try,
+            1 => Ask::Many,
+            _ => Ask::Queued,
+        },
+        key: draw.below(keys as u64) as usize,
+        mode: if draw.chance(50) {
+            Mode::Exclusive
+        } else {
+            Mode::Shared
+        },
+        give_up: draw
+            .chance(25)
+            .then(|| (draw.millis(2000), draw.chance(50))),
+        hold: draw.millis(2500),
+        let_go: match draw.below(3) {
+            0 => LetGo::Release,
+            1 => LetGo::Drop,
+            _ => LetGo::Scope,
+        },
+        pause: draw.millis(500),
+    }
+}
+
 impl Workload {
     fn drawn(seed: u64) -> Workload {
         let mut draw = Draw(seed);
@@ -108,29 +139,7 @@ impl Workload {
         for process in 0..processes {
             for _ in 0..1 + draw.below(2) {
                 let steps = (0..2 + draw.below(4))
-                    .map(|_| Step {
-                        ask: match draw.below(5) {
-                            0 => Ask::Try,
-                            1 => Ask::Many,
-                            _ => Ask::Queued,
-                        },
-                        key: draw.below(KEYS.len() as u64) as usize,
-                        mode: if draw.chance(50) {
-                            Mode::Exclusive
-                        } else {
-                            Mode::Shared
-                        },
-                        give_up: draw
-                            .chance(25)
-                            .then(|| (draw.millis(2000), draw.chance(50))),
-                        hold: draw.millis(2500),
-                        let_go: match draw.below(3) {
-                            0 => LetGo::Release,
-                            1 => LetGo::Drop,
-                            _ => LetGo::Scope,
-                        },
-                        pause: draw.millis(500),
-                    })
+                    .map(|_| drawn_step(&mut draw, KEYS.len()))
                     .collect();
                 tasks.push((process, steps));
             }
@@ -154,17 +163,44 @@ impl Workload {
             fault_rate,
         }
     }
+
+    /// The workload of `seed`, and for half the seeds one or two more tasks that also take
+    /// permits of [`SLOTS`] (one or two of its two, alone or in a `many` beside a shared or
+    /// exclusive key). Drawn from a stream of their own, so that the rest of the workload is
+    /// the seed's as before.
+    fn drawn_with_permits(seed: u64) -> Workload {
+        let mut workload = Workload::drawn(seed);
+        let mut draw = Draw(seed ^ 0x7065_726d_6974_7321);
+        if draw.chance(50) {
+            for _ in 0..1 + draw.below(2) {
+                let process = draw.below(workload.processes as u64) as usize;
+                let steps = (0..2 + draw.below(4))
+                    .map(|_| drawn_step(&mut draw, KEYS.len() + 1))
+                    .collect();
+                workload.tasks.push((process, steps));
+            }
+        }
+        workload
+    }
 }
 
-/// The request of `step` (and for `many`, of both keys).
+/// The request of `step` (and for `many`, of a second key). On [`SLOTS`], an exclusive step
+/// takes two permits and a shared one one.
 fn requests(step: &Step) -> Vec<LockRequest> {
-    let request = |key: usize| LockRequest {
-        key: KEYS[key].to_owned(),
-        mode: step.mode,
-        operation: "work".to_owned(),
+    let request = |key: usize| match KEYS.get(key) {
+        Some(key) => LockRequest {
+            key: (*key).to_owned(),
+            mode: step.mode,
+            operation: "work".to_owned(),
+        },
+        None => {
+            let count = if step.mode == Mode::Exclusive { 2 } else { 1 };
+            LockRequest::permits(SLOTS, "work", count, SLOTS_LIMIT)
+        }
     };
     match step.ask {
-        Ask::Many => vec![request(step.key), request(1 - step.key)],
+        Ask::Many if step.key < KEYS.len() => vec![request(step.key), request(1 - step.key)],
+        Ask::Many => vec![request(step.key), request(0)],
         _ => vec![request(step.key)],
     }
 }
@@ -253,7 +289,21 @@ fn run(
     planted: Option<Planted>,
     postgres_like: Option<Duration>,
 ) -> Result<Run, String> {
-    let workload = Workload::drawn(seed);
+    run_workload(
+        seed,
+        Workload::drawn_with_permits(seed),
+        planted,
+        postgres_like,
+    )
+}
+
+/// [`run`] with the workload given (drawn from `seed`, whose simulation runs it).
+fn run_workload(
+    seed: u64,
+    workload: Workload,
+    planted: Option<Planted>,
+    postgres_like: Option<Duration>,
+) -> Result<Run, String> {
     let config = SimConfig {
         seed,
         max_steps: 2_000_000,
@@ -430,11 +480,11 @@ fn the_first_workloads_keep_every_promise() {
     );
 }
 
-/// The first seed a workload with `bug` planted fails on, within the default case count; its
-/// message must say `what` broke.
-fn found(bug: Planted, what: &str) {
+/// The first seed a workload (of `workload`) with `bug` planted fails on, within the default
+/// case count; its message must say `what` broke.
+fn found(bug: Planted, workload: fn(u64) -> Workload, what: &str) {
     let found = (0..cases()).find_map(|seed| {
-        run(seed, Some(bug), Some(ESTIMATE_AHEAD))
+        run_workload(seed, workload(seed), Some(bug), Some(ESTIMATE_AHEAD))
             .err()
             .map(|why| (seed, why))
     });
@@ -452,13 +502,27 @@ fn found(bug: Planted, what: &str) {
 
 #[test]
 fn a_store_that_hides_held_exclusive_rows_is_found() {
-    found(Planted::HidesHeldExclusive, "the grant rule forbids it");
+    found(
+        Planted::HidesHeldExclusive,
+        Workload::drawn,
+        "the grant rule forbids it",
+    );
+}
+
+#[test]
+fn a_store_that_hides_held_permits_is_found() {
+    found(
+        Planted::HidesHeldPermits,
+        Workload::drawn_with_permits,
+        "over the key's limit",
+    );
 }
 
 #[test]
 fn a_store_that_renews_with_a_stale_time_is_found() {
     found(
         Planted::RenewsWithStaleTime,
+        Workload::drawn,
         "a renewal revived a lapsed row",
     );
 }
@@ -606,11 +670,13 @@ fn the_seeds_that_found_bugs_pass() {
         1504486325539948817,
         4016030577864982332,
     ] {
-        if let Err(why) = run(seed, None, Some(Duration::ZERO)) {
+        // The workloads as they were when these seeds found their bugs: without permits.
+        if let Err(why) = run_workload(seed, Workload::drawn(seed), None, Some(Duration::ZERO)) {
             panic!("{why}");
         }
     }
-    if let Err(why) = run(17138760511752577244, None, Some(ESTIMATE_AHEAD)) {
+    let seed = 17138760511752577244;
+    if let Err(why) = run_workload(seed, Workload::drawn(seed), None, Some(ESTIMATE_AHEAD)) {
         panic!("{why}");
     }
 }
