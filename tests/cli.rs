@@ -1197,6 +1197,64 @@ fn each_subcommands_help_exits_0_with_an_example() {
     }
 }
 
+/// `run --limit N`: runs holding permits of a key overlap up to N, and one more waits (or with
+/// `-n` runs nothing); `--count K` takes K of them; a run naming another N is a usage error.
+/// (On SQLite: PostgreSQL stores do not keep permits yet.)
+#[test]
+fn permit_runs_overlap_up_to_the_limit_and_no_further() {
+    let sandbox = Sandbox::sqlite();
+    sandbox.create_store();
+    // Each waits for the other's marker while it holds a permit: both end only if they overlap.
+    let mut runs: Vec<Running> = [("a", "b"), ("b", "a")]
+        .iter()
+        .map(|(me, other)| {
+            let script = format!("touch {me}.in; await_file {other}.in; await_file {me}.go");
+            let options = ["--limit", "2", "-w", "60s", "--operation", me];
+            Running::start(&mut sandbox.run(&options, "slots", &script))
+        })
+        .collect();
+    sandbox.rows_once("both hold", |rows| {
+        rows.iter()
+            .filter(|row| row.text("state") == "held")
+            .count()
+            == 2
+    });
+    let rows = sandbox.rows(Some("slots"));
+    assert!(
+        rows.iter().all(|row| row.text("mode") == "permits"),
+        "{rows:?}"
+    );
+    // The third: refused with -n, and with a count that does not fit.
+    for options in [
+        &["--limit", "2", "-n"][..],
+        &["--limit", "2", "--count", "2", "-n"],
+    ] {
+        let refused = finish(&mut sandbox.run(options, "slots", "touch ran"));
+        refused.assert_exit(1);
+        assert!(!sandbox.exists("ran"), "{options:?} ran its COMMAND");
+    }
+    // Another limit on the key: a usage error, saying the key's.
+    let wrong = finish(&mut sandbox.run(&["--limit", "3", "-n"], "slots", "touch ran"));
+    wrong.assert_exit(2);
+    assert!(wrong.stderr.contains("has 2 permits"), "{wrong}");
+    let too_many = finish(&mut sandbox.run(&["--limit", "2", "--count", "3"], "slots", "true"));
+    too_many.assert_exit(2);
+    assert!(
+        too_many.stderr.contains("--count 3 is more than --limit 2"),
+        "{too_many}"
+    );
+    assert!(!sandbox.exists("ran"));
+
+    sandbox.create("a.go");
+    runs[0].wait().assert_exit(0);
+    // One permit free: a run of one takes it at once.
+    finish(&mut sandbox.run(&["--limit", "2", "-n"], "slots", "touch ran")).assert_exit(0);
+    assert!(sandbox.exists("ran"));
+    sandbox.create("b.go");
+    runs[1].wait().assert_exit(0);
+    assert!(sandbox.rows(None).is_empty());
+}
+
 #[test]
 fn usage_errors_exit_2_and_touch_neither_command_nor_store() {
     let sandbox = Sandbox::sqlite();

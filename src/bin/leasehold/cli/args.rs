@@ -47,7 +47,8 @@ pub(crate) struct StoreArgs {
 
 /// Run COMMAND while holding a lock on KEY
 ///
-/// Takes the lock (exclusive unless -s), runs COMMAND with LEASEHOLD_FENCING_TOKEN,
+/// Takes the lock (exclusive unless -s; or with --limit N, K of the key's N permits: at most N
+/// held at once, whoever holds them), runs COMMAND with LEASEHOLD_FENCING_TOKEN,
 /// LEASEHOLD_KEY and LEASEHOLD_OWNER in its environment, renews the lease while it runs,
 /// releases when it exits, and exits with its status. SIGINT, SIGTERM or SIGHUP while waiting
 /// leaves the queue (no row is left) and exits 130, 143 or 129; while COMMAND runs they are
@@ -59,12 +60,13 @@ pub(crate) struct StoreArgs {
 /// on without the lock).
 #[derive(Debug, ClapArgs)]
 #[command(
-    group(ArgGroup::new("mode").args(["shared", "exclusive"])),
+    group(ArgGroup::new("mode").args(["shared", "exclusive", "limit"])),
     group(ArgGroup::new("waiting").args(["wait", "no_wait"])),
     after_help = "Examples:\n  \
         leasehold run locks.db repo/photos -- rsync -a photos/ backup:/photos/\n  \
         leasehold run -s -w 30s locks.db repo/photos -- ./read-only-report.sh\n  \
-        leasehold run -n -E 75 postgres://app@db/app nightly -- ./nightly.sh   # skip if running"
+        leasehold run -n -E 75 postgres://app@db/app nightly -- ./nightly.sh   # skip if running\n  \
+        leasehold run --limit 3 locks.db backups -- ./backup.sh   # at most 3 backups at once"
 )]
 pub(crate) struct Run {
     /// Take a shared lock: others with -s hold it at once, none with -x
@@ -73,6 +75,18 @@ pub(crate) struct Run {
     /// Take an exclusive lock (the default)
     #[arg(short = 'x', long)]
     pub(crate) exclusive: bool,
+    /// Take permits of KEY instead of a lock: it has N, and at most N are held at once; every
+    /// run on KEY must give the same N (not on PostgreSQL yet)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) limit: Option<u32>,
+    /// With --limit, how many of KEY's permits to take, at most N [default: 1]
+    #[arg(
+        long,
+        value_name = "K",
+        requires = "limit",
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub(crate) count: Option<u32>,
     /// Wait at most this long for the lock, then run nothing and exit with the conflict code;
     /// 0s takes a free lock and waits for none (as -n)
     #[arg(short = 'w', long, value_name = "DURATION", value_parser = parse_duration)]
@@ -122,8 +136,9 @@ pub(crate) struct Inspect {
     pub(crate) store: StoreArgs,
     /// Only the keys that start with this
     pub(crate) key_prefix: Option<String>,
-    /// One JSON object per row, one per line: key, mode, state, position, owner, operation,
-    /// ticket, since_ms, expires_at_ms, lease_left_ms
+    /// One JSON object per row, one per line: key, mode, count and limit (of permits; null for
+    /// shared and exclusive), state, position, owner, operation, ticket, since_ms,
+    /// expires_at_ms, lease_left_ms
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -217,6 +232,7 @@ mod tests {
             panic!("not a run")
         };
         assert!(run.shared);
+        assert_eq!((run.limit, run.count), (None, None));
         assert_eq!(run.wait, Some(Duration::from_secs(120)));
         assert_eq!(run.command, ["ls", "-l"]);
         assert_eq!(run.conflict_exit_code, 1);
@@ -238,6 +254,49 @@ mod tests {
                 "true",
             ],
             &["leasehold", "run", "-E", "0", "l.db", "k", "--", "true"],
+            &[
+                "leasehold",
+                "run",
+                "-s",
+                "--limit",
+                "3",
+                "l.db",
+                "k",
+                "--",
+                "true",
+            ],
+            &[
+                "leasehold",
+                "run",
+                "--count",
+                "2",
+                "l.db",
+                "k",
+                "--",
+                "true",
+            ],
+            &[
+                "leasehold",
+                "run",
+                "--limit",
+                "0",
+                "l.db",
+                "k",
+                "--",
+                "true",
+            ],
+            &[
+                "leasehold",
+                "run",
+                "--limit",
+                "3",
+                "--count",
+                "0",
+                "l.db",
+                "k",
+                "--",
+                "true",
+            ],
             &["leasehold", "run", "l.db", "k"],
             &["leasehold", "release", "l.db"],
             &["leasehold", "release", "l.db", "--key", "k"],

@@ -95,10 +95,14 @@ pub(crate) fn run(args: Run) -> u8 {
             name.to_string_lossy().into_owned()
         })
     });
-    let request = if args.shared {
-        LockRequest::shared(args.key.as_str(), operation)
-    } else {
-        LockRequest::exclusive(args.key.as_str(), operation)
+    let request = match (args.limit, args.count.unwrap_or(1)) {
+        (Some(limit), count) if count > limit => {
+            eprintln!("leasehold: --count {count} is more than --limit {limit}");
+            return super::USAGE;
+        }
+        (Some(limit), count) => LockRequest::permits(args.key.as_str(), operation, count, limit),
+        (None, _) if args.shared => LockRequest::shared(args.key.as_str(), operation),
+        (None, _) => LockRequest::exclusive(args.key.as_str(), operation),
     };
     smol::block_on(async {
         let builder = LockManager::builder()

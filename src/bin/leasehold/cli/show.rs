@@ -116,15 +116,14 @@ pub(crate) fn unix_now() -> Duration {
         .unwrap_or_default()
 }
 
-/// The mode's name in JSON, with its permits (`null` for shared and exclusive).
-fn mode_json(mode: Mode) -> (&'static str, String) {
+/// The mode's name in JSON, with its count and limit of permits (`null` for shared and
+/// exclusive).
+fn mode_json(mode: Mode) -> (&'static str, String, String) {
+    let null = || "null".to_owned();
     match mode {
-        Mode::Shared => ("shared", "null".to_owned()),
-        Mode::Exclusive => ("exclusive", "null".to_owned()),
-        Mode::Permits { count, limit } => (
-            "permits",
-            format!("{{\"count\":{count},\"limit\":{limit}}}"),
-        ),
+        Mode::Shared => ("shared", null(), null()),
+        Mode::Exclusive => ("exclusive", null(), null()),
+        Mode::Permits { count, limit } => ("permits", count.to_string(), limit.to_string()),
     }
 }
 
@@ -192,10 +191,10 @@ pub(crate) fn json_line(entry: &LockEntry, now: Duration) -> String {
         EntryState::Held => ("held", "null".to_owned()),
         EntryState::Waiting { position } => ("waiting", position.to_string()),
     };
-    let (mode, permits) = mode_json(entry.mode);
+    let (mode, count, limit) = mode_json(entry.mode);
     format!(
-        "{{\"key\":{},\"mode\":\"{mode}\",\"permits\":{permits},\"state\":\"{state}\",\
-         \"position\":{position},\
+        "{{\"key\":{},\"mode\":\"{mode}\",\"count\":{count},\"limit\":{limit},\
+         \"state\":\"{state}\",\"position\":{position},\
          \"owner\":{},\"operation\":{},\"ticket\":{},\"since_ms\":{},\"expires_at_ms\":{},\
          \"lease_left_ms\":{}}}",
         json_string(&entry.key),
@@ -255,11 +254,16 @@ mod tests {
                 &entry("repo/\u{1}x", EntryState::Waiting { position: 2 }),
                 now
             ),
-            "{\"key\":\"repo/\\u0001x\",\"mode\":\"exclusive\",\"state\":\"waiting\",\
-             \"position\":2,\"owner\":\"host:12:ab-0\",\"operation\":\"back \\\"up\\\"\",\
+            "{\"key\":\"repo/\\u0001x\",\"mode\":\"exclusive\",\"count\":null,\"limit\":null,\
+             \"state\":\"waiting\",\"position\":2,\"owner\":\"host:12:ab-0\",\"operation\":\"back \\\"up\\\"\",\
              \"ticket\":7,\"since_ms\":100000,\"expires_at_ms\":130000,\"lease_left_ms\":20000}"
         );
         assert!(json_line(&entry("k", EntryState::Held), now).contains("\"position\":null"));
+        let permits = LockEntry {
+            mode: Mode::Permits { count: 2, limit: 3 },
+            ..entry("k", EntryState::Held)
+        };
+        assert!(json_line(&permits, now).contains("\"mode\":\"permits\",\"count\":2,\"limit\":3,"));
         assert_eq!(
             json_string("\u{1b}[2J\n\u{7f}\u{9b}é"),
             "\"\\u001b[2J\\n\\u007f\\u009bé\""
