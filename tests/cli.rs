@@ -280,6 +280,7 @@ on_each_store!(
     release_by_key_and_ticket_removes_only_that_request,
     a_waiter_removed_by_release_exits_5_says_who_and_runs_nothing,
     watch_shows_a_new_holder_of_its_prefix_only,
+    permit_runs_overlap_up_to_the_limit_and_no_further,
 );
 
 // Scenarios on each store.
@@ -1199,10 +1200,7 @@ fn each_subcommands_help_exits_0_with_an_example() {
 
 /// `run --limit N`: runs holding permits of a key overlap up to N, and one more waits (or with
 /// `-n` runs nothing); `--count K` takes K of them; a run naming another N is a usage error.
-/// (On SQLite: PostgreSQL stores do not keep permits yet.)
-#[test]
-fn permit_runs_overlap_up_to_the_limit_and_no_further() {
-    let sandbox = Sandbox::sqlite();
+fn permit_runs_overlap_up_to_the_limit_and_no_further(sandbox: &Sandbox) {
     sandbox.create_store();
     // Each waits for the other's marker while it holds a permit: both end only if they overlap.
     let mut runs: Vec<Running> = [("a", "b"), ("b", "a")]

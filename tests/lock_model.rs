@@ -1383,6 +1383,7 @@ proptest! {
     fn the_manager_on_postgres_grants_what_the_rule_says(
         owners in 2..=3usize,
         keys in 2..=3usize,
+        permits in any::<bool>(),
         ops in proptest::collection::vec(
             op().prop_filter("time moves only on SQLite", |op| {
                 !matches!(op, Op::Expire { .. } | Op::Advance { .. })
@@ -1394,8 +1395,7 @@ proptest! {
             return Ok(());
         };
         block_on(async {
-            // PostgreSQL does not keep permits yet.
-            let mut world = World::open(store, owners, keys, false).await;
+            let mut world = World::open(store, owners, keys, permits).await;
             for op in &ops {
                 world.step(op).await;
             }

@@ -625,15 +625,15 @@ fn a_schema_written_by_a_newer_version_is_refused() {
 
 /// A schema of version 3 (an acquisition and a release each had a function, with no `decide`),
 /// 4 (a `decide` without shortcuts), 5 (a `decide` that could judge on a stale read), 6 (no
-/// `renew`), 7 (no `acquire_one` and `release_one`), 8 (no tombstones of removals) or 9 (no
-/// absorbed steps of the server's clock) is brought up to date when a manager connects, keeping
-/// its rows.
+/// `renew`), 7 (no `acquire_one` and `release_one`), 8 (no tombstones of removals), 9 (no
+/// absorbed steps of the server's clock) or 10 (modes in a `smallint`, no permits) is brought up
+/// to date when a manager connects, keeping its rows.
 #[test]
 fn a_schema_of_an_older_version_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    for old_version in [3, 4, 5, 6, 7, 8, 9] {
+    for old_version in [3, 4, 5, 6, 7, 8, 9, 10] {
         block_on(migrated_from(server, old_version));
     }
 }
@@ -647,15 +647,28 @@ async fn migrated_from(server: &pg_support::Server, old_version: i32) {
     } else {
         String::new()
     };
+    let older = if old_version < 10 {
+        format!(
+            "DROP FUNCTION {schema}.decide; DROP FUNCTION {schema}.renew; \
+             DROP FUNCTION {schema}.acquire_one; DROP FUNCTION {schema}.release_one; \
+             DROP FUNCTION {schema}.lock_keys; DROP FUNCTION {schema}.check_clock; {removed} \
+             ALTER TABLE {schema}.meta DROP COLUMN skew;"
+        )
+    } else {
+        String::new()
+    };
     server.sql(&format!(
-        "DROP FUNCTION {schema}.decide; DROP FUNCTION {schema}.renew; \
-         DROP FUNCTION {schema}.acquire_one; DROP FUNCTION {schema}.release_one; \
-         DROP FUNCTION {schema}.lock_keys; DROP FUNCTION {schema}.check_clock; {removed} \
-         ALTER TABLE {schema}.meta DROP COLUMN skew; UPDATE {schema}.meta SET version = {old_version}"
+        "{older} ALTER TABLE {schema}.locks ALTER COLUMN mode TYPE smallint; \
+         UPDATE {schema}.meta SET version = {old_version}"
     ));
     let new = manager(server.url(), &schema).await;
     let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
-    assert_eq!(version.trim(), "10");
+    assert_eq!(version.trim(), "11");
+    let mode_type = server.sql(&format!(
+        "SELECT data_type FROM information_schema.columns \
+         WHERE table_schema = '{schema}' AND table_name = 'locks' AND column_name = 'mode'"
+    ));
+    assert_eq!(mode_type.trim(), "bigint");
     let skew = server.sql(&format!("SELECT skew FROM {schema}.meta"));
     assert_eq!(skew.trim(), "0");
     let tombstones = server.sql(&format!("SELECT count(*) FROM {schema}.removed"));
@@ -673,6 +686,14 @@ async fn migrated_from(server: &pg_support::Server, old_version: i32) {
         .release()
         .await
         .unwrap();
+    // And permits, which the old schema could not keep.
+    let permit = new.permits("slots", "after", 2, 3).await.unwrap();
+    let entries = new.inspect(Some("slots")).await.unwrap();
+    assert_eq!(
+        entries[0].mode,
+        leasehold::Mode::Permits { count: 2, limit: 3 }
+    );
+    permit.release().await.unwrap();
 }
 
 #[test]

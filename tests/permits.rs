@@ -1,7 +1,6 @@
 //! Keyed permits (`Mode::Permits`): at most `limit` permits of a key held at once, in the same
 //! queue as every other request. The conformance cases of API.md's permits section, on every
-//! store that keeps permits and under every executor; on PostgreSQL, which does not keep them
-//! yet, a permits request is refused before anything is written.
+//! store and under every executor.
 
 mod common;
 mod stores;
@@ -48,31 +47,9 @@ fn invalid(result: Result<Guard, LockError>) -> String {
     }
 }
 
-/// Runs `scenario` on every store that keeps permits; on one that does not (PostgreSQL, for
-/// now), checks that a permits request is refused there, and writes nothing.
-fn on_every_store_with_permits<F, Fut>(scenario: F)
-where
-    F: Fn(stores::Store) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let scenario = std::sync::Arc::new(scenario);
-    stores::on_every_store(move |store| {
-        let scenario = scenario.clone();
-        async move {
-            if store.name() != "PostgreSQL" {
-                return scenario(store).await;
-            }
-            let locks = store.open().await;
-            let why = invalid(locks.permits("k", "p", 1, 3).await);
-            assert!(why.contains("does not keep permits"), "{why}");
-            assert!(locks.inspect(None).await.unwrap().is_empty());
-        }
-    });
-}
-
 #[test]
 fn case_p1_three_of_three_permits_are_held_together_and_a_fourth_waits() {
-    on_every_store_with_permits(|store| async move {
+    stores::on_every_store(|store| async move {
         let locks = store.open().await;
         let other = store.open().await;
         let a = locks.permits("slots", "a", 1, 3).await.unwrap();
@@ -110,7 +87,7 @@ fn case_p1_three_of_three_permits_are_held_together_and_a_fourth_waits() {
 
 #[test]
 fn case_p1_a_large_request_at_the_head_is_not_passed_by_a_smaller_one_behind_it() {
-    on_every_store_with_permits(|store| async move {
+    stores::on_every_store(|store| async move {
         let locks = store.open().await;
         let first = locks.permits("slots", "first", 2, 3).await.unwrap();
         let large = start(&locks, LockRequest::permits("slots", "large", 2, 3));
@@ -147,7 +124,7 @@ fn case_p1_a_large_request_at_the_head_is_not_passed_by_a_smaller_one_behind_it(
 
 #[test]
 fn case_p1_another_limit_or_another_kind_on_a_key_is_an_invalid_request() {
-    on_every_store_with_permits(|store| async move {
+    stores::on_every_store(|store| async move {
         let locks = store.open().await;
         let other = store.open().await;
         let permit = locks.permits("slots", "p", 1, 3).await.unwrap();
@@ -201,7 +178,7 @@ fn case_p1_another_limit_or_another_kind_on_a_key_is_an_invalid_request() {
 
 #[test]
 fn case_p1_many_of_an_exclusive_key_and_a_permit_is_all_or_nothing() {
-    on_every_store_with_permits(|store| async move {
+    stores::on_every_store(|store| async move {
         let locks = store.open().await;
         let other = store.open().await;
         let both = || {
@@ -267,7 +244,7 @@ fn case_p1_many_of_an_exclusive_key_and_a_permit_is_all_or_nothing() {
 
 #[test]
 fn a_permit_guard_dropped_or_interrupted_leaves_no_row() {
-    on_every_store_with_permits(|store| async move {
+    stores::on_every_store(|store| async move {
         let locks = store.open().await;
         drop(locks.permits("slots", "dropped", 3, 3).await.unwrap());
         let full = locks.permits("slots", "full", 3, 3).await.unwrap();

@@ -66,8 +66,7 @@ impl LockManager {
     ///
     /// As [`acquire`](LockManager::acquire), and [`LockError::InvalidRequest`] for a `count` of
     /// 0 or above `limit`, a `limit` of 0, a limit other than the one the key's other requests
-    /// name, a key held or waited for in shared or exclusive mode, or a store that does not keep
-    /// permits yet (PostgreSQL).
+    /// name, or a key held or waited for in shared or exclusive mode.
     ///
     /// # Examples
     ///

@@ -87,35 +87,31 @@ pub(crate) fn misfit<'a>(
     requests: impl IntoIterator<Item = (&'a str, Mode)>,
     rows: &[RowView],
 ) -> Option<String> {
-    for (key, mode) in requests {
-        for row in rows.iter().filter(|row| &*row.key == key) {
-            match (mode, row.mode) {
-                (Mode::Permits { limit, .. }, Mode::Permits { limit: theirs, .. })
-                    if limit != theirs =>
-                {
-                    return Some(format!(
-                        "the key {key:?} has {theirs} permits, as its requests say; this one \
-                         says {limit}"
-                    ));
-                }
-                (Mode::Permits { .. }, Mode::Shared | Mode::Exclusive) => {
-                    return Some(format!(
-                        "the key {key:?} is locked in {} mode: permits of it cannot be asked \
-                         for until no shared or exclusive request is on it",
-                        row.mode
-                    ));
-                }
-                (Mode::Shared | Mode::Exclusive, Mode::Permits { limit, .. }) => {
-                    return Some(format!(
-                        "the key {key:?} is used for permits (a limit of {limit}): it cannot be \
-                         locked in {mode} mode until no permits request is on it"
-                    ));
-                }
-                _ => {}
-            }
+    requests.into_iter().find_map(|(key, mode)| {
+        (rows.iter().filter(|row| &*row.key == key))
+            .find_map(|row| misfit_beside(key, mode, row.mode))
+    })
+}
+
+/// Why a request for `mode` on `key` may not be written beside a live row of `theirs` there,
+/// if it may not (see [`misfit`]).
+pub(crate) fn misfit_beside(key: &str, mode: Mode, theirs: Mode) -> Option<String> {
+    match (mode, theirs) {
+        (Mode::Permits { limit, .. }, Mode::Permits { limit: theirs, .. }) if limit != theirs => {
+            Some(format!(
+                "the key {key:?} has {theirs} permits, as its requests say; this one says {limit}"
+            ))
         }
+        (Mode::Permits { .. }, Mode::Shared | Mode::Exclusive) => Some(format!(
+            "the key {key:?} is locked in {theirs} mode: permits of it cannot be asked for until \
+             no shared or exclusive request is on it"
+        )),
+        (Mode::Shared | Mode::Exclusive, Mode::Permits { limit, .. }) => Some(format!(
+            "the key {key:?} is used for permits (a limit of {limit}): it cannot be locked in \
+             {mode} mode until no permits request is on it"
+        )),
+        _ => None,
     }
-    None
 }
 
 /// Whether a new request (whose ticket is larger than every existing one) would be granted now

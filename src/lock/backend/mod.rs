@@ -263,9 +263,6 @@ pub(crate) struct Capabilities {
     /// change log, the memory store's version). Not on PostgreSQL, whose commits announce only
     /// what may free a waiter: a request queued elsewhere is announced to nobody.
     pub(crate) hears_every_commit: bool,
-    /// Whether it keeps permits (`Mode::Permits`): a request of them on a store that does not
-    /// fails with `InvalidRequest` before it reaches the store.
-    pub(crate) permits: bool,
 }
 
 /// Decisions in one round trip (PostgreSQL's function `decide`), for a backend that has them
@@ -329,6 +326,9 @@ pub(crate) struct Decision {
     /// When refused a caller who waits: the other owners' live rows on the request's keys, by
     /// key and expiry.
     pub(crate) others: Vec<(String, i64)>,
+    /// When refused because a live row on one of its keys is of another kind (`grant::misfit`):
+    /// that key, and the row's mode. Nothing was written.
+    pub(crate) misfit: Option<(String, Mode)>,
 }
 
 /// What `Storage::decide_at_once` did for a removal.

@@ -6,15 +6,17 @@ use super::*;
 impl<S: Storage> Worker<S> {
     /// How many of the first `writes` one call can decide: acquisitions, and removals of
     /// requests written before it (a removal of one acquired in the same run waits for the
-    /// next call, which knows its ticket).
+    /// next call, which knows its ticket), but none of permits, which only a transaction
+    /// decides (by `grant.rs`: the storage's call decides shared and exclusive requests only).
     pub(super) fn at_once_run(&self, writes: &[Write]) -> usize {
         let mut removed = BTreeSet::new();
         writes
             .iter()
             .take_while(|write| match write {
-                Write::Acquire { .. } => true,
+                Write::Acquire { requests, .. } => !of_permits(requests),
                 Write::Remove { request, .. } => {
-                    self.requests.contains_key(request) && removed.insert(*request)
+                    self.requests.get(request).is_some_and(|w| !w.permits)
+                        && removed.insert(*request)
                 }
                 _ => false,
             })
@@ -143,6 +145,13 @@ impl<S: Storage> Worker<S> {
             ) => {
                 let (request, wait) = (*request, *wait);
                 let keys = keys_of(requests);
+                let misfit = (decision.misfit.as_ref()).and_then(|(key, theirs)| {
+                    let mode = requests.iter().find(|r| r.key == *key)?.mode;
+                    misfit_beside(key, mode, *theirs)
+                });
+                if let Some(why) = misfit {
+                    return self.deliver(write, Decided::Misfit(why), decision.now);
+                }
                 let decided = match decision.ticket {
                     Some(ticket) => self.written(
                         request,

@@ -29,16 +29,6 @@ impl<S: Storage> Worker<S> {
                     // where the storage needs it noted (`Storage::watching`). Where the storage
                     // decides in one call, which writes nothing for a `try_acquire` refused, a
                     // read first would only add a round trip to every one granted.
-                    if !self.caps.permits
-                        && requests
-                            .iter()
-                            .any(|r| matches!(r.mode, crate::lock::Mode::Permits { .. }))
-                    {
-                        let why = "this store does not keep permits yet: use a SQLite or memory \
-                                   store for them";
-                        let _ = reply.send(Err(LockError::InvalidRequest(why.into())));
-                        continue;
-                    }
                     let read_first = match wait {
                         Wait::No => self.storage.at_once().is_none(),
                         _ => self.caps.refuses_by_reads,

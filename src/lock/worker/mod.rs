@@ -63,7 +63,9 @@ use crate::clock::{Clock, SystemClock};
 use crate::lock::backend::{
     AtOnce, Capabilities, Changes, Deleted, Outcome, OwnedRequest, Serve, Storage,
 };
-use crate::lock::grant::{grantable_now, misfit, other_keys, promotable_within, RowView};
+use crate::lock::grant::{
+    grantable_now, misfit, misfit_beside, other_keys, promotable_within, RowView,
+};
 use crate::lock::state::Counters;
 use crate::lock::time::{from_micros, micros};
 use crate::lock::worker::protocol::{
@@ -106,6 +108,15 @@ fn spin_schedule() -> Schedule {
 struct Written {
     ticket: u64,
     keys: Vec<String>,
+    /// Whether it is of permits, which only a transaction decides (`at_once_run`); never so for
+    /// a request found in storage after a call's answer was lost (`find_lost_requests`), which
+    /// that call wrote.
+    permits: bool,
+}
+
+/// Whether `requests` ask for permits on any key.
+fn of_permits(requests: &[LockRequest]) -> bool {
+    (requests.iter()).any(|request| matches!(request.mode, crate::lock::Mode::Permits { .. }))
 }
 
 /// What a transaction freed, for waking waiters once it has committed.

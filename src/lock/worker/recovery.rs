@@ -84,7 +84,14 @@ impl<S: Storage> Worker<S> {
                     .collect();
                 for (ticket, keys) in requests {
                     if !known.contains(&ticket) {
-                        self.doubts.acquisitions.push(Written { ticket, keys });
+                        // Written by a call, which decides no permits.
+                        let permits = false;
+                        let written = Written {
+                            ticket,
+                            keys,
+                            permits,
+                        };
+                        self.doubts.acquisitions.push(written);
                     }
                 }
             }

@@ -76,7 +76,7 @@ pub(crate) struct Run {
     #[arg(short = 'x', long)]
     pub(crate) exclusive: bool,
     /// Take permits of KEY instead of a lock: it has N, and at most N are held at once; every
-    /// run on KEY must give the same N (not on PostgreSQL yet)
+    /// run on KEY must give the same N
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) limit: Option<u32>,
     /// With --limit, how many of KEY's permits to take, at most N [default: 1]

@@ -402,7 +402,6 @@ impl Storage for Memory {
             keys_locked: false,
             refuses_by_reads: true,
             hears_every_commit: true,
-            permits: true,
         }
     }
 

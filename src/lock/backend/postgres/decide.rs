@@ -8,9 +8,10 @@ use postgres::types::ToSql;
 
 use super::listener::{channel, payload};
 use super::schema::{key_lock, key_locks};
-use super::small_mode_code;
 use super::Postgres;
-use crate::lock::backend::codec::{encode_keys, key_hash, sql_ticket, ticket_of};
+use crate::lock::backend::codec::{
+    encode_keys, key_hash, mode_code, mode_of, sql_ticket, ticket_of,
+};
 use crate::lock::backend::{
     AtOnce, DecidesAtOnce, Decision, Deleted, Outcome, OwnedRequest, Removal, Result, Wait,
 };
@@ -34,7 +35,7 @@ pub(crate) struct DecideArgs<'a> {
     all_keys: Vec<Option<String>>,
     payloads: Vec<Option<String>>,
     keys: Vec<String>,
-    modes: Vec<i16>,
+    modes: Vec<i64>,
     operations: Vec<&'a str>,
 }
 
@@ -67,7 +68,7 @@ impl<'a> DecideArgs<'a> {
             AtOnce::Acquire { requests, wait } => {
                 for request in requests {
                     self.keys.push(request.key.clone());
-                    self.modes.push(small_mode_code(request.mode));
+                    self.modes.push(mode_code(request.mode));
                     self.operations.push(&request.operation);
                 }
                 self.tickets.push(None);
@@ -128,7 +129,7 @@ pub(crate) enum OneArgs<'a> {
         lock: i32,
         schema_lock: i32,
         key: &'a str,
-        mode: i16,
+        mode: i64,
         operation: &'a str,
         wait: i16,
     },
@@ -162,7 +163,7 @@ impl<'a> OneArgs<'a> {
                 lock: key_lock(schema, &request.key),
                 schema_lock,
                 key: &request.key,
-                mode: small_mode_code(request.mode),
+                mode: mode_code(request.mode),
                 operation: &request.operation,
                 wait: wait_code(wait),
             }),
@@ -228,6 +229,15 @@ fn wait_code(wait: Wait) -> i16 {
 /// An acquisition's answer from `decide`, for a caller who waits as `wait` says.
 fn decision(row: &postgres::Row, wait: Wait) -> Decision {
     let granted: bool = row.get(2);
+    let misfit = (!granted)
+        .then(|| {
+            Some((
+                row.get::<_, Option<String>>(10)?,
+                row.get::<_, Option<i64>>(11)?,
+            ))
+        })
+        .flatten()
+        .map(|(key, mode)| (key, mode_of(mode)));
     let others = if granted || wait == Wait::No {
         Vec::new()
     } else {
@@ -242,6 +252,7 @@ fn decision(row: &postgres::Row, wait: Wait) -> Decision {
         ticket: row.get::<_, Option<i64>>(1).map(ticket_of),
         granted,
         others,
+        misfit,
     }
 }
 

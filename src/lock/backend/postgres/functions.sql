@@ -1,6 +1,13 @@
 -- The server-side functions of the PostgreSQL backend: see `schema.rs` (`FUNCTIONS`).
--- `{s}` is the schema, quoted; `{max_locks}`, `{schema_class}`, `{lock_class}` and
--- `{exclusive}` are numbers filled in by `functions`.
+-- `{s}` is the schema, quoted; `{max_locks}`, `{schema_class}` and `{lock_class}` are numbers
+-- filled in by `functions`.
+-- Modes are stored as `mode_code` writes them: 0 shared, 1 exclusive, any other code permits.
+-- These functions decide shared and exclusive requests only (the worker decides permits in a
+-- transaction of its own, by `grant.rs`): here a shared request meets only shared rows, and any
+-- other code is judged as exclusive, so that a row of permits is never passed over; a waiting
+-- request of permits is never promoted here; and an acquisition on a key where a live row of
+-- permits is finds a misfit (`misfit_key`, `misfit_mode`: that row's key and mode), and writes
+-- nothing.
 -- The store's time is the server's clock less the forward steps of it that clients absorbed
 -- (`meta.skew`; see `mod.rs`, "Time is the server's"). `check_clock` refuses a call whose
 -- statement started later, by the store's time, than `p_latest`, the caller's latest estimate
@@ -61,16 +68,17 @@ END $$;
 CREATE OR REPLACE FUNCTION {s}.decide(
     p_owner text, p_lease bigint, p_locks int4[], p_schema_lock int4, p_channel text,
     p_ends int4[], p_tickets int8[], p_waits int2[], p_all_keys text[], p_payloads text[],
-    p_keys text[], p_modes int2[], p_operations text[], p_latest bigint)
+    p_keys text[], p_modes int8[], p_operations text[], p_latest bigint)
 RETURNS TABLE (
     now bigint, ticket bigint, granted boolean, others_keys text[], others_expiries int8[],
-    deleted bigint, live bigint, freed boolean, promoted int8[], owners text[])
+    deleted bigint, live bigint, freed boolean, promoted int8[], owners text[],
+    misfit_key text, misfit_mode bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     n int;
     lo int := 1;
     op_keys text[];
-    op_modes int2[];
+    op_modes int8[];
     op_ticket int8;
     op_wait int2;
     lapsed bigint;
@@ -108,7 +116,7 @@ BEGIN
             -- answers when the other owners' live rows there run out, and a caller without a
             -- queue position is noted in `watchers`.
             SELECT count(*) FILTER (WHERE o.expires_at <= now),
-                   bool_or(o.expires_at > now AND (r.mode = {exclusive} OR o.mode = {exclusive}))
+                   bool_or(o.expires_at > now AND (r.mode <> 0 OR o.mode <> 0))
             INTO lapsed, blocked
             FROM {s}.locks AS o
             JOIN unnest(op_keys, op_modes) AS r(key, mode) ON o.key = r.key;
@@ -118,12 +126,23 @@ BEGIN
                 -- committed yet: the deletion waited for that renewal and left the row it
                 -- renewed, so judge the keys again as they are now. (Judged on the first read,
                 -- the key went to a second holder while the first went on renewing it.)
-                SELECT bool_or(o.expires_at > now AND (r.mode = {exclusive} OR o.mode = {exclusive}))
+                SELECT bool_or(o.expires_at > now AND (r.mode <> 0 OR o.mode <> 0))
                 INTO blocked
                 FROM {s}.locks AS o
                 JOIN unnest(op_keys, op_modes) AS r(key, mode) ON o.key = r.key;
             END IF;
             granted := NOT coalesce(blocked, false);
+            IF NOT granted THEN
+                SELECT o.key, o.mode INTO misfit_key, misfit_mode FROM {s}.locks AS o
+                WHERE o.key = ANY(op_keys) AND o.expires_at > now AND o.mode NOT IN (0, 1)
+                LIMIT 1;
+                IF misfit_key IS NOT NULL THEN
+                    ticket := NULL;
+                    RETURN NEXT;
+                    lo := p_ends[n] + 1;
+                    CONTINUE;
+                END IF;
+            END IF;
             IF NOT granted AND op_wait <> 2 THEN
                 SELECT array_agg(o.key), array_agg(o.expires_at)
                 INTO others_keys, others_expiries
@@ -176,11 +195,11 @@ BEGIN
                         expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
                         heartbeat_at = GREATEST(w.heartbeat_at, now)
                     WHERE w.key = ANY(op_keys) AND NOT w.held AND w.keys IS NULL
-                      AND w.expires_at > now
+                      AND w.expires_at > now AND w.mode IN (0, 1)
                       AND NOT EXISTS (
                           SELECT 1 FROM {s}.locks AS o
                           WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
-                            AND (w.mode = {exclusive} OR o.mode = {exclusive}))
+                            AND (w.mode <> 0 OR o.mode <> 0))
                     RETURNING w.ticket, w.owner)
                 SELECT array_agg(p.ticket),
                        array_agg(DISTINCT p.owner) FILTER (WHERE p.owner <> p_owner)
@@ -244,11 +263,11 @@ END $$;
 -- other, and the property test `an_operation_on_one_key_is_decided_by_its_function_as_by_decide`
 -- (`tests.rs`) compares every answer, row and announcement of the two.
 CREATE OR REPLACE FUNCTION {s}.acquire_one(
-    p_owner text, p_lease bigint, p_lock int4, p_schema_lock int4, p_key text, p_mode int2,
+    p_owner text, p_lease bigint, p_lock int4, p_schema_lock int4, p_key text, p_mode int8,
     p_operation text, p_wait int2, p_latest bigint,
     OUT now bigint, OUT ticket bigint, OUT granted boolean, OUT others_keys text[],
     OUT others_expiries int8[], OUT deleted bigint, OUT live bigint, OUT freed boolean,
-    OUT promoted int8[], OUT owners text[])
+    OUT promoted int8[], OUT owners text[], OUT misfit_key text, OUT misfit_mode bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     lapsed bigint;
@@ -271,16 +290,24 @@ BEGIN
     END IF;
     -- As `decide` does: the lapsed rows deleted, and the key judged again after it.
     SELECT count(*) FILTER (WHERE o.expires_at <= now),
-           bool_or(o.expires_at > now AND (p_mode = {exclusive} OR o.mode = {exclusive}))
+           bool_or(o.expires_at > now AND (p_mode <> 0 OR o.mode <> 0))
     INTO lapsed, blocked
     FROM {s}.locks AS o WHERE o.key = p_key;
     IF lapsed > 0 THEN
         DELETE FROM {s}.locks AS d WHERE d.key = p_key AND d.expires_at <= now;
-        SELECT bool_or(o.expires_at > now AND (p_mode = {exclusive} OR o.mode = {exclusive}))
+        SELECT bool_or(o.expires_at > now AND (p_mode <> 0 OR o.mode <> 0))
         INTO blocked
         FROM {s}.locks AS o WHERE o.key = p_key;
     END IF;
     granted := NOT coalesce(blocked, false);
+    IF NOT granted THEN
+        SELECT o.key, o.mode INTO misfit_key, misfit_mode FROM {s}.locks AS o
+        WHERE o.key = p_key AND o.expires_at > now AND o.mode NOT IN (0, 1)
+        LIMIT 1;
+        IF misfit_key IS NOT NULL THEN
+            RETURN;
+        END IF;
+    END IF;
     IF NOT granted AND p_wait <> 2 THEN
         SELECT array_agg(o.key), array_agg(o.expires_at)
         INTO others_keys, others_expiries
@@ -306,7 +333,7 @@ CREATE OR REPLACE FUNCTION {s}.release_one(
     p_payload text, p_latest bigint,
     OUT now bigint, OUT ticket bigint, OUT granted boolean, OUT others_keys text[],
     OUT others_expiries int8[], OUT deleted bigint, OUT live bigint, OUT freed boolean,
-    OUT promoted int8[], OUT owners text[])
+    OUT promoted int8[], OUT owners text[], OUT misfit_key text, OUT misfit_mode bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     lapsed bigint;
@@ -339,10 +366,11 @@ BEGIN
                 expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
                 heartbeat_at = GREATEST(w.heartbeat_at, now)
             WHERE w.key = p_key AND NOT w.held AND w.keys IS NULL AND w.expires_at > now
+              AND w.mode IN (0, 1)
               AND NOT EXISTS (
                   SELECT 1 FROM {s}.locks AS o
                   WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
-                    AND (w.mode = {exclusive} OR o.mode = {exclusive}))
+                    AND (w.mode <> 0 OR o.mode <> 0))
             RETURNING w.ticket, w.owner)
         SELECT array_agg(p.ticket),
                array_agg(DISTINCT p.owner) FILTER (WHERE p.owner <> p_owner)

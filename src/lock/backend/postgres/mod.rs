@@ -173,13 +173,6 @@ pub(crate) struct Postgres {
     siblings: Siblings,
 }
 
-/// A mode as this schema stores it, in a `smallint`: shared or exclusive (`mode_code`). This
-/// backend is not given permits (`Capabilities::permits`); were it given one, it would keep it
-/// as exclusive, which never grants more than the limit.
-pub(crate) fn small_mode_code(mode: crate::lock::Mode) -> i16 {
-    i16::try_from(mode_code(mode)).unwrap_or(1)
-}
-
 /// Connects to `target` (its waits bounded by the heartbeat: `Target::bound_by`), brings the
 /// schema up to date, starts the listener; says through `opened` whether it could, and hands
 /// the storage to `worker`. Runs on the storage thread, which owns the client and its runtime.
@@ -536,7 +529,7 @@ fn micros_since(start: Instant) -> i64 {
 fn row_view(row: &postgres::Row) -> RowView {
     RowView {
         key: row.get::<_, &str>(0).into(),
-        mode: mode_of(i64::from(row.get::<_, i16>(1))),
+        mode: mode_of(row.get::<_, i64>(1)),
         ticket: ticket_of(row.get(2)),
         held: row.get(3),
         owner: row.get::<_, &str>(4).into(),
@@ -558,7 +551,6 @@ impl Storage for Postgres {
             // A waiter without a row is noted (`watching`) under the locks of its keys.
             refuses_by_reads: false,
             hears_every_commit: false,
-            permits: false,
         }
     }
 
@@ -726,14 +718,14 @@ impl Storage for Postgres {
         let keys = stored_keys(requests, held);
         // One statement for every row of the request, whatever its number of keys.
         let names: Vec<&str> = requests.iter().map(|r| r.key.as_str()).collect();
-        let modes: Vec<i16> = requests.iter().map(|r| small_mode_code(r.mode)).collect();
+        let modes: Vec<i64> = requests.iter().map(|r| mode_code(r.mode)).collect();
         let operations: Vec<&str> = requests.iter().map(|r| r.operation.as_str()).collect();
         self.execute(
             "writing a request's rows",
             "INSERT INTO {s}.locks (key, mode, operation, owner, ticket, held, requested_at,
                                     acquired_at, expires_at, heartbeat_at, keys)
              SELECT r.key, r.mode, r.operation, $4, $5, $6, $7, $8, $9, $7, $10
-             FROM unnest($1::text[], $2::int2[], $3::text[]) AS r(key, mode, operation)",
+             FROM unnest($1::text[], $2::int8[], $3::text[]) AS r(key, mode, operation)",
             &[
                 &names,
                 &modes,
@@ -947,7 +939,7 @@ impl Storage for Postgres {
                 let acquired_at: Option<i64> = row.get(7);
                 Row {
                     key: row.get(0),
-                    mode: mode_of(i64::from(row.get::<_, i16>(1))),
+                    mode: mode_of(row.get::<_, i64>(1)),
                     operation: row.get(2),
                     owner: row.get(3),
                     ticket: ticket_of(row.get(4)),

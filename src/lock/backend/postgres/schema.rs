@@ -5,12 +5,12 @@
 use postgres::Client;
 
 use super::storage_error;
-use crate::lock::backend::codec::{fnv1a, mode_code};
+use crate::lock::backend::codec::fnv1a;
 use crate::lock::backend::Result;
-use crate::lock::{LockError, Mode};
+use crate::lock::LockError;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 10;
+pub(crate) const SCHEMA_VERSION: i32 = 11;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -52,10 +52,13 @@ pub(crate) fn quote(name: &str) -> String {
 /// their keys before they read them, as every decision does.
 ///
 /// The grant rule is written here a second time, in SQL, for the two questions these functions
-/// ask (see `grant.rs` for the rule): whether a new request is granted now (`grantable_now`),
-/// and which waiting requests on one key a release lets through (`promotable`, for requests on
-/// that key alone: a request on several keys is left to its owner, whom the announcement of the
-/// release wakes, and whose own look promotes it). The backend's tests (`the_rule_in_sql`) check the
+/// ask of shared and exclusive requests (see `grant.rs` for the rule): whether a new request is
+/// granted now (`grantable_now`), and which waiting requests on one key a release lets through
+/// (`promotable`, for requests on that key alone: a request on several keys is left to its
+/// owner, whom the announcement of the release wakes, and whose own look promotes it). Permits
+/// are never decided here: the worker takes every write of permits to a transaction of its own,
+/// decided by `grant.rs`; these functions judge a row of permits as exclusive, never promote
+/// one, and refuse a shared or exclusive request on a key that has one (`misfit_key`). The backend's tests (`the_rule_in_sql`) check the
 /// two writings against each other on generated rows, and the model test runs on both backends.
 const FUNCTIONS: &str = include_str!("functions.sql");
 
@@ -103,7 +106,6 @@ fn functions(schema: &str) -> String {
         .replace("{max_locks}", &MAX_KEY_LOCKS.to_string())
         .replace("{schema_class}", &SCHEMA_CLASS.to_string())
         .replace("{lock_class}", &LOCK_CLASS.to_string())
-        .replace("{exclusive}", &mode_code(Mode::Exclusive).to_string())
 }
 
 /// An error unless `schema` holds a lock store of this build's version: changes nothing.
@@ -211,6 +213,17 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 ))
                 .map_err(|e| storage_error("migrating the schema to version 10", e))?;
         }
+        if found < 11 {
+            // Permits: a mode is `mode_code`'s 64-bit integer, and the functions take modes of
+            // that type and answer misfits, so the old ones go. A process of version 10 refuses
+            // the schema from now on; processes sharing it must be upgraded together.
+            transaction
+                .batch_execute(&format!(
+                    "ALTER TABLE {s}.locks ALTER COLUMN mode TYPE bigint;
+                     DROP FUNCTION IF EXISTS {s}.decide, {s}.acquire_one, {s}.release_one;"
+                ))
+                .map_err(|e| storage_error("migrating the schema to version 11", e))?;
+        }
         if found < SCHEMA_VERSION {
             // One round trip per batch of acquisitions and releases: the functions of
             // `FUNCTIONS` (version 3 had one for an acquisition and one for a release; version
@@ -218,7 +231,7 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
             // a read that a renewal in flight could make stale; version 6 had no heartbeat in
             // one call; version 7 had no functions for an operation alone on one key; version 8's
             // heartbeat swept no tombstones; version 9's judged by the server's clock as it
-            // stepped); and the sweep's indexes (`SWEEP_INDEXES`).
+            // stepped; version 10's knew no permits); and the sweep's indexes (`SWEEP_INDEXES`).
             transaction
                 .batch_execute(&format!(
                     "DROP FUNCTION IF EXISTS {s}.acquire, {s}.release;
@@ -245,7 +258,7 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                  CREATE TABLE {s}.locks (
                      key text NOT NULL,
                      ticket bigint NOT NULL,
-                     mode smallint NOT NULL,
+                     mode bigint NOT NULL,
                      operation text NOT NULL,
                      owner text NOT NULL,
                      held boolean NOT NULL,

@@ -621,7 +621,6 @@ impl Storage for Db<'_> {
             keys_locked: false,
             refuses_by_reads: true,
             hears_every_commit: true,
-            permits: true,
         }
     }
 
