@@ -12,6 +12,7 @@ pub(crate) fn common_measures<'a>(plan: &Plan, open: Open<'a>) -> Result<Vec<Mea
         measures.push(waiting(open, waiters, window));
     }
     measures.push(heartbeat_write_txn_per_round(open, 1_000)?);
+    measures.push(permits_beside_exclusive(plan, open)?);
     let seconds = plan.seconds(2.0, 1.0);
     let contended = open("contended", LockManager::builder())?;
     measures.push(measure(&["contended_ops_per_s"], move || {
@@ -200,6 +201,91 @@ pub(crate) fn hold(locks: &LockManager, count: usize) -> Result<Vec<Guard>, Erro
     })
 }
 
+/// Permits beside exclusive locks, interleaved in each round so that both see the same machine:
+/// the uncontended cycle (one of three permits; an exclusive lock), eight tasks taking turns on
+/// one key (one of three permits each; exclusive), and the in-process handoff (a waiter of one
+/// permit behind a holder of all three; an exclusive waiter behind an exclusive holder).
+pub(crate) fn permits_beside_exclusive<'a>(
+    plan: &Plan,
+    open: Open<'a>,
+) -> Result<Measure<'a>, Error> {
+    let locks = open(
+        "permits",
+        LockManager::builder().poll(Duration::from_secs(30)),
+    )?;
+    let cycles = plan.per_round(2_000, 500);
+    let handoffs = plan.per_round(500, 100);
+    let seconds = plan.seconds(1.0, 0.5);
+    let exclusive = |key: &str| LockRequest::exclusive(key, "bench");
+    let permits = |key: &str, count| LockRequest::permits(key, "bench", count, 3);
+    Ok(measure(
+        &[
+            "exclusive_cycle_us",
+            "permit_cycle_us",
+            "contended_one_key_exclusive_ops_per_s",
+            "contended_one_key_permits_8_over_3_ops_per_s",
+            "handoff_exclusive_p50_us",
+            "handoff_permit_p50_us",
+        ],
+        move || {
+            let mut figures = vec![0.0; 6];
+            // Each pair in turn, in two halves, so that a slow second hurts both alike.
+            for _ in 0..2 {
+                let cycle = |request: &LockRequest| {
+                    block_on(async {
+                        let mut samples = Vec::with_capacity(cycles / 2);
+                        for _ in 0..cycles / 2 {
+                            let started = Instant::now();
+                            locks.acquire(request.clone()).await?.release().await?;
+                            samples.push(micros(started.elapsed()));
+                        }
+                        Ok::<_, Error>(median(&mut samples))
+                    })
+                };
+                figures[0] += cycle(&exclusive("cycle x"))? / 2.0;
+                figures[1] += cycle(&permits("cycle p", 1))? / 2.0;
+                let turns = |request: LockRequest| turns_on_one_key(&locks, request, seconds / 2);
+                figures[2] += turns(exclusive("turns x"))? / 2.0;
+                figures[3] += turns(permits("turns p", 1))? / 2.0;
+                let handoff = |holder, waiter| {
+                    block_on(handoffs_of(&locks, holder, waiter, handoffs / 2))
+                        .map(|mut samples| percentile(&mut samples, 0.5))
+                };
+                figures[4] += handoff(exclusive("handoff x"), exclusive("handoff x"))? / 2.0;
+                figures[5] += handoff(permits("handoff p", 3), permits("handoff p", 1))? / 2.0;
+            }
+            Ok(figures)
+        },
+    ))
+}
+
+/// Eight tasks each taking `request` and letting go of it again, for `duration`: how many
+/// grants a second.
+fn turns_on_one_key(
+    locks: &LockManager,
+    request: LockRequest,
+    duration: Duration,
+) -> Result<f64, Error> {
+    let ops = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (locks, ops, request) = (locks.clone(), ops.clone(), request.clone());
+            async move {
+                while started.elapsed() < duration {
+                    locks.acquire(request.clone()).await?.release().await?;
+                    ops.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<(), leasehold::LockError>(())
+            }
+        })
+        .collect();
+    for result in block_on(futures::future::join_all(tasks)) {
+        result?;
+    }
+    Ok(ops.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+}
+
 /// From the call to `release()` to the waiting task holding its guard, in one manager whose
 /// `poll` is 30 s: only the in-process wake-up can do it. Timed from the call, not from
 /// `release()` returning, since the waiter is often granted inside the release's own
@@ -229,17 +315,30 @@ pub(crate) async fn handoffs_in_process(
     locks: &LockManager,
     reps: usize,
 ) -> Result<Vec<f64>, Error> {
+    let exclusive = || LockRequest::exclusive("key", "bench");
+    handoffs_of(locks, exclusive(), exclusive(), reps).await
+}
+
+/// From the call to `release()` of `holder` to the task waiting for `waiter` (on the same key)
+/// holding its guard, `reps` times.
+pub(crate) async fn handoffs_of(
+    locks: &LockManager,
+    holder: LockRequest,
+    waiter: LockRequest,
+    reps: usize,
+) -> Result<Vec<f64>, Error> {
+    let key = holder.key.clone();
     let mut samples = Vec::with_capacity(reps);
     for _ in 0..reps {
-        let holder = locks.exclusive("key", "holder").await?;
+        let holder = locks.acquire(holder.clone()).await?;
         let waiter = {
-            let locks = locks.clone();
+            let (locks, waiter) = (locks.clone(), waiter.clone());
             fork_daemon(async move {
-                let guard = locks.exclusive("key", "waiter").await;
+                let guard = locks.acquire(waiter).await;
                 (Instant::now(), guard)
             })
         };
-        while locks.inspect(Some("key")).await?.len() < 2 {
+        while locks.inspect(Some(&key)).await?.len() < 2 {
             SystemClock.sleep(Duration::from_micros(200)).await;
         }
         let released = Instant::now();

@@ -167,7 +167,11 @@ impl Report {
              each waited for by a second manager on the same database.\n\
              memory_cycle_us: the uncontended cycle on the memory backend (open_in_memory): the \
              worker and\n  the caller's path, with storage that is a few operations on ordered \
-             maps.",
+             maps.\n\
+             exclusive_cycle_us, permit_cycle_us, contended_one_key_*, handoff_exclusive_*, \
+             handoff_permit_*: permits\n  beside exclusive locks, interleaved: one of 3 permits \
+             against an exclusive lock, 8 tasks taking\n  turns on one key, and a waiter of one \
+             permit behind a holder of all 3 (in-process, poll 30 s).",
             self.rounds,
             WIDE * 100.0
         );
@@ -243,6 +247,12 @@ pub(crate) fn shared_targets(
     .collect();
     let (semaphore, async_lock) = (v("semaphore_cycle_ns"), v("async_lock_semaphore_cycle_ns"));
     let heartbeat = v("heartbeat_write_txn_per_round_1000_locks");
+    let permit_cycle = (v("exclusive_cycle_us"), v("permit_cycle_us"));
+    let permit_turns = (
+        v("contended_one_key_exclusive_ops_per_s"),
+        v("contended_one_key_permits_8_over_3_ops_per_s"),
+    );
+    let permit_handoff = (v("handoff_exclusive_p50_us"), v("handoff_permit_p50_us"));
 
     report.target(
         "uncontended_cycle_us",
@@ -293,6 +303,28 @@ pub(crate) fn shared_targets(
         ),
         contended >= contended_floor_share * floor,
         &["raw_txn_us"],
+    );
+    let (exclusive, permit) = permit_cycle;
+    report.target(
+        "permit_cycle_us",
+        format!("<= 1.1 x exclusive = {:.1}", 1.1 * exclusive),
+        permit <= 1.1 * exclusive,
+        &["exclusive_cycle_us"],
+    );
+    let (exclusive, permits) = permit_turns;
+    report.target(
+        "contended_one_key_permits_8_over_3_ops_per_s",
+        format!(">= exclusive = {exclusive:.0}"),
+        permits >= exclusive,
+        &["contended_one_key_exclusive_ops_per_s"],
+    );
+    // The same work as the exclusive handoff: "no slower" within a tenth, the rounds' noise.
+    let (exclusive, permit) = permit_handoff;
+    report.target(
+        "handoff_permit_p50_us",
+        format!("<= 1.1 x exclusive = {:.1}", 1.1 * exclusive),
+        permit <= 1.1 * exclusive,
+        &["handoff_exclusive_p50_us"],
     );
     report.target(
         "semaphore_cycle_ns",
