@@ -24,11 +24,12 @@
 //!   for SQLite, which no step moves, the server's clock for PostgreSQL.
 //!
 //! **A lease lock manager** built from those parts ([`LockManager`]): shared/exclusive locks keyed
-//! by strings, kept as rows in one SQLite file so that several processes on one machine
-//! coordinate (or, with the `postgres` feature, in PostgreSQL for processes on several machines,
-//! or in this process's memory: [`MemoryStore`]), with a FIFO queue and writer preference, leases
-//! renewed by heartbeats, all-or-nothing acquisition of several keys, fencing tokens, and
-//! cancellation that never leaves a row behind.
+//! by strings, and keyed permits (at most N holders' worth of a key at once:
+//! [`LockManager::permits`]), kept as rows in one SQLite file so that several processes on one
+//! machine coordinate (or, with the `postgres` feature, in PostgreSQL for processes on several
+//! machines, or in this process's memory: [`MemoryStore`]), with a FIFO queue and writer
+//! preference, leases renewed by heartbeats, all-or-nothing acquisition of several keys, fencing
+//! tokens, and cancellation that never leaves a row behind.
 //!
 //! Every future works under any executor (`futures::executor::block_on`, smol, tokio) with no
 //! runtime feature switched on. Background work goes through a [`Spawner`]; see below for which.
