@@ -24,7 +24,7 @@
 //!   for SQLite, which no step moves, the server's clock for PostgreSQL.
 //!
 //! **A lease lock manager** built from those parts ([`LockManager`]): shared/exclusive locks keyed
-//! by strings, and keyed permits (at most N holders' worth of a key at once:
+//! by strings, and keyed permits (at most N of a key's permits held at once:
 //! [`LockManager::permits`]), kept as rows in one SQLite file so that several processes on one
 //! machine coordinate (or, with the `postgres` feature, in PostgreSQL for processes on several
 //! machines, or in this process's memory: [`MemoryStore`]), with a FIFO queue and writer
