@@ -382,6 +382,42 @@ fn jittered_delays_stay_within_80_to_120_percent() {
     assert!(delays.iter().any(|d| *d < s(9)) && delays.iter().any(|d| *d > s(11)));
 }
 
+/// The draws behind jitter are uniform and do not repeat: 4,000 delays fill each eighth of the
+/// band (about 500 each; at least 250 asked), and almost none is drawn twice.
+#[test]
+fn jittered_delays_fill_the_band_evenly_and_do_not_repeat() {
+    let mut run = Schedule::spaced(s(8)).jittered().start(s(0));
+    let delays: Vec<Duration> = (0..4000).map(|_| run.next(s(0)).unwrap()).collect();
+    let mut eighths = [0usize; 8];
+    for delay in &delays {
+        // The band is 6.4 s to 9.6 s: eighths of 0.4 s.
+        let at = (delay.as_secs_f64() - 6.4) / 0.4;
+        eighths[(at as usize).min(7)] += 1;
+    }
+    assert!(eighths.iter().all(|&n| n >= 250), "{eighths:?}");
+    let distinct: std::collections::BTreeSet<Duration> = delays.iter().copied().collect();
+    assert!(
+        distinct.len() >= 3990,
+        "{} distinct of 4000",
+        distinct.len()
+    );
+}
+
+/// What a schedule's `Debug` shows: its kind, and whether it has a clock of its own.
+#[test]
+fn a_schedule_debugs_as_its_kind_and_whether_it_has_a_clock() {
+    let shown = format!("{:?}", Schedule::spaced(s(5)).up_to(s(60)));
+    assert!(shown.starts_with("Schedule {"), "{shown}");
+    assert!(shown.contains("kind:"), "{shown}");
+    assert!(shown.contains("custom_clock: false"), "{shown}");
+    let clocked =
+        Schedule::spaced(s(5)).with_clock(std::sync::Arc::new(leasehold::TestClock::new()));
+    assert!(
+        format!("{clocked:?}").contains("custom_clock: true"),
+        "{clocked:?}"
+    );
+}
+
 #[test]
 fn jittered_keeps_the_end_of_the_schedule_it_wraps() {
     let got = delays(&Schedule::recurs(1).jittered(), &[s(0), s(0)]);
