@@ -16,22 +16,34 @@ pub(crate) const KEYS: u64 = 4;
 
 /// Lock operations per second with 16 tasks over 4 keys, 80 % shared, holding for no time.
 pub(crate) fn contended_ops_per_s(locks: &LockManager, duration: Duration) -> Result<f64, Error> {
+    grants_per_s(locks, TASKS, duration, |state| {
+        let key = format!("key {}", draw(state) % KEYS);
+        if draw(state) % 5 == 0 {
+            LockRequest::exclusive(key, "write")
+        } else {
+            LockRequest::shared(key, "read")
+        }
+    })
+}
+
+/// Grants per second of `tasks` tasks each taking the request `next` draws (from the task's
+/// own generator state) and letting go of it at once, again and again for `duration`.
+pub(crate) fn grants_per_s(
+    locks: &LockManager,
+    tasks: u64,
+    duration: Duration,
+    next: impl Fn(&mut u64) -> LockRequest + Clone,
+) -> Result<f64, Error> {
     let ops = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
     let started = Instant::now();
-    let tasks: Vec<_> = (0..TASKS)
+    let tasks: Vec<_> = (0..tasks)
         .map(|task| {
-            let (locks, ops) = (locks.clone(), ops.clone());
+            let (locks, ops, next) = (locks.clone(), ops.clone(), next.clone());
             async move {
                 let mut state = 0x9e37_79b9_7f4a_7c15 ^ (task + 1);
                 while Instant::now() < deadline {
-                    let key = format!("key {}", draw(&mut state) % KEYS);
-                    let request = if draw(&mut state) % 5 == 0 {
-                        LockRequest::exclusive(key, "write")
-                    } else {
-                        LockRequest::shared(key, "read")
-                    };
-                    locks.acquire(request).await?.release().await?;
+                    locks.acquire(next(&mut state)).await?.release().await?;
                     ops.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok::<(), leasehold::LockError>(())

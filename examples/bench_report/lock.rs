@@ -244,7 +244,9 @@ pub(crate) fn permits_beside_exclusive<'a>(
                 };
                 figures[0] += cycle(&exclusive("cycle x"))? / 2.0;
                 figures[1] += cycle(&permits("cycle p", 1))? / 2.0;
-                let turns = |request: LockRequest| turns_on_one_key(&locks, request, seconds / 2);
+                let turns = |request: LockRequest| {
+                    grants_per_s(&locks, 8, seconds / 2, move |_| request.clone())
+                };
                 figures[2] += turns(exclusive("turns x"))? / 2.0;
                 figures[3] += turns(permits("turns p", 1))? / 2.0;
                 let handoff = |holder, waiter| {
@@ -257,33 +259,6 @@ pub(crate) fn permits_beside_exclusive<'a>(
             Ok(figures)
         },
     ))
-}
-
-/// Eight tasks each taking `request` and letting go of it again, for `duration`: how many
-/// grants a second.
-fn turns_on_one_key(
-    locks: &LockManager,
-    request: LockRequest,
-    duration: Duration,
-) -> Result<f64, Error> {
-    let ops = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let tasks: Vec<_> = (0..8)
-        .map(|_| {
-            let (locks, ops, request) = (locks.clone(), ops.clone(), request.clone());
-            async move {
-                while started.elapsed() < duration {
-                    locks.acquire(request.clone()).await?.release().await?;
-                    ops.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok::<(), leasehold::LockError>(())
-            }
-        })
-        .collect();
-    for result in block_on(futures::future::join_all(tasks)) {
-        result?;
-    }
-    Ok(ops.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
 }
 
 /// From the call to `release()` to the waiting task holding its guard, in one manager whose
