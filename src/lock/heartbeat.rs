@@ -1,14 +1,14 @@
 //! Lease renewal.
 //!
-//! Waiter heartbeats are fibers forked into the waiting acquisition's scope, so they end with
-//! the wait. Most waits end long before their first renewal is due (a heartbeat after the
-//! request was sent), and a fiber costs a spawn, a timer and a join on another thread, so the
-//! waiting caller forks it only when the storage worker tells it that the wait has lasted a
-//! quarter of a heartbeat (`WaitSlot::beat_due`). The lock heartbeat is one daemon per owner that runs while the owner
+//! Waiter heartbeats are fibers forked into the waiting acquisition's scope, so they end with the
+//! wait. Most waits end long before their first renewal is due (a heartbeat after the request was
+//! sent), and a fiber costs a spawn, a timer and a join on another thread, so the waiting caller
+//! forks it only when the storage worker tells it that the wait has lasted a quarter of a heartbeat
+//! (`WaitSlot::beat_due`). The lock heartbeat is one daemon per owner that runs while the owner
 //! holds any guard. Both ask the storage worker to renew, and the worker renews every live row of
 //! the owner in one statement, at most once per half heartbeat however many ask (the number of
-//! write transactions does not grow with the number of locks or waiters), and answers with when
-//! it last renewed, so that every caller beats again one heartbeat after that.
+//! write transactions does not grow with the number of locks or waiters), and answers with when it
+//! last renewed, so that every caller beats again one heartbeat after that.
 //!
 //! Every heartbeat beats on `Schedule::spaced(heartbeat)`, stepped on the clock's monotonic time
 //! (see `Beats`): a beat is a run of the schedule, and the run ends when the renewal it asked

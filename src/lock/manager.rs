@@ -20,19 +20,19 @@ use crate::lock::time::from_micros;
 /// `LockManager::connect`), or in this process's memory
 /// ([`open_in_memory`](LockManager::open_in_memory), [`MemoryStore`](crate::MemoryStore)).
 ///
-/// One `LockManager` is one owner (normally one per process). Clones share the owner; two
-/// `open` calls are two owners. Every acquisition is a [`Scoped`](crate::Scoped) future: attach an
-/// [`AbortSignal`](crate::AbortSignal) with [`Scoped::with_signal`](crate::Scoped::with_signal) to interrupt it, and it resolves with
-/// [`LockError::Interrupted`] only after its rows are deleted.
+/// One `LockManager` is one owner (normally one per process). Clones share the owner; two `open`
+/// calls are two owners. Every acquisition is a [`Scoped`](crate::Scoped) future: attach an
+/// [`AbortSignal`](crate::AbortSignal) with [`Scoped::with_signal`](crate::Scoped::with_signal) to
+/// interrupt it, and it resolves with [`LockError::Interrupted`] only after its rows are deleted.
 ///
 /// # Cancel safety
 ///
-/// Every acquisition is cancel safe: interrupted, it deletes its waiting row (and any row a
-/// peer promoted for it) before it returns; dropped, it does the same in the background (through
-/// the storage worker, so a later call on this manager already sees it gone). A granted lock is
-/// never lost: if it cannot be handed to the caller, it is released. `many` never holds part of
-/// its set; `many_queued` deletes all its rows together. [`Guard::release`](crate::Guard::release) sends the release
-/// before its first await, and dropping a guard releases it.
+/// Every acquisition is cancel safe: interrupted, it deletes its waiting row (and any row a peer
+/// promoted for it) before it returns; dropped, it does the same in the background (through the
+/// storage worker, so a later call on this manager already sees it gone). A granted lock is never
+/// lost: if it cannot be handed to the caller, it is released. `many` never holds part of its set;
+/// `many_queued` deletes all its rows together. [`Guard::release`](crate::Guard::release) sends the
+/// release before its first await, and dropping a guard releases it.
 ///
 /// Dropping the last handle (clones, guards and pending acquisitions all hold one) deletes this
 /// owner's remaining rows and closes the database, and waits for that: a single transaction,
@@ -205,13 +205,12 @@ impl LockManager {
     /// through, as a release by their owner would. Returns how many rows went (0 if there were
     /// none, or no live row on `key` has `ticket`).
     ///
-    /// The removal is announced to the removed owner: a removed waiting request's acquisition
-    /// fails at once with [`LockError::Removed`], naming this manager's
-    /// [`owner_id`](Self::owner_id), and does not queue again. A removed holder's
-    /// guard hears [`lost`](crate::Guard::lost) at its next heartbeat; until then it goes on as the
-    /// holder, so a resource that must not see two holders checks
-    /// [fencing tokens](crate::Guard::fencing_token). Meant for the rows of an owner whose process is
-    /// gone, or stuck.
+    /// The removal is announced to the removed owner: a removed waiting request's acquisition fails
+    /// at once with [`LockError::Removed`], naming this manager's [`owner_id`](Self::owner_id), and
+    /// does not queue again. A removed holder's guard hears [`lost`](crate::Guard::lost) at its
+    /// next heartbeat; until then it goes on as the holder, so a resource that must not see two
+    /// holders checks [fencing tokens](crate::Guard::fencing_token). Meant for the rows of an owner
+    /// whose process is gone, or stuck.
     ///
     /// # Errors
     ///
@@ -318,8 +317,8 @@ impl LockManager {
         super::changes::changes(self, prefix)
     }
 
-    /// Releases every row of this owner and stops its background work. Waiting acquisitions
-    /// end with [`LockError::Shutdown`]; guards' [`lost`](crate::Guard::lost) signals abort. Calling it
+    /// Releases every row of this owner and stops its background work. Waiting acquisitions end
+    /// with [`LockError::Shutdown`]; guards' [`lost`](crate::Guard::lost) signals abort. Calling it
     /// again does nothing.
     ///
     /// # Errors

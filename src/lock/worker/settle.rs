@@ -1,5 +1,5 @@
-//! Settling waits and leases: what a commit freed and promoted, the leases a renewal moves on, and the
-//! deadline of every lease granted (`state::held`).
+//! Settling waits and leases: what a commit freed and promoted, the leases a renewal moves on, and
+//! the deadline of every lease granted (`state::held`).
 
 use super::*;
 

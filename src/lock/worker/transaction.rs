@@ -23,8 +23,8 @@ pub(super) struct Decisions {
 }
 
 impl<S: Storage> Worker<S> {
-    /// Begins a transaction that decides on `keys`, runs `body`, then (if `body` deleted rows,
-    /// or a look asked for it: `self.decisions.pass`) the promotion pass on those keys, and commits.
+    /// Begins a transaction that decides on `keys`, runs `body`, then (if `body` deleted rows, or a
+    /// look asked for it: `self.decisions.pass`) the promotion pass on those keys, and commits.
     /// Returns what `body` returned and what was freed. A transaction that only adds rows frees
     /// nothing, and lapsed rows are ignored by every decision, so it skips the pass.
     ///
