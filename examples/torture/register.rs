@@ -117,29 +117,28 @@ impl Register {
         update_locked(&self.path, change).await
     }
 
-    pub(crate) async fn enter(&self, mark: &Mark, mode: Mode) -> std::io::Result<Entry> {
+    /// Enters as the one writer (`exclusive`) or as a reader.
+    pub(crate) async fn enter(&self, mark: &Mark, exclusive: bool) -> std::io::Result<Entry> {
         self.update(|state| {
-            let stale = match mode {
-                Mode::Exclusive => mark.token < state.fence,
-                Mode::Shared | Mode::Permits { .. } => mark.token < state.fence_exclusive,
+            let stale = if exclusive {
+                mark.token < state.fence
+            } else {
+                mark.token < state.fence_exclusive
             };
             if stale {
                 state.superseded.push(mark.clone());
                 return Entry::Stale;
             }
-            match mode {
-                Mode::Exclusive => {
-                    state.supersede_below(mark.token);
-                    state.writer = Some(mark.clone());
-                    state.fence_exclusive = mark.token;
+            if exclusive {
+                state.supersede_below(mark.token);
+                state.writer = Some(mark.clone());
+                state.fence_exclusive = mark.token;
+            } else {
+                if state.writer.as_ref().is_some_and(|w| w.token < mark.token) {
+                    let writer = state.writer.take().expect("checked above");
+                    state.superseded.push(writer);
                 }
-                Mode::Shared | Mode::Permits { .. } => {
-                    if state.writer.as_ref().is_some_and(|w| w.token < mark.token) {
-                        let writer = state.writer.take().expect("checked above");
-                        state.superseded.push(writer);
-                    }
-                    state.readers.push(mark.clone());
-                }
+                state.readers.push(mark.clone());
             }
             state.fence = state.fence.max(mark.token);
             Entry::Entered(state.value)

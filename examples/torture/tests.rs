@@ -34,6 +34,7 @@ fn short_run(seconds: f64, backend: Backend) -> Config {
         url: None,
         cut_connections: true,
         clock_steps: true,
+        permits: true,
         runtime: Runtime::Smol,
         hold: Duration::from_millis(20),
         child_command: vec![
