@@ -66,8 +66,8 @@
 //! stacks go to its log, by `gdb` where there is one). It then keeps its folder (child logs,
 //! registers, tallies and their `overruns`, database) for a look. Every suspected holder is
 //! explained in `explain.txt` there (and on stderr): the store's history of its key around it
-//! (every row inserted, changed or deleted, with the store's time and who did it, kept by a
-//! trigger the run puts on the table) and the faults the parent made meanwhile.
+//! (every row inserted, changed or deleted, with the store's time, who did it and its mode, kept
+//! by a trigger the run puts on the table) and the faults the parent made meanwhile.
 //!
 //! # On PostgreSQL
 //!
