@@ -1,5 +1,6 @@
 //! What every part uses: a small seeded generator (so that a run is reproducible from its seed as
-//! far as scheduling allows), the time, and files written whole or appended to.
+//! far as scheduling allows), the time, and files written whole, appended to, or changed under a
+//! lock.
 
 use super::*;
 
@@ -59,4 +60,50 @@ pub(crate) fn append(path: &Path, line: &str) {
     if let Ok(mut file) = opened {
         let _ = file.write_all(line.as_bytes());
     }
+}
+
+/// A small state kept in a file that several processes change (see `update_locked`).
+pub(crate) trait FileState: Sized {
+    fn parse(text: &str) -> Self;
+    fn render(&self) -> String;
+}
+
+/// Runs `change` on the state kept in `path`, under an OS file lock, so that each change is
+/// atomic across processes. The lock is tried, not waited for, so that a paused process holding
+/// it never blocks this process's executor (and its heartbeats). The lock is a file of its own
+/// beside the state's, and the new state is written to a temporary file and renamed over the
+/// old, so that a process killed in the middle leaves the old state or the new one, never a torn
+/// one (a truncated register once looked like another holder's write to a reader that held the
+/// lock rightly).
+pub(crate) async fn update_locked<S: FileState, T>(
+    path: &Path,
+    change: impl FnOnce(&mut S) -> T,
+) -> std::io::Result<T> {
+    let lock = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path.with_extension("lock"))?;
+    loop {
+        match fs4::FileExt::try_lock(&lock) {
+            Ok(()) => break,
+            Err(fs4::TryLockError::WouldBlock) => sleep(Duration::from_millis(1)).await,
+            Err(fs4::TryLockError::Error(error)) => return Err(error),
+        }
+    }
+    let outcome = (|| {
+        let text = match fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(error) => return Err(error),
+        };
+        let mut state = S::parse(&text);
+        let value = change(&mut state);
+        let part = path.with_extension("part");
+        fs::write(&part, state.render())?;
+        fs::rename(&part, path)?;
+        Ok(value)
+    })();
+    let _ = fs4::FileExt::unlock(&lock);
+    outcome
 }

@@ -10,6 +10,8 @@ pub(crate) struct ChildContext {
     pub(crate) lease: Duration,
     /// The longest pause inside a hold (`Config::hold`).
     pub(crate) hold: Duration,
+    /// Whether it takes permits too (`Config::permits`).
+    pub(crate) permits: bool,
     pub(crate) locks: LockManager,
     pub(crate) counters: Counters,
 }
@@ -61,6 +63,7 @@ pub fn child_main() {
     let deadline = env_number("TORTURE_DEADLINE");
     let hold = Duration::from_millis(env_number("TORTURE_HOLD_MS"));
     let tokio = env("TORTURE_RUNTIME") == "tokio";
+    let permits = env_number("TORTURE_PERMITS") == 1;
     let skew: i64 = env("TORTURE_SKEW_MS")
         .parse()
         .expect("the child's TORTURE_SKEW_MS is not a number");
@@ -95,6 +98,7 @@ pub fn child_main() {
         deadline,
         lease,
         hold,
+        permits,
         locks,
         counters,
     });
@@ -151,6 +155,25 @@ pub(crate) fn random_pair(rng: &mut Rng, operation: &str) -> Vec<LockRequest> {
     ]
 }
 
+/// From 1 to all of `PERMIT_LIMIT` permits of `key`.
+pub(crate) fn random_permits(rng: &mut Rng, key: &str, operation: &str) -> LockRequest {
+    let count = 1 + rng.below(u64::from(PERMIT_LIMIT)) as u32;
+    LockRequest::permits(key, operation, count, PERMIT_LIMIT)
+}
+
+/// Permits of `key` and a shared or exclusive key, in either order.
+pub(crate) fn mixed_pair(rng: &mut Rng, key: &str, operation: &str) -> Vec<LockRequest> {
+    let other = KEYS[rng.below(KEYS.len() as u64) as usize];
+    let mut pair = vec![
+        random_permits(rng, key, operation),
+        random_request(rng, other, operation),
+    ];
+    if rng.chance(50) {
+        pair.reverse();
+    }
+    pair
+}
+
 pub(crate) async fn task_loop(context: &ChildContext, mut rng: Rng) {
     while unix_micros() < context.deadline {
         one_operation(context, &mut rng).await;
@@ -176,12 +199,19 @@ pub(crate) enum Ask {
     Try(LockRequest),
     Shared(&'static str),
     Exclusive(&'static str),
+    /// `count` permits of a key.
+    Permits(&'static str, u32),
     Many(Vec<LockRequest>),
     ManyQueued(Vec<LockRequest>),
 }
 
 impl Ask {
-    pub(crate) fn random(rng: &mut Rng) -> Ask {
+    /// With `permits`, three asks in ten are for permits (a run without draws what it drew
+    /// before there were permits).
+    pub(crate) fn random(rng: &mut Rng, permits: bool) -> Ask {
+        if permits && rng.chance(30) {
+            return Ask::random_permits(rng);
+        }
         let key = KEYS[rng.below(KEYS.len() as u64) as usize];
         match rng.below(100) {
             0..=19 => Ask::Try(random_request(rng, key, "try")),
@@ -189,6 +219,17 @@ impl Ask {
             45..=74 => Ask::Exclusive(key),
             75..=87 => Ask::Many(random_pair(rng, "many")),
             _ => Ask::ManyQueued(random_pair(rng, "many_queued")),
+        }
+    }
+
+    /// An ask that takes permits of a key, alone or with a shared or exclusive key.
+    pub(crate) fn random_permits(rng: &mut Rng) -> Ask {
+        let key = PERMIT_KEYS[rng.below(PERMIT_KEYS.len() as u64) as usize];
+        match rng.below(100) {
+            0..=19 => Ask::Try(random_permits(rng, key, "try")),
+            20..=69 => Ask::Permits(key, 1 + rng.below(u64::from(PERMIT_LIMIT)) as u32),
+            70..=84 => Ask::Many(mixed_pair(rng, key, "many")),
+            _ => Ask::ManyQueued(mixed_pair(rng, key, "many_queued")),
         }
     }
 
@@ -208,6 +249,7 @@ impl Ask {
             }
             Ask::Shared(key) => locks.shared(*key, "read"),
             Ask::Exclusive(key) => locks.exclusive(*key, "write"),
+            Ask::Permits(key, count) => locks.permits(*key, "share", *count, PERMIT_LIMIT),
             Ask::Many(requests) => locks.many(requests.clone()),
             Ask::ManyQueued(requests) => locks.many_queued(requests.clone()),
         };
@@ -219,7 +261,7 @@ impl Ask {
 
 pub(crate) async fn one_operation(context: &ChildContext, rng: &mut Rng) {
     bump(&context.counters.operations);
-    let ask = Ask::random(rng);
+    let ask = Ask::random(rng, context.permits);
     let interruption = match rng.below(100) {
         0..=54 => Interruption::None,
         55..=69 => Interruption::Timeout(rng.millis(1, 300)),
@@ -269,6 +311,13 @@ pub(crate) async fn one_operation(context: &ChildContext, rng: &mut Rng) {
         }
     };
     bump(&context.counters.grants);
+    for request in guard.requests() {
+        bump(match request.mode {
+            Mode::Shared => &context.counters.shared_grants,
+            Mode::Exclusive => &context.counters.exclusive_grants,
+            Mode::Permits { .. } => &context.counters.permit_grants,
+        });
+    }
     hold(context, rng, &guard).await;
     if guard.lost().is_aborted() {
         bump(&context.counters.lost_signals);
@@ -335,8 +384,7 @@ pub(crate) async fn hold(context: &ChildContext, rng: &mut Rng, guard: &Guard) {
     let mut lost_updates = 0;
     let lost = guard.lost();
     for request in guard.requests() {
-        let register = Register::new(&context.folder, &request.key);
-        match work_on(context, rng, &register, &mark, request.mode, &lost).await {
+        match work_on(context, rng, request, &mark, granted_at, &lost).await {
             Ok(outcome) => {
                 suspicious |= outcome.suspicious;
                 unexplained |= outcome.unexplained;
@@ -344,7 +392,11 @@ pub(crate) async fn hold(context: &ChildContext, rng: &mut Rng, guard: &Guard) {
             }
             Err(error) => {
                 bump(&context.counters.register_errors);
-                eprintln!("child {}: register {}: {error}", context.tag, request.key);
+                let file = match request.mode {
+                    Mode::Permits { .. } => "tally",
+                    Mode::Shared | Mode::Exclusive => "register",
+                };
+                eprintln!("child {}: {file} {}: {error}", context.tag, request.key);
             }
         }
     }
@@ -463,12 +515,14 @@ impl WorkOutcome {
     }
 }
 
+/// The protected work on the key of `request`: on its register, or on its tally if it is a
+/// permits key (where nothing is suspicious on its own: the parent judges the tally's overruns).
 pub(crate) async fn work_on(
     context: &ChildContext,
     rng: &mut Rng,
-    register: &Register,
+    request: &LockRequest,
     mark: &Mark,
-    mode: Mode,
+    granted_at: u64,
     lost: &AbortSignal,
 ) -> std::io::Result<WorkOutcome> {
     let mut outcome = WorkOutcome {
@@ -476,7 +530,18 @@ pub(crate) async fn work_on(
         unexplained: false,
         lost_updates: 0,
     };
-    let entered = register.enter(mark, mode).await?;
+    let hold = context.hold.as_millis() as u64;
+    if let Mode::Permits { count, limit } = request.mode {
+        let tally = Tally::new(&context.folder, &request.key);
+        tally.enter(mark, count, limit, granted_at).await?;
+        sleep(rng.millis(0, hold)).await;
+        sleep(rng.millis(0, hold)).await;
+        tally.leave(mark, lost).await?;
+        return Ok(outcome);
+    }
+    let register = Register::new(&context.folder, &request.key);
+    let exclusive = request.mode == Mode::Exclusive;
+    let entered = register.enter(mark, exclusive).await?;
     let first = match entered {
         Entry::Entered(value) => value,
         Entry::Stale => {
@@ -484,10 +549,9 @@ pub(crate) async fn work_on(
             register.read().await?
         }
     };
-    let hold = context.hold.as_millis() as u64;
     sleep(rng.millis(0, hold)).await;
-    match mode {
-        Mode::Exclusive => match register.write(mark, first).await? {
+    if exclusive {
+        match register.write(mark, first).await? {
             Written::Refused => bump(&context.counters.stale_writes_refused),
             Written::Accepted { lost_update, stale } => {
                 bump(&context.counters.increments);
@@ -503,13 +567,9 @@ pub(crate) async fn work_on(
                     outcome.unexplained |= !lost.is_aborted();
                 }
             }
-        },
-        // The run takes no permits yet; were it to, its holders would read beside each other.
-        Mode::Shared | Mode::Permits { .. } => {
-            if register.read().await? != first {
-                outcome.overlap(lost);
-            }
         }
+    } else if register.read().await? != first {
+        outcome.overlap(lost);
     }
     sleep(rng.millis(0, hold)).await;
     if register.leave(mark).await? {

@@ -5,7 +5,8 @@ use super::*;
 pub(crate) const USAGE: &str =
     "usage: torture [--seconds N] [--processes N] [--tasks N] [--seed N] \
                      [--lease-ms N] [--heartbeat-ms N] [--backend sqlite|postgres] [--url URL] \
-                     [--runtime smol|tokio] [--hold-ms N] [--no-cuts] [--no-steps] [--json]";
+                     [--runtime smol|tokio] [--hold-ms N] [--no-cuts] [--no-steps] \
+                     [--no-permits] [--json]";
 
 /// Where the locks are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,10 +51,13 @@ pub struct Config {
     pub cut_connections: bool,
     /// Step every child's wall clock back and forth, all at once, now and then.
     pub clock_steps: bool,
+    /// Take permits of `PERMIT_KEYS` besides the shared and exclusive locks of `KEYS`.
+    pub permits: bool,
     /// What runs each child's tasks.
     pub runtime: Runtime,
     /// The longest pause inside a hold, between entering the register and writing, and between
-    /// writing and leaving (each drawn from zero to this).
+    /// writing and leaving (each drawn from zero to this); twice between entering a tally and
+    /// leaving it.
     pub hold: Duration,
     /// How to start a child: program and arguments (the child's settings go in its environment).
     pub child_command: Vec<String>,
@@ -76,6 +80,10 @@ impl Config {
                 }
                 "--no-steps" => {
                     config.clock_steps = false;
+                    continue;
+                }
+                "--no-permits" => {
+                    config.permits = false;
                     continue;
                 }
                 _ => {}
@@ -149,6 +157,7 @@ impl Default for Config {
             url: None,
             cut_connections: true,
             clock_steps: true,
+            permits: true,
             runtime: Runtime::Smol,
             hold: Duration::from_millis(20),
             child_command: vec![exe],

@@ -44,6 +44,9 @@ macro_rules! counters {
 counters! {
     operations,
     grants,
+    shared_grants,
+    exclusive_grants,
+    permit_grants,
     not_granted,
     interruptions,
     dropped_acquisitions,

@@ -2,7 +2,8 @@
 //! or a PostgreSQL schema), each running several tasks that take and release locks at random,
 //! while this parent kills and pauses them.
 //!
-//! What is checked, through a *register* per key (a small file that the lock protects):
+//! What is checked, through a *register* per key (a small file that the lock protects), or a
+//! *tally* per permits key:
 //!
 //! - an exclusive holder marks the register as its own, reads the value, pauses, and writes it
 //!   back incremented, tagged with its fencing token; a shared holder reads it twice with a pause
@@ -13,6 +14,13 @@
 //!   is told so when it leaves, and it counts a violation unless its `lost()` signal fires;
 //! - a holder that the parent paused (SIGSTOP) for longer than the lease must see `lost()` fire
 //!   once it resumes;
+//! - the permits keys (`delta` and `epsilon`, 3 permits each; not with `--no-permits`) are taken
+//!   1 to 3 permits at a time, alone (`permits`, `try_acquire`) or with a shared or exclusive key
+//!   (`many`, `many_queued`), and have a tally each instead of a register: a holder adds its
+//!   count when it enters and takes it out when it leaves. Whenever the counts pass the limit,
+//!   the holders whose `lost()` had not fired when they left must have no more than the limit
+//!   between them; an overrun is fine only if holders that had lost their leases make up the
+//!   excess (`tally.rs` says why that is sound);
 //! - at the end every owner shuts down, and after one lease the database holds no rows at all.
 //!
 //! Besides the kills and pauses, every child's wall clock (its [`Clock`](leasehold::Clock)'s
@@ -27,9 +35,10 @@
 //! # The parts
 //!
 //! `config.rs` (the settings), `basics.rs` (randomness, time, files), `register.rs` (the fenced
-//! resource), `store.rs` (where the locks are kept, and the store's history), `counters.rs`
-//! (what each child counts), `child.rs` (a child's tasks), `parent.rs` (the faults, the
-//! summary and its explanations), and `tests.rs`.
+//! resource), `tally.rs` (the permits keys' counts, and their judgement), `store.rs` (where the
+//! locks are kept, and the store's history), `counters.rs` (what each child counts), `child.rs`
+//! (a child's tasks), `parent.rs` (the faults, the summary and its explanations), and
+//! `tests.rs`.
 //!
 //! # Flags
 //!
@@ -38,20 +47,27 @@
 //! `--hold-ms` (the longest pause inside a hold, twice per hold; default 20, so holds of seconds
 //! with 1500), `--runtime smol|tokio` (what runs each child's tasks: smol's global executor, or a
 //! tokio runtime of two threads), `--backend sqlite|postgres` (default `sqlite`), `--url URL` and
-//! `--no-cuts` (with `postgres`, see below), `--no-steps` (no clock steps), `--json` (one JSON
-//! object as the last line).
+//! `--no-cuts` (with `postgres`, see below), `--no-steps` (no clock steps), `--no-permits` (no
+//! permits keys: the shared and exclusive workload draws what it drew before there were
+//! permits), `--json` (one JSON object as the last line).
+//!
+//! Besides the grants (`grants` counts guards; `shared_grants`, `exclusive_grants` and
+//! `permit_grants` the keys they hold), the summary gives `permits_most`, the most permits of one
+//! key that holders whose leases held had at once, beside `permits_limit`, and
+//! `permit_overruns`, the times a tally passed the limit with lost leases making up the excess.
 //!
 //! # What counts as harm
 //!
-//! The run exits with status 1 if any of these is not 0: `violations`, `late_losses` (another
+//! The run exits with status 1 if any of these is not 0: `violations`, `permit_violations`
+//! (holders whose leases held had more permits of a key than its limit), `late_losses` (another
 //! holder's work seen while `lost()` had not yet fired), `lost_updates`,
 //! `stale_writes_accepted`, `leaked_rows`, `storage_errors`, `stops_unnoticed` (a paused holder
 //! whose `lost()` never fired) or `failed_children` (a child that did not finish: its threads'
 //! stacks go to its log, by `gdb` where there is one). It then keeps its folder (child logs,
-//! registers, database) for a look. Every suspected holder is explained in `explain.txt` there
-//! (and on stderr): the store's history of its key around it (every row inserted, changed or
-//! deleted, with the store's time and who did it, kept by a trigger the run puts on the table)
-//! and the faults the parent made meanwhile.
+//! registers, tallies and their `overruns`, database) for a look. Every suspected holder is
+//! explained in `explain.txt` there (and on stderr): the store's history of its key around it
+//! (every row inserted, changed or deleted, with the store's time, who did it and its mode, kept
+//! by a trigger the run puts on the table) and the faults the parent made meanwhile.
 //!
 //! # On PostgreSQL
 //!
@@ -74,6 +90,7 @@
 //!
 //! `cargo run --release --all-features --example torture -- --backend postgres --seconds 20 --json`
 
+use std::collections::BTreeSet;
 use std::fs;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -96,7 +113,14 @@ use leasehold::testkit::postgres as pg_support;
 /// Set in a child's environment (to the folder the run works in); its absence means "parent".
 const CHILD_ENV: &str = "LEASEHOLD_TORTURE_CHILD";
 
+/// The keys taken shared and exclusive; each guards a register.
 const KEYS: [&str; 3] = ["alpha", "beta", "gamma"];
+
+/// The keys taken in permits (not with `--no-permits`), each of `PERMIT_LIMIT`; each has a tally.
+const PERMIT_KEYS: [&str; 2] = ["delta", "epsilon"];
+
+/// The limit of every permits key.
+const PERMIT_LIMIT: u32 = 3;
 
 mod basics;
 mod child;
@@ -105,6 +129,7 @@ mod counters;
 mod parent;
 mod register;
 mod store;
+mod tally;
 
 use basics::*;
 use child::*;
@@ -113,6 +138,7 @@ use counters::*;
 use parent::*;
 use register::*;
 use store::*;
+use tally::*;
 
 fn main() {
     if std::env::var_os(CHILD_ENV).is_some() {

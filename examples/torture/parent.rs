@@ -35,6 +35,15 @@ pub struct Summary {
     pub skewed_children: u64,
     /// Steps of every child's wall clock, at once (either way).
     pub clock_steps: u64,
+    /// The limit of the permits keys (0 with `--no-permits`).
+    pub permits_limit: u64,
+    /// The most permits of one key held at once by holders whose leases held.
+    pub permits_most: u64,
+    /// Times a permits key's tally passed the limit, each explained by holders that had lost
+    /// their leases.
+    pub permit_overruns: u64,
+    /// Times it passed the limit with holders whose leases held (see `tally.rs`).
+    pub permit_violations: u64,
     /// Where the locks were: `sqlite` or `postgres`.
     pub backend: &'static str,
     /// Rows left in the database after every owner shut down and one lease passed.
@@ -54,6 +63,7 @@ impl Summary {
         let mut failures = Vec::new();
         for (name, value) in [
             ("violations", t.violations),
+            ("permit_violations", self.permit_violations),
             ("late_losses", t.late_losses),
             ("lost_updates", t.lost_updates),
             ("stale_writes_accepted", t.stale_writes_accepted),
@@ -80,12 +90,19 @@ impl Summary {
             ("seed", self.seed),
             ("operations", t.operations),
             ("grants", t.grants),
+            ("shared_grants", t.shared_grants),
+            ("exclusive_grants", t.exclusive_grants),
+            ("permit_grants", t.permit_grants),
             ("interruptions", t.interruptions),
             ("kills", self.kills),
             ("stops", self.stops),
             ("lost_signals", t.lost_signals),
             ("lost_on_release", t.lost_on_release),
             ("violations", t.violations),
+            ("permits_limit", self.permits_limit),
+            ("permits_most", self.permits_most),
+            ("permit_overruns", self.permit_overruns),
+            ("permit_violations", self.permit_violations),
             ("late_losses", t.late_losses),
             ("lost_updates", t.lost_updates),
             ("stale_writes_accepted", t.stale_writes_accepted),
@@ -123,6 +140,13 @@ impl Summary {
             self.clock_steps,
             self.leaked_rows
         );
+        if self.permits_limit > 0 {
+            text.push_str(&format!(
+                "permits: at most {} of {} held at once by holders whose leases held; the limit \
+                 passed {} times with lost leases making up the excess, {} times without\n",
+                self.permits_most, self.permits_limit, self.permit_overruns, self.permit_violations
+            ));
+        }
         for (name, value) in self.totals.fields() {
             text.push_str(&format!("  {name:<24} {value}\n"));
         }
@@ -277,6 +301,9 @@ pub fn run(config: &Config, store: &Store) -> Summary {
             for key in KEYS {
                 let _ = smol::block_on(Register::new(&folder, key).clear(&tag));
             }
+            for key in PERMIT_KEYS.iter().filter(|_| config.permits) {
+                let _ = smol::block_on(Tally::new(&folder, key).clear(&tag));
+            }
             let id = worker.id;
             workers[index] = spawn(id);
         } else {
@@ -335,6 +362,9 @@ pub fn run(config: &Config, store: &Store) -> Summary {
                 .add(&fs::read_to_string(entry.path()).unwrap_or_default());
         }
     }
+    if config.permits {
+        judge_permits(&mut summary, &folder);
+    }
     summary.elapsed = started.elapsed();
     explain_suspects(config, store, &folder);
     if summary.failures().is_empty() {
@@ -342,11 +372,39 @@ pub fn run(config: &Config, store: &Store) -> Summary {
         store.forget();
     } else {
         eprintln!(
-            "the run's files (child logs, registers, database) are kept in {}",
+            "the run's files (child logs, registers, tallies, database) are kept in {}",
             folder.display()
         );
     }
     summary
+}
+
+/// Judges the permits keys' tallies, and notes the holders of every violation as suspects (see
+/// `suspect`), to be explained with the others.
+pub(crate) fn judge_permits(summary: &mut Summary, folder: &Path) {
+    let findings = PermitsFindings::read(folder, &PERMIT_KEYS);
+    summary.permits_limit = findings.limit;
+    summary.permits_most = findings.most;
+    summary.permit_overruns = findings.overruns;
+    summary.permit_violations = findings.violations.len() as u64;
+    for (key, overrun) in &findings.violations {
+        eprintln!(
+            "permits of {key:?}: {} of {} held at once by holders whose leases held: {overrun:?}",
+            overrun.held(),
+            overrun.limit
+        );
+        for (holder, verdict) in &overrun.members {
+            if *verdict == Verdict::Held {
+                append(
+                    &folder.join("suspects"),
+                    &format!(
+                        "permits violation\t{}\t{}\t{key}\t{}\t{}\n",
+                        holder.mark.tag, holder.mark.token, holder.granted_at, overrun.at
+                    ),
+                );
+            }
+        }
+    }
 }
 
 pub(crate) fn micros(duration: Duration) -> u64 {
@@ -403,6 +461,7 @@ pub(crate) fn spawn_child(
         )
         .env("TORTURE_DEADLINE", deadline.to_string())
         .env("TORTURE_HOLD_MS", config.hold.as_millis().to_string())
+        .env("TORTURE_PERMITS", u8::from(config.permits).to_string())
         .env(
             "TORTURE_RUNTIME",
             match config.runtime {
@@ -426,7 +485,8 @@ pub(crate) fn spawn_child(
     }
 }
 
-/// A child to kill (one that holds or waits) or to pause (one that holds, exclusively if any).
+/// A child to kill (one that holds or waits) or to pause (one that holds, exclusively or permits
+/// if any).
 pub(crate) fn pick_victim(
     workers: &[Worker],
     rows: &[leasehold::LockEntry],
@@ -440,7 +500,7 @@ pub(crate) fn pick_victim(
             // An owner is `host:pid:…`.
             .filter(|row| row.owner.split(':').nth(1) == Some(pid.as_str()));
         mine.map(|row| match (&row.state, row.mode) {
-            (EntryState::Held, Mode::Exclusive) => 4,
+            (EntryState::Held, Mode::Exclusive | Mode::Permits { .. }) => 4,
             (EntryState::Held, Mode::Shared) => 2,
             (EntryState::Waiting { .. }, _) if kill => 1,
             _ => 0,

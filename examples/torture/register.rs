@@ -1,5 +1,5 @@
 //! The register: one small file per key, read and written under an OS file lock so that each of
-//! its operations is atomic across processes.
+//! its operations is atomic across processes (`update_locked`).
 
 use super::*;
 
@@ -23,8 +23,8 @@ pub(crate) struct RegisterState {
     pub(crate) superseded: Vec<Mark>,
 }
 
-impl RegisterState {
-    pub(crate) fn parse(text: &str) -> RegisterState {
+impl FileState for RegisterState {
+    fn parse(text: &str) -> RegisterState {
         let mut state = RegisterState::default();
         for line in text.lines() {
             let mut words = line.split_whitespace();
@@ -49,7 +49,7 @@ impl RegisterState {
         state
     }
 
-    pub(crate) fn render(&self) -> String {
+    fn render(&self) -> String {
         let mut text = format!(
             "value {}\nfence {}\nfence_exclusive {}\n",
             self.value, self.fence, self.fence_exclusive
@@ -65,7 +65,9 @@ impl RegisterState {
         }
         text
     }
+}
 
+impl RegisterState {
     /// Moves every mark with a token below `token` to the superseded list.
     pub(crate) fn supersede_below(&mut self, token: u64) {
         if self.writer.as_ref().is_some_and(|w| w.token < token) {
@@ -107,68 +109,36 @@ impl Register {
         }
     }
 
-    /// Runs `change` on the state under the register's file lock. The lock is tried, not waited
-    /// for, so that a paused process holding it never blocks this process's executor (and its
-    /// heartbeats). The lock is a file of its own beside the register, and the new state is
-    /// written to a temporary file and renamed over the register, so that a process killed in
-    /// the middle leaves the old state or the new one, never a torn one (a truncated register
-    /// once looked like another holder's write to a reader that held the lock rightly).
+    /// Runs `change` on the state under the register's file lock (see `update_locked`).
     pub(crate) async fn update<T>(
         &self,
         change: impl FnOnce(&mut RegisterState) -> T,
     ) -> std::io::Result<T> {
-        let lock = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(self.path.with_extension("lock"))?;
-        loop {
-            match fs4::FileExt::try_lock(&lock) {
-                Ok(()) => break,
-                Err(fs4::TryLockError::WouldBlock) => sleep(Duration::from_millis(1)).await,
-                Err(fs4::TryLockError::Error(error)) => return Err(error),
-            }
-        }
-        let outcome = (|| {
-            let text = match fs::read_to_string(&self.path) {
-                Ok(text) => text,
-                Err(error) if error.kind() == std::io::ErrorKind::NotFound => String::new(),
-                Err(error) => return Err(error),
-            };
-            let mut state = RegisterState::parse(&text);
-            let value = change(&mut state);
-            let part = self.path.with_extension("part");
-            fs::write(&part, state.render())?;
-            fs::rename(&part, &self.path)?;
-            Ok(value)
-        })();
-        let _ = fs4::FileExt::unlock(&lock);
-        outcome
+        update_locked(&self.path, change).await
     }
 
-    pub(crate) async fn enter(&self, mark: &Mark, mode: Mode) -> std::io::Result<Entry> {
+    /// Enters as the one writer (`exclusive`) or as a reader.
+    pub(crate) async fn enter(&self, mark: &Mark, exclusive: bool) -> std::io::Result<Entry> {
         self.update(|state| {
-            let stale = match mode {
-                Mode::Exclusive => mark.token < state.fence,
-                Mode::Shared | Mode::Permits { .. } => mark.token < state.fence_exclusive,
+            let stale = if exclusive {
+                mark.token < state.fence
+            } else {
+                mark.token < state.fence_exclusive
             };
             if stale {
                 state.superseded.push(mark.clone());
                 return Entry::Stale;
             }
-            match mode {
-                Mode::Exclusive => {
-                    state.supersede_below(mark.token);
-                    state.writer = Some(mark.clone());
-                    state.fence_exclusive = mark.token;
+            if exclusive {
+                state.supersede_below(mark.token);
+                state.writer = Some(mark.clone());
+                state.fence_exclusive = mark.token;
+            } else {
+                if state.writer.as_ref().is_some_and(|w| w.token < mark.token) {
+                    let writer = state.writer.take().expect("checked above");
+                    state.superseded.push(writer);
                 }
-                Mode::Shared | Mode::Permits { .. } => {
-                    if state.writer.as_ref().is_some_and(|w| w.token < mark.token) {
-                        let writer = state.writer.take().expect("checked above");
-                        state.superseded.push(writer);
-                    }
-                    state.readers.push(mark.clone());
-                }
+                state.readers.push(mark.clone());
             }
             state.fence = state.fence.max(mark.token);
             Entry::Entered(state.value)

@@ -250,8 +250,8 @@ impl Store {
             pg.server.sql(&format!(
                 "CREATE TABLE {s}.history (
                      at bigint NOT NULL, op text NOT NULL, txid bigint NOT NULL, app text NOT NULL,
-                     key text NOT NULL, ticket bigint NOT NULL, owner text NOT NULL,
-                     held boolean NOT NULL, expires_at bigint NOT NULL);
+                     key text NOT NULL, ticket bigint NOT NULL, mode bigint NOT NULL,
+                     owner text NOT NULL, held boolean NOT NULL, expires_at bigint NOT NULL);
                  CREATE INDEX ON {s}.history (key, at);
                  GRANT INSERT ON {s}.history TO PUBLIC;
                  CREATE FUNCTION {s}.keep_history() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -262,7 +262,7 @@ impl Store {
                      INSERT INTO {s}.history VALUES (
                          (extract(epoch FROM clock_timestamp()) * 1000000)::bigint, lower(TG_OP),
                          txid_current(), current_setting('application_name'), r.key, r.ticket,
-                         r.owner, r.held, r.expires_at);
+                         r.mode, r.owner, r.held, r.expires_at);
                      RETURN NULL;
                  END $$;
                  CREATE TRIGGER keep_history AFTER INSERT OR UPDATE OR DELETE ON {s}.locks
@@ -275,15 +275,15 @@ impl Store {
         let now = "CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)";
         let mut sql = String::from(
             "CREATE TABLE history (at INTEGER NOT NULL, op TEXT NOT NULL, key TEXT NOT NULL,
-                 ticket INTEGER NOT NULL, owner TEXT NOT NULL, held INTEGER NOT NULL,
-                 expires_at INTEGER NOT NULL);
+                 ticket INTEGER NOT NULL, mode INTEGER NOT NULL, owner TEXT NOT NULL,
+                 held INTEGER NOT NULL, expires_at INTEGER NOT NULL);
              CREATE INDEX history_key ON history (key, at);",
         );
         for (op, row) in [("insert", "NEW"), ("update", "NEW"), ("delete", "OLD")] {
             sql.push_str(&format!(
                 "CREATE TRIGGER history_{op} AFTER {op} ON locks BEGIN
                      INSERT INTO history VALUES ({now}, '{op}', {row}.key, {row}.ticket,
-                         {row}.owner, {row}.held, {row}.expires_at);
+                         {row}.mode, {row}.owner, {row}.held, {row}.expires_at);
                  END;"
             ));
         }
@@ -300,12 +300,13 @@ impl Store {
         from: u64,
         to: u64,
     ) -> Result<String, Box<dyn std::error::Error>> {
-        let header = "at (store's clock, unix µs)\top\tticket\towner\theld\texpires_at\tleft (µs)";
+        let header =
+            "at (store's clock, unix µs)\top\tticket\tmode\towner\theld\texpires_at\tleft (µs)";
         #[cfg(all(feature = "postgres", feature = "testkit"))]
         if let Some(pg) = &self.postgres {
             let rows = pg.server.sql(&format!(
-                "SELECT at, op || ' (txid ' || txid || ', ' || app || ')', ticket, owner, held,
-                        expires_at, expires_at - at
+                "SELECT at, op || ' (txid ' || txid || ', ' || app || ')', ticket, {MODE}, owner,
+                        held, expires_at, expires_at - at
                  FROM \"{}\".history WHERE key = '{}' AND at BETWEEN {from} AND {to}
                  ORDER BY at, txid",
                 pg.schema,
@@ -320,10 +321,11 @@ impl Store {
             .map_or(0, |time| time.since_boot.as_micros());
         let shift = SystemClock.now().as_micros() as i64 - boot as i64;
         let connection = sqlite::open(folder.join("locks.db"))?;
-        let mut statement = connection.prepare(
-            "SELECT at, op, ticket, owner, held, expires_at + ?4, expires_at + ?4 - at FROM history
-             WHERE key = ?1 AND at BETWEEN ?2 AND ?3 ORDER BY at",
-        )?;
+        let mut statement = connection.prepare(format!(
+            "SELECT at, op, ticket, {MODE}, owner, held, expires_at + ?4,
+                        expires_at + ?4 - at
+                 FROM history WHERE key = ?1 AND at BETWEEN ?2 AND ?3 ORDER BY at"
+        ))?;
         statement.bind((1, key))?;
         statement.bind((2, from as i64))?;
         statement.bind((3, to as i64))?;
@@ -331,7 +333,7 @@ impl Store {
         let mut text = header.to_owned();
         while let sqlite::State::Row = statement.next()? {
             text.push('\n');
-            for column in 0..7 {
+            for column in 0..8 {
                 if column > 0 {
                     text.push('\t');
                 }
@@ -355,6 +357,11 @@ impl Store {
         }
     }
 }
+
+/// A history row's mode, in words, from the integer the stores keep: 0 shared, 1 exclusive, else
+/// `count << 32 | limit` permits.
+const MODE: &str = "CASE mode WHEN 0 THEN 'shared' WHEN 1 THEN 'exclusive'
+    ELSE (mode >> 32) || ' of ' || (mode & 4294967295) || ' permits' END";
 
 /// The restarts' windows, as the parent publishes them in the run's folder: one line per
 /// restart, `start end` (unix micros; `end` is the largest number while it runs).

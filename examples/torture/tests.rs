@@ -7,10 +7,16 @@
 //!
 //! The test binary is its own child (`torture_child` does nothing unless the run started this
 //! process as a child).
+//!
+//! The permits check (`tally.rs`) is also tested on its own: an overrun is a violation only when
+//! the holders whose leases held pass the limit.
 
 use std::time::Duration;
 
-use super::{child_main, run, Backend, Config, Runtime, Store, Summary};
+use super::{
+    child_main, run, Backend, Config, FileState, Holder, Mark, PermitsFindings, Runtime, Store,
+    Summary, TallyState,
+};
 
 #[test]
 fn torture_child() {
@@ -34,6 +40,7 @@ fn short_run(seconds: f64, backend: Backend) -> Config {
         url: None,
         cut_connections: true,
         clock_steps: true,
+        permits: true,
         runtime: Runtime::Smol,
         hold: Duration::from_millis(20),
         child_command: vec![
@@ -58,10 +65,103 @@ fn assert_clean(summary: &Summary) {
         summary.describe()
     );
     assert!(
-        summary.totals.grants >= 50,
+        summary.totals.grants >= 50 && summary.totals.permit_grants >= 10,
         "too little happened:\n{}",
         summary.describe()
     );
+}
+
+/// A holder of `count` permits in child `tag`.
+fn holder(token: u64, tag: &str, count: u64) -> Holder {
+    Holder {
+        mark: Mark {
+            token,
+            tag: tag.into(),
+        },
+        count,
+        granted_at: token * 10,
+    }
+}
+
+/// What the parent makes of `state` and the overruns it has judged (as the run's file has them).
+fn findings(state: TallyState, judged: &[super::Overrun]) -> PermitsFindings {
+    let lines: String = (judged.iter())
+        .map(|overrun| format!("delta {}\n", overrun.render()))
+        .collect();
+    PermitsFindings::judge(&lines, &[("delta".into(), state)])
+}
+
+#[test]
+fn holders_within_the_limit_are_no_overrun() {
+    let mut state = TallyState::default();
+    state.enter(holder(1, "0.1", 2), 3, 100);
+    state.enter(holder(2, "1.1", 1), 3, 101);
+    assert!(state.leave(&holder(1, "0.1", 2).mark, false).is_empty());
+    state.enter(holder(3, "2.1", 2), 3, 102);
+    let found = findings(state, &[]);
+    assert_eq!((found.most, found.limit, found.overruns), (3, 3, 0));
+    assert!(found.violations.is_empty());
+}
+
+#[test]
+fn an_overrun_made_up_by_a_lost_lease_is_not_a_violation() {
+    // Child 0 was paused past its lease holding 2 of 3; child 1 was granted 2 meanwhile.
+    let mut state = TallyState::default();
+    state.enter(holder(1, "0.1", 2), 3, 100);
+    state.enter(holder(2, "1.1", 2), 3, 101);
+    assert!(state.leave(&holder(2, "1.1", 2).mark, false).is_empty());
+    let judged = state.leave(&holder(1, "0.1", 2).mark, true);
+    assert_eq!(judged.len(), 1, "judged whole once both left");
+    let found = findings(state, &judged);
+    assert_eq!((found.most, found.overruns), (2, 1));
+    assert!(found.violations.is_empty());
+}
+
+#[test]
+fn an_over_limit_overlap_of_holders_whose_leases_held_is_a_violation() {
+    let mut state = TallyState::default();
+    state.enter(holder(1, "0.1", 2), 3, 100);
+    state.enter(holder(2, "1.1", 1), 3, 101);
+    state.enter(holder(3, "2.1", 1), 3, 102);
+    let mut judged = state.leave(&holder(3, "2.1", 1).mark, false);
+    judged.extend(state.leave(&holder(2, "1.1", 1).mark, false));
+    judged.extend(state.leave(&holder(1, "0.1", 2).mark, false));
+    let found = findings(state, &judged);
+    assert_eq!(found.violations.len(), 1);
+    assert_eq!((found.most, found.overruns), (4, 0), "4 of 3 held at once");
+}
+
+#[test]
+fn a_killed_member_is_not_counted_as_holding() {
+    let mut state = TallyState::default();
+    state.enter(holder(1, "0.1", 3), 3, 100);
+    state.enter(holder(2, "1.1", 1), 3, 101);
+    let mut judged = state.clear("0.1");
+    judged.extend(state.leave(&holder(2, "1.1", 1).mark, false));
+    let found = findings(state, &judged);
+    assert!(found.violations.is_empty());
+    assert_eq!(found.overruns, 1);
+}
+
+#[test]
+fn an_overrun_kept_twice_counts_once_and_an_open_one_is_judged_too() {
+    let mut state = TallyState::default();
+    state.enter(holder(1, "0.1", 2), 3, 100);
+    state.enter(holder(2, "1.1", 2), 3, 101);
+    let mut judged = state.leave(&holder(1, "0.1", 2).mark, false);
+    judged.extend(state.leave(&holder(2, "1.1", 2).mark, false));
+    // A child killed between keeping the overrun and writing the tally leaves it in both.
+    let mut again = TallyState::parse(&state.render());
+    again.open = judged.clone();
+    let found = findings(again, &judged);
+    assert_eq!(found.violations.len(), 1);
+    // Still open at the end: its open members count as not holding.
+    let mut state = TallyState::default();
+    state.enter(holder(1, "0.1", 2), 3, 100);
+    state.enter(holder(2, "1.1", 2), 3, 101);
+    state.leave(&holder(2, "1.1", 2).mark, false);
+    let found = findings(TallyState::parse(&state.render()), &[]);
+    assert_eq!((found.violations.len(), found.overruns), (0, 1));
 }
 
 #[test]
