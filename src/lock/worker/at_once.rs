@@ -6,17 +6,15 @@ use super::*;
 impl<S: Storage> Worker<S> {
     /// How many of the first `writes` one call can decide: acquisitions, and removals of
     /// requests written before it (a removal of one acquired in the same run waits for the
-    /// next call, which knows its ticket), but none of permits, which only a transaction
-    /// decides (by `grant.rs`: the storage's call decides shared and exclusive requests only).
+    /// next call, which knows its ticket).
     pub(super) fn at_once_run(&self, writes: &[Write]) -> usize {
         let mut removed = BTreeSet::new();
         writes
             .iter()
             .take_while(|write| match write {
-                Write::Acquire { requests, .. } => !of_permits(requests),
+                Write::Acquire { .. } => true,
                 Write::Remove { request, .. } => {
-                    self.requests.get(request).is_some_and(|w| !w.permits)
-                        && removed.insert(*request)
+                    self.requests.contains_key(request) && removed.insert(*request)
                 }
                 _ => false,
             })

@@ -108,15 +108,6 @@ fn spin_schedule() -> Schedule {
 struct Written {
     ticket: u64,
     keys: Vec<String>,
-    /// Whether it is of permits, which only a transaction decides (`at_once_run`); never so for
-    /// a request found in storage after a call's answer was lost (`find_lost_requests`), which
-    /// that call wrote.
-    permits: bool,
-}
-
-/// Whether `requests` ask for permits on any key.
-fn of_permits(requests: &[LockRequest]) -> bool {
-    (requests.iter()).any(|request| matches!(request.mode, crate::lock::Mode::Permits { .. }))
 }
 
 /// What a transaction freed, for waking waiters once it has committed.

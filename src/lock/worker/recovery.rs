@@ -84,14 +84,7 @@ impl<S: Storage> Worker<S> {
                     .collect();
                 for (ticket, keys) in requests {
                     if !known.contains(&ticket) {
-                        // Written by a call, which decides no permits.
-                        let permits = false;
-                        let written = Written {
-                            ticket,
-                            keys,
-                            permits,
-                        };
-                        self.doubts.acquisitions.push(written);
+                        self.doubts.acquisitions.push(Written { ticket, keys });
                     }
                 }
             }

@@ -292,13 +292,7 @@ impl<S: Storage> Worker<S> {
         granted_until: Option<i64>,
     ) -> Decided {
         let keys = requests.iter().map(|r| r.key.clone()).collect();
-        let permits = of_permits(requests);
-        let written = Written {
-            ticket,
-            keys,
-            permits,
-        };
-        self.requests.insert(request, written);
+        self.requests.insert(request, Written { ticket, keys });
         match granted_until {
             Some(expires_at) => Decided::Granted { ticket, expires_at },
             None => Decided::Queued(ticket),

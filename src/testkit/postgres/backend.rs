@@ -44,17 +44,30 @@ mod the_rule_in_sql {
     use crate::lock::{LockRequest, Mode};
     use crate::sync::lock;
 
-    /// A row to plant: key (0 or 1), mode (0 shared, 1 exclusive, 2 one of two permits), held,
-    /// lapsed, owner (0 or 1), and whether its request names both keys. Tickets follow the
-    /// order of the rows. Rows of permits and of the other modes may meet on a key here, as no
-    /// manager writes them: the functions must stay safe and write nothing beside a live one.
+    /// A row to plant: key (0 or 1), mode ([`mode`]), held, lapsed, owner (0 or 1), and
+    /// whether its request names both keys. Tickets follow the order of the rows. Rows of
+    /// permits and of the other modes, or of two limits, may meet on a key here, as no manager
+    /// writes them: the functions must judge them as the rule does, and write nothing beside a
+    /// live one.
     type Planted = (u8, u8, bool, bool, u8, bool);
+
+    /// The mode of code `code`: 0 shared, 1 exclusive, 2 and 3 one and two of 3 permits, 4 one of
+    /// 2 permits (another limit).
+    fn mode(code: u8) -> Mode {
+        match code {
+            0 => Mode::Shared,
+            1 => Mode::Exclusive,
+            2 => Mode::Permits { count: 1, limit: 3 },
+            3 => Mode::Permits { count: 2, limit: 3 },
+            _ => Mode::Permits { count: 1, limit: 2 },
+        }
+    }
 
     fn planted() -> impl Strategy<Value = Vec<Planted>> {
         prop::collection::vec(
             (
                 0..2u8,
-                prop::sample::select(vec![0u8, 1, 0, 1, 2]),
+                prop::sample::select(vec![0u8, 1, 0, 1, 2, 3, 2, 3, 4]),
                 any::<bool>(),
                 prop::bool::weighted(0.2),
                 0..2u8,
@@ -123,13 +136,9 @@ mod the_rule_in_sql {
                 .get(0);
             let hour = 3_600_000_000_i64;
             let mut live = Vec::new();
-            for (i, &(key, mode, held, lapsed, owner, both)) in rows.iter().enumerate() {
+            for (i, &(key, code, held, lapsed, owner, both)) in rows.iter().enumerate() {
                 let key = KEYS[usize::from(key)];
-                let mode = match mode {
-                    0 => Mode::Shared,
-                    1 => Mode::Exclusive,
-                    _ => Mode::Permits { count: 1, limit: 2 },
-                };
+                let mode = mode(code);
                 let ticket = i as i64 + 1;
                 let owner = format!("o{owner}");
                 let expires_at = if lapsed { now - hour } else { now + hour };
@@ -319,7 +328,7 @@ mod the_rule_in_sql {
         fn a_new_request_is_granted_in_sql_as_by_the_rule(
             rows in planted(),
             wanted in prop::sample::subsequence(vec![0u8, 1], 1..=2),
-            exclusive in any::<[bool; 2]>(),
+            modes in [0..5u8, 0..5u8],
         ) {
             Case::with(|case| {
             // Through `decide`, then through `acquire_one` where the request has one key.
@@ -327,13 +336,10 @@ mod the_rule_in_sql {
             let (now, live) = case.plant(&rows);
             let requests: Vec<LockRequest> = wanted
                 .iter()
-                .map(|&k| {
-                    let key = KEYS[usize::from(k)];
-                    if exclusive[usize::from(k)] {
-                        LockRequest::exclusive(key, "new")
-                    } else {
-                        LockRequest::shared(key, "new")
-                    }
+                .map(|&k| LockRequest {
+                    key: KEYS[usize::from(k)].to_owned(),
+                    mode: mode(modes[usize::from(k)]),
+                    operation: "new".to_owned(),
                 })
                 .collect();
             let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
@@ -343,7 +349,8 @@ mod the_rule_in_sql {
             };
             let granted: bool = row.get(2);
             let wanted = || requests.iter().map(|r| (r.key.as_str(), r.mode));
-            // A live row of permits on a key is a misfit: refused, and nothing written.
+            // A live row of the other kind, or of another limit, is a misfit: refused, and
+            // nothing written.
             let misfit = misfit(wanted(), &live);
             let expected = misfit.is_none() && grantable_now(wanted(), &live);
             prop_assert_eq!(granted, expected, "rows {:?}, one {}", rows, one);
@@ -364,17 +371,17 @@ mod the_rule_in_sql {
             watcher in prop::option::of(0..2u8),
             acquire in any::<bool>(),
             key in 0..2u8,
-            exclusive in any::<bool>(),
+            code in 0..5u8,
             wait in 0..3u8,
             owner in prop::sample::select(vec![0u8, 1, 9]),
             released in any::<prop::sample::Index>(),
         ) {
             Case::with(|case| {
             let key = KEYS[usize::from(key)];
-            let requests = [if exclusive {
-                LockRequest::exclusive(key, "new")
-            } else {
-                LockRequest::shared(key, "new")
+            let requests = [LockRequest {
+                key: key.to_owned(),
+                mode: mode(code),
+                operation: "new".to_owned(),
             }];
             let wait = [Wait::Queued, Wait::Unqueued, Wait::No][usize::from(wait)];
             let keys = [key.to_owned()];
@@ -441,16 +448,10 @@ mod the_rule_in_sql {
                 .into_iter()
                 .filter(|r| r.ticket != ticket as u64 && keys.iter().any(|k| **k == *r.key))
                 .collect();
-            // Waiters on the released key alone, and never of permits (those are the worker's).
+            // Waiters on the released keys alone (one on both keys is its owner's to promote).
             let mut expected: Vec<u64> = promotable(&left)
                 .into_iter()
-                .filter(|t| {
-                    left.iter().any(|r| {
-                        r.ticket == *t
-                            && r.keys.is_empty()
-                            && !matches!(r.mode, Mode::Permits { .. })
-                    })
-                })
+                .filter(|t| left.iter().any(|r| r.ticket == *t && r.keys.is_empty()))
                 .collect();
             expected.sort_unstable();
             prop_assert_eq!(promoted, expected, "rows {:?}, released {}, one {}", rows, at, one);

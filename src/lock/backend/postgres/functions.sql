@@ -1,13 +1,13 @@
 -- The server-side functions of the PostgreSQL backend: see `schema.rs` (`FUNCTIONS`).
 -- `{s}` is the schema, quoted; `{max_locks}`, `{schema_class}` and `{lock_class}` are numbers
 -- filled in by `functions`.
--- Modes are stored as `mode_code` writes them: 0 shared, 1 exclusive, any other code permits.
--- These functions decide shared and exclusive requests only (the worker decides permits in a
--- transaction of its own, by `grant.rs`): here a shared request meets only shared rows, and any
--- other code is judged as exclusive, so that a row of permits is never passed over; a waiting
--- request of permits is never promoted here; and an acquisition on a key where a live row of
--- permits is finds a misfit (`misfit_key`, `misfit_mode`: that row's key and mode), and writes
--- nothing.
+-- Modes are stored as `mode_code` writes them: 0 shared, 1 exclusive, and any other code
+-- `count` of `limit` permits, as the bits of `count << 32 | limit` (`(mode >> 32) & 4294967295`
+-- and `mode & 4294967295` here). The rule, as `grant.rs` has it: a shared request meets only
+-- shared rows ahead of it, an exclusive one none, and one of permits only permits, whose counts
+-- with its own are at most the limit. An acquisition on a key where a live row is of the other
+-- kind, or names another limit, is a misfit (`misfit_key`, `misfit_mode`: that row's key and
+-- mode): refused, with nothing written.
 -- The store's time is the server's clock less the forward steps of it that clients absorbed
 -- (`meta.skew`; see `mod.rs`, "Time is the server's"). `check_clock` refuses a call whose
 -- statement started later, by the store's time, than `p_latest`, the caller's latest estimate
@@ -133,14 +133,31 @@ BEGIN
             END IF;
             granted := NOT coalesce(blocked, false);
             IF NOT granted THEN
-                SELECT o.key, o.mode INTO misfit_key, misfit_mode FROM {s}.locks AS o
-                WHERE o.key = ANY(op_keys) AND o.expires_at > now AND o.mode NOT IN (0, 1)
+                -- A live row of the other kind, or of permits with another limit: a misfit.
+                SELECT o.key, o.mode INTO misfit_key, misfit_mode
+                FROM {s}.locks AS o JOIN unnest(op_keys, op_modes) AS r(key, mode) ON o.key = r.key
+                WHERE o.expires_at > now
+                  AND ((r.mode IN (0, 1)) <> (o.mode IN (0, 1))
+                       OR (r.mode NOT IN (0, 1) AND o.mode NOT IN (0, 1)
+                           AND (o.mode & 4294967295) <> (r.mode & 4294967295)))
                 LIMIT 1;
                 IF misfit_key IS NOT NULL THEN
                     ticket := NULL;
                     RETURN NEXT;
                     lo := p_ends[n] + 1;
                     CONTINUE;
+                END IF;
+                -- Any live row blocks a request of permits by the test above; judge it by the
+                -- counts, key by key, where there are such requests.
+                IF EXISTS (SELECT 1 FROM unnest(op_modes) AS m WHERE m NOT IN (0, 1)) THEN
+                    SELECT NOT coalesce(bool_or(k.blocked), false) INTO granted FROM (
+                        SELECT CASE WHEN r.mode IN (0, 1) THEN bool_or(r.mode <> 0 OR o.mode <> 0)
+                                    ELSE sum((o.mode >> 32) & 4294967295) + ((r.mode >> 32) & 4294967295)
+                                         > (r.mode & 4294967295)
+                               END AS blocked
+                        FROM unnest(op_keys, op_modes) AS r(key, mode)
+                        JOIN {s}.locks AS o ON o.key = r.key AND o.expires_at > now
+                        GROUP BY r.key, r.mode) AS k;
                 END IF;
             END IF;
             IF NOT granted AND op_wait <> 2 THEN
@@ -195,11 +212,21 @@ BEGIN
                         expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
                         heartbeat_at = GREATEST(w.heartbeat_at, now)
                     WHERE w.key = ANY(op_keys) AND NOT w.held AND w.keys IS NULL
-                      AND w.expires_at > now AND w.mode IN (0, 1)
-                      AND NOT EXISTS (
+                      AND w.expires_at > now
+                      AND CASE WHEN w.mode IN (0, 1) THEN NOT EXISTS (
                           SELECT 1 FROM {s}.locks AS o
                           WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
                             AND (w.mode <> 0 OR o.mode <> 0))
+                      ELSE (
+                          SELECT NOT coalesce(bool_or(o.mode IN (0, 1)), false)
+                                 AND coalesce(sum((o.mode >> 32) & 4294967295), 0)
+                                     + ((w.mode >> 32) & 4294967295)
+                                     <= LEAST(w.mode & 4294967295,
+                                              coalesce(min(o.mode & 4294967295),
+                                                       w.mode & 4294967295))
+                          FROM {s}.locks AS o
+                          WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now)
+                      END
                     RETURNING w.ticket, w.owner)
                 SELECT array_agg(p.ticket),
                        array_agg(DISTINCT p.owner) FILTER (WHERE p.owner <> p_owner)
@@ -302,10 +329,19 @@ BEGIN
     granted := NOT coalesce(blocked, false);
     IF NOT granted THEN
         SELECT o.key, o.mode INTO misfit_key, misfit_mode FROM {s}.locks AS o
-        WHERE o.key = p_key AND o.expires_at > now AND o.mode NOT IN (0, 1)
+        WHERE o.key = p_key AND o.expires_at > now
+          AND ((p_mode IN (0, 1)) <> (o.mode IN (0, 1))
+               OR (p_mode NOT IN (0, 1) AND o.mode NOT IN (0, 1)
+                   AND (o.mode & 4294967295) <> (p_mode & 4294967295)))
         LIMIT 1;
         IF misfit_key IS NOT NULL THEN
             RETURN;
+        END IF;
+        IF p_mode NOT IN (0, 1) THEN
+            SELECT coalesce(sum((o.mode >> 32) & 4294967295), 0) + ((p_mode >> 32) & 4294967295)
+                   <= (p_mode & 4294967295)
+            INTO granted
+            FROM {s}.locks AS o WHERE o.key = p_key AND o.expires_at > now;
         END IF;
     END IF;
     IF NOT granted AND p_wait <> 2 THEN
@@ -366,11 +402,19 @@ BEGIN
                 expires_at = GREATEST(w.expires_at, now + (w.expires_at - w.heartbeat_at)),
                 heartbeat_at = GREATEST(w.heartbeat_at, now)
             WHERE w.key = p_key AND NOT w.held AND w.keys IS NULL AND w.expires_at > now
-              AND w.mode IN (0, 1)
-              AND NOT EXISTS (
+              AND CASE WHEN w.mode IN (0, 1) THEN NOT EXISTS (
                   SELECT 1 FROM {s}.locks AS o
                   WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now
                     AND (w.mode <> 0 OR o.mode <> 0))
+              ELSE (
+                  SELECT NOT coalesce(bool_or(o.mode IN (0, 1)), false)
+                         AND coalesce(sum((o.mode >> 32) & 4294967295), 0)
+                             + ((w.mode >> 32) & 4294967295)
+                             <= LEAST(w.mode & 4294967295,
+                                      coalesce(min(o.mode & 4294967295), w.mode & 4294967295))
+                  FROM {s}.locks AS o
+                  WHERE o.key = w.key AND o.ticket < w.ticket AND o.expires_at > now)
+              END
             RETURNING w.ticket, w.owner)
         SELECT array_agg(p.ticket),
                array_agg(DISTINCT p.owner) FILTER (WHERE p.owner <> p_owner)

@@ -51,16 +51,14 @@ pub(crate) fn quote(name: &str) -> String {
 /// advisory locks as `begin`, read the time once they hold them, and delete the lapsed rows of
 /// their keys before they read them, as every decision does.
 ///
-/// The grant rule is written here a second time, in SQL, for the two questions these functions ask
-/// of shared and exclusive requests (see `grant.rs` for the rule): whether a new request is granted
-/// now (`grantable_now`), and which waiting requests on one key a release lets through
-/// (`promotable`, for requests on that key alone: a request on several keys is left to its owner,
-/// whom the announcement of the release wakes, and whose own look promotes it). Permits are never
-/// decided here: the worker takes every write of permits to a transaction of its own, decided by
-/// `grant.rs`; these functions judge a row of permits as exclusive, never promote one, and refuse a
-/// shared or exclusive request on a key that has one (`misfit_key`). The backend's tests
-/// (`the_rule_in_sql`) check the two writings against each other on generated rows, and the model
-/// test runs on both backends.
+/// The grant rule is written here a second time, in SQL, for the two questions these functions
+/// ask (see `grant.rs` for the rule, permits included): whether a new request is granted now
+/// (`grantable_now`, after `misfit`: a request of the other kind, or of another limit, than a
+/// key's live rows is refused with nothing written), and which waiting requests on one key a
+/// release lets through (`promotable`, for requests on that key alone: a request on several keys
+/// is left to its owner, whom the announcement of the release wakes, and whose own look promotes
+/// it). The backend's tests (`the_rule_in_sql`) check the two writings against each other on
+/// generated rows of every mode, and the model test runs on both backends.
 const FUNCTIONS: &str = include_str!("functions.sql");
 
 /// Callers that wait without a row (`many`, which takes no queue position): a row per key and
@@ -216,7 +214,7 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
         }
         if found < 11 {
             // Permits: a mode is `mode_code`'s 64-bit integer, and the functions take modes of
-            // that type and answer misfits, so the old ones go. A process of version 10 refuses
+            // that type, decide permits and answer misfits, so the old ones go. A process of version 10 refuses
             // the schema from now on; processes sharing it must be upgraded together.
             transaction
                 .batch_execute(&format!(
