@@ -152,8 +152,8 @@ BEGIN
                 IF EXISTS (SELECT 1 FROM unnest(op_modes) AS m WHERE m NOT IN (0, 1)) THEN
                     SELECT NOT coalesce(bool_or(k.blocked), false) INTO granted FROM (
                         SELECT CASE WHEN r.mode IN (0, 1) THEN bool_or(r.mode <> 0 OR o.mode <> 0)
-                                    ELSE sum((o.mode >> 32) & 4294967295) + ((r.mode >> 32) & 4294967295)
-                                         > (r.mode & 4294967295)
+                                    ELSE sum((o.mode >> 32) & 4294967295)
+                                         + ((r.mode >> 32) & 4294967295) > (r.mode & 4294967295)
                                END AS blocked
                         FROM unnest(op_keys, op_modes) AS r(key, mode)
                         JOIN {s}.locks AS o ON o.key = r.key AND o.expires_at > now
