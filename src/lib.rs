@@ -194,9 +194,9 @@ pub use clock::{BootTime, Clock, SystemClock, TestClock};
 pub use exit::{AbortReason, ExitStatus};
 pub use fiber::{fork_daemon, Exit, Fiber};
 pub use lock::{
-    Changes, EntryState, Finding, Guard, LeaseLost, LockEntry, LockError, LockManager,
-    LockManagerBuilder, LockRequest, MemoryStore, Mode, Removal, StorageError, StorageStats,
-    MAX_NAME_BYTES,
+    Changes, EntryState, Finding, Guard, LeadError, Leader, Leadership, LeaseLost, LockEntry,
+    LockError, LockManager, LockManagerBuilder, LockRequest, MemoryStore, Mode, Observe, Removal,
+    StorageError, StorageStats, MAX_NAME_BYTES,
 };
 pub use race::{all, race, RaceLost};
 pub use schedule::{Schedule, ScheduleRun};

@@ -58,7 +58,7 @@ enum Kind {
 #[derive(Clone)]
 pub struct Schedule {
     kind: Kind,
-    clock: Option<Arc<dyn Clock>>,
+    pub(crate) clock: Option<Arc<dyn Clock>>,
 }
 
 impl fmt::Debug for Schedule {

@@ -81,18 +81,26 @@ fn identity(entry: &LockEntry) -> Identity {
     )
 }
 
+/// Which rows a stream shows.
+pub(super) enum Rows {
+    /// Of the keys that start with this (`LockManager::changes`).
+    Prefix(String),
+    /// Of this key alone, read by key (`LockManager::observe`).
+    Key(String),
+}
+
 struct State {
     locks: LockManager,
-    prefix: String,
+    rows: Rows,
     _watching: Watching,
     shown: Option<Vec<Identity>>,
     ended: bool,
 }
 
-pub(super) fn changes(locks: &LockManager, prefix: &str) -> Changes {
+pub(super) fn changes(locks: &LockManager, rows: Rows) -> Changes {
     let state = State {
         locks: locks.clone(),
-        prefix: prefix.to_owned(),
+        rows,
         _watching: Watching::new(locks),
         shown: None,
         ended: false,
@@ -110,14 +118,20 @@ async fn next(mut state: State) -> Option<(Result<Vec<LockEntry>, LockError>, St
     loop {
         let common = &state.locks.shared.common;
         let changed = common.changed.listen();
-        let mut entries = match state.locks.inspect(None).await {
+        let read = match &state.rows {
+            Rows::Prefix(prefix) => (state.locks.inspect(None).await).map(|mut entries| {
+                entries.retain(|entry| entry.key.starts_with(prefix.as_str()));
+                entries
+            }),
+            Rows::Key(key) => state.locks.inspect(Some(key)).await,
+        };
+        let entries = match read {
             Ok(entries) => entries,
             Err(error) => {
                 state.ended = matches!(error, LockError::Shutdown);
                 return Some((Err(error), state));
             }
         };
-        entries.retain(|entry| entry.key.starts_with(&state.prefix));
         let seen: Vec<Identity> = entries.iter().map(identity).collect();
         if state.shown.as_ref() != Some(&seen) {
             state.shown = Some(seen);

@@ -248,31 +248,55 @@ impl Error for StorageError {
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LeaseLost {
-    shutdown: bool,
+    why: Why,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Why {
+    #[default]
+    Expired,
+    Shutdown,
+    RunningOut,
 }
 
 impl LeaseLost {
     pub(super) fn expired() -> Self {
-        LeaseLost { shutdown: false }
+        LeaseLost { why: Why::Expired }
     }
 
     pub(super) fn shutdown() -> Self {
-        LeaseLost { shutdown: true }
+        LeaseLost { why: Why::Shutdown }
+    }
+
+    pub(super) fn running_out() -> Self {
+        LeaseLost {
+            why: Why::RunningOut,
+        }
     }
 
     /// Whether the lock was lost because its manager was shut down (rather than expiring).
     pub fn by_shutdown(&self) -> bool {
-        self.shutdown
+        self.why == Why::Shutdown
+    }
+
+    /// Whether this is a warning given a margin before the lease runs out, no renewal having
+    /// come back in time ([`Guard::lost_within`](crate::Guard::lost_within)): the rows may
+    /// still be held, and whoever was told has the margin to stop before another owner can be
+    /// granted the lock.
+    pub fn before_expiry(&self) -> bool {
+        self.why == Why::RunningOut
     }
 }
 
 impl fmt::Display for LeaseLost {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.shutdown {
-            f.write_str("lease lost: the lock manager was shut down")
-        } else {
-            f.write_str("lease lost: the lock's rows are gone or its lease ran out")
-        }
+        f.write_str(match self.why {
+            Why::Expired => "lease lost: the lock's rows are gone or its lease ran out",
+            Why::Shutdown => "lease lost: the lock manager was shut down",
+            Why::RunningOut => {
+                "lease lost: no renewal came back in time, and the lease is about to run out"
+            }
+        })
     }
 }
 

@@ -111,6 +111,41 @@ impl Guard {
         self.lost.clone()
     }
 
+    /// Aborted with a [`LeaseLost`] reason once the lease has `margin` or less left as this
+    /// process knows it (no renewal came back in time: [`LeaseLost::before_expiry`]), or
+    /// as soon as [`lost`](Guard::lost) aborts. Work bound to it is told `margin` before any
+    /// other owner can be granted the lock, so that its clean-up can finish first;
+    /// [`LockManager::with_lock`](crate::LockManager::with_lock) binds its body so, with a
+    /// margin of one heartbeat.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use leasehold::{LeaseLost, LockManager, TestClock};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let clock = TestClock::new();
+    /// let locks = LockManager::builder()
+    ///     .clock(Arc::new(clock.clone()))
+    ///     .lease(Duration::from_secs(30))
+    ///     .open_in_memory()?;
+    /// let guard = locks.exclusive("k", "work").await?;
+    /// let warned = guard.lost_within(Duration::from_secs(5));
+    /// clock.advance(Duration::from_secs(25)); // no heartbeat has renewed it
+    /// let reason = warned.reason().expect("warned 5 s before the lease runs out");
+    /// assert!(reason.downcast_ref::<LeaseLost>().unwrap().before_expiry());
+    /// assert!(!guard.lost().is_aborted(), "the lease itself has 5 s left");
+    /// # Ok::<(), leasehold::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn lost_within(&self, margin: Duration) -> AbortSignal {
+        lock(&self.shared.common.guards)
+            .signal_within(self.ticket, margin)
+            .unwrap_or_else(|| self.lost.clone())
+    }
+
     /// Deletes this owner's rows and wakes local waiters. Dropping the guard releases it too
     /// (silently, whether or not the lease was lost).
     ///
@@ -175,11 +210,7 @@ impl Guard {
         if held {
             return Ok(());
         }
-        let lost = self
-            .lost
-            .reason()
-            .and_then(|reason| reason.downcast_ref::<LeaseLost>().copied())
-            .unwrap_or_else(LeaseLost::expired);
+        let lost = self.lost_reason();
         if let Some(entry) = entry {
             // Lost before any heartbeat could tell: tell the work it protected now.
             tracing::warn!(
@@ -189,6 +220,27 @@ impl Guard {
             entry.lose(lost);
         }
         Err(LockError::LeaseLost(lost))
+    }
+
+    /// Sets the operation of this guard's rows to `operation` (a leader's new value); how many
+    /// rows it changed (0: its rows are gone or lapsed).
+    pub(super) async fn relabel(&self, operation: String) -> Result<usize, LockError> {
+        let request = self.request;
+        (self.shared)
+            .call(|reply| Command::Relabel {
+                request,
+                operation,
+                reply,
+            })
+            .await
+    }
+
+    /// Why this guard's lease was lost, as its `lost()` signal says (lost by its deadline, if
+    /// it says nothing else).
+    pub(super) fn lost_reason(&self) -> LeaseLost {
+        (self.lost.reason())
+            .and_then(|reason| reason.downcast_ref::<LeaseLost>().copied())
+            .unwrap_or_else(LeaseLost::expired)
     }
 
     /// Stops the heartbeat's bookkeeping of this guard; returns its entry, unless a lost lease

@@ -314,7 +314,7 @@ impl LockManager {
     /// # }).unwrap();
     /// ```
     pub fn changes(&self, prefix: &str) -> Changes {
-        super::changes::changes(self, prefix)
+        super::changes::changes(self, super::changes::Rows::Prefix(prefix.to_owned()))
     }
 
     /// Releases every row of this owner and stops its background work. Waiting acquisitions end

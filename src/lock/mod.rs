@@ -40,9 +40,11 @@
 
 mod acquire;
 pub(crate) mod backend;
+mod bound;
 pub(crate) mod builder;
 mod changes;
 mod check;
+mod election;
 mod error;
 pub(crate) mod grant;
 mod guard;
@@ -58,6 +60,7 @@ pub use self::backend::memory::MemoryStore;
 pub use self::builder::LockManagerBuilder;
 pub use self::changes::Changes;
 pub use self::check::Finding;
+pub use self::election::{LeadError, Leader, Leadership, Observe};
 pub use self::error::{LeaseLost, LockError, StorageError};
 pub use self::guard::Guard;
 pub use self::manager::LockManager;

@@ -374,6 +374,21 @@ pub struct StorageStats {
     pub lock_waits: u64,
 }
 
+/// An error unless `text` (a key, an operation, a leader's value: `what`) may be stored.
+pub(super) fn check_text(what: &str, text: &str) -> Result<(), LockError> {
+    let invalid = |why: String| Err(LockError::InvalidRequest(why));
+    if text.len() > MAX_NAME_BYTES {
+        return invalid(format!(
+            "the {what} is {} bytes long; at most {MAX_NAME_BYTES} are allowed",
+            text.len()
+        ));
+    }
+    if text.contains('\0') {
+        return invalid(format!("the {what} {text:?} contains a NUL character"));
+    }
+    Ok(())
+}
+
 pub(super) fn validate(requests: &[LockRequest]) -> Result<(), LockError> {
     let invalid = |why: String| Err(LockError::InvalidRequest(why));
     if requests.is_empty() {
@@ -386,15 +401,7 @@ pub(super) fn validate(requests: &[LockRequest]) -> Result<(), LockError> {
             return invalid("the key is empty".into());
         }
         for (what, text) in [("key", key), ("operation", &request.operation)] {
-            if text.len() > MAX_NAME_BYTES {
-                return invalid(format!(
-                    "the {what} is {} bytes long; at most {MAX_NAME_BYTES} are allowed",
-                    text.len()
-                ));
-            }
-            if text.contains('\0') {
-                return invalid(format!("the {what} {text:?} contains a NUL character"));
-            }
+            check_text(what, text)?;
         }
         if !seen.insert(key.as_str()) {
             return invalid(format!("the key {key:?} is named twice"));

@@ -163,6 +163,17 @@ pub(crate) trait Storage {
         ticket: u64,
         now: i64,
     ) -> Result<Deleted>;
+    /// Sets the operation of `owner`'s live held rows of `ticket` on `keys` to `operation` (a
+    /// leader's new value: `Leadership::proclaim`); returns how many it changed (0: the rows
+    /// are gone or lapsed, or not held).
+    fn relabel(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        operation: &str,
+        now: i64,
+    ) -> Result<usize>;
     /// Deletes every row of `owner`; returns how many there were.
     fn delete_owner(&mut self, owner: &str) -> Result<usize>;
     /// Deletes the lapsed rows on `keys`; returns how many.

@@ -39,6 +39,9 @@ pub(crate) struct GuardEntry {
     /// The guard's `lost()`, once its caller took the grant: it aborts by itself at the
     /// lease's deadline, which each renewal of all the request's rows moves on.
     lost: Option<AbortController>,
+    /// The guard's `lost_within(margin)` signals: each aborts by itself `margin` before the
+    /// deadline, moved on with it, and with `lost` when the lease is lost.
+    warnings: Vec<(Duration, AbortController)>,
 }
 
 impl GuardEntry {
@@ -58,21 +61,25 @@ impl GuardEntry {
 
     /// Tells the guard its lease was lost, `why` saying how.
     pub(crate) fn lose(&self, why: LeaseLost) {
-        if let Some(lost) = &self.lost {
-            lost.abort(AbortReason::new(why));
+        let controllers = self.lost.iter().chain(self.warnings.iter().map(|(_, w)| w));
+        for controller in controllers {
+            controller.abort(AbortReason::new(why));
         }
     }
 
     /// Moves its deadline on to `deadline`, unless it came by `now`: then it stays lost.
     fn extend(&mut self, deadline: Duration, now: Duration) -> bool {
-        if let Some(lost) = &self.lost {
-            return lost.extend_deadline(deadline);
+        let live = match &self.lost {
+            Some(lost) => lost.extend_deadline(deadline),
+            None => now < self.deadline,
+        };
+        if live {
+            self.deadline = self.deadline.max(deadline);
+            for (margin, warning) in &self.warnings {
+                warning.extend_deadline(self.deadline.saturating_sub(*margin));
+            }
         }
-        if now >= self.deadline {
-            return false;
-        }
-        self.deadline = self.deadline.max(deadline);
-        true
+        live
     }
 }
 
@@ -114,6 +121,7 @@ impl Guards {
             expires_at,
             deadline,
             lost: None,
+            warnings: Vec::new(),
         };
         self.entries.insert(ticket, entry);
     }
@@ -136,6 +144,19 @@ impl Guards {
             false => expired(),
         });
         lost.signal()
+    }
+
+    /// A signal that aborts once `ticket`'s lease has `margin` or less left (its deadline,
+    /// `margin` before, moved on by every renewal), or is lost; `None` if the lease is no
+    /// longer kept (lost, or released).
+    pub(crate) fn signal_within(&mut self, ticket: u64, margin: Duration) -> Option<AbortSignal> {
+        let entry = self.entries.get_mut(&ticket)?;
+        let at = entry.deadline.saturating_sub(margin);
+        let reason = AbortReason::new(LeaseLost::running_out());
+        let warning = AbortController::with_deadline(self.clock.clone(), at, reason);
+        let signal = warning.signal();
+        entry.warnings.push((margin, warning));
+        Some(signal)
     }
 
     /// The guard is released, or its request removed: its lease is no longer this owner's

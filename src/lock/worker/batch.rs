@@ -97,7 +97,8 @@ impl<S: Storage> Worker<S> {
                 Command::Poke => self.looks.poked = true,
                 read @ (Command::Inspect { .. }
                 | Command::IsLocked { .. }
-                | Command::Evict { .. }) => reads.push(read),
+                | Command::Evict { .. }
+                | Command::Relabel { .. }) => reads.push(read),
             }
         }
         if !writes.is_empty() {
@@ -179,6 +180,13 @@ impl<S: Storage> Worker<S> {
                 reply,
             } => {
                 let _ = reply.send(self.evict(&owner, tickets.as_deref()));
+            }
+            Command::Relabel {
+                request,
+                operation,
+                reply,
+            } => {
+                let _ = reply.send(self.relabel(request, &operation));
             }
             _ => {}
         }

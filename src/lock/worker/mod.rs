@@ -49,6 +49,7 @@ mod evict;
 mod look;
 pub(crate) mod protocol;
 mod recovery;
+mod relabel;
 mod settle;
 mod transaction;
 pub(crate) mod watch;

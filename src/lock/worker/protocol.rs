@@ -37,6 +37,13 @@ pub(crate) enum Command {
         tickets: Option<Vec<u64>>,
         reply: Reply<usize>,
     },
+    /// Sets the operation of this owner's held request (a leader's new value); replies how
+    /// many rows it changed (0: they are gone or lapsed). Run alone, after the batch's writes.
+    Relabel {
+        request: u64,
+        operation: String,
+        reply: Reply<usize>,
+    },
     /// Another manager in this process committed to the same file: look now.
     Poke,
 }

@@ -477,6 +477,17 @@ impl Storage for SimStorage {
         Ok(deleted)
     }
 
+    fn relabel(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        operation: &str,
+        now: i64,
+    ) -> Result<usize> {
+        self.inner.relabel(owner, keys, ticket, operation, now)
+    }
+
     fn delete_owner(&mut self, owner: &str) -> Result<usize> {
         let deleted = self.inner.delete_owner(owner)?;
         self.pending.push(LockEvent::RemovedAll {

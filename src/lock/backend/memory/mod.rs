@@ -624,6 +624,31 @@ impl Storage for Memory {
         })
     }
 
+    fn relabel(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        operation: &str,
+        now: i64,
+    ) -> Result<usize> {
+        self.change(|tables, undo| {
+            let mut changed = 0;
+            for key in keys {
+                let at = (key.clone(), ticket);
+                let Some(row) = (tables.rows.get_mut(&at))
+                    .filter(|row| &*row.owner == owner && row.held && row.expires_at > now)
+                else {
+                    continue;
+                };
+                undo.push(Undo::Row(at, Some(row.clone())));
+                row.operation = operation.to_owned();
+                changed += 1;
+            }
+            changed
+        })
+    }
+
     fn delete_owner(&mut self, owner: &str) -> Result<usize> {
         self.change(|tables, undo| remove_where(tables, undo, |row| &*row.owner == owner))
     }

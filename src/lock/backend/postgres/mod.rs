@@ -777,6 +777,23 @@ impl Storage for Postgres {
         })
     }
 
+    fn relabel(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        operation: &str,
+        now: i64,
+    ) -> Result<usize> {
+        let changed = self.execute(
+            "setting a leader's value",
+            "UPDATE {s}.locks SET operation = $1
+             WHERE key = ANY($2) AND ticket = $3 AND owner = $4 AND held AND expires_at > $5",
+            &[&operation, &keys, &sql_ticket(ticket), &owner, &now],
+        )?;
+        Ok(usize::try_from(changed).unwrap_or(usize::MAX))
+    }
+
     fn delete_owner(&mut self, owner: &str) -> Result<usize> {
         let deleted = self.execute(
             "deleting an owner's rows",

@@ -963,6 +963,34 @@ impl Storage for Db<'_> {
     }
 
     /// Deletes every row of this owner; returns how many there were.
+    fn relabel(
+        &mut self,
+        owner: &str,
+        keys: &[String],
+        ticket: u64,
+        operation: &str,
+        now: i64,
+    ) -> Result<usize> {
+        let doing = "setting a leader's value";
+        let mut statement = self.prepare(
+            doing,
+            "UPDATE locks SET operation = ?1
+             WHERE key = ?2 AND ticket = ?3 AND owner = ?4 AND held = 1 AND expires_at > ?5",
+        )?;
+        let mut changed = 0;
+        for key in keys {
+            statement.reset().map_err(|e| storage_error(doing, &e))?;
+            bind(doing, &mut statement, 1, operation)?;
+            bind(doing, &mut statement, 2, key.as_str())?;
+            bind(doing, &mut statement, 3, sql_ticket(ticket))?;
+            bind(doing, &mut statement, 4, owner)?;
+            bind(doing, &mut statement, 5, now)?;
+            step(doing, &mut statement)?;
+            changed += self.conn.change_count();
+        }
+        Ok(changed)
+    }
+
     fn delete_owner(&mut self, owner: &str) -> Result<usize> {
         let doing = "deleting an owner's rows";
         let mut statement = self.prepare(doing, "DELETE FROM locks WHERE owner = ?")?;
