@@ -156,7 +156,9 @@ pub struct Leader {
     pub owner: String,
     /// Its term: the fencing token of its grant.
     pub term: u64,
-    /// When it began to lead, since the Unix epoch, by the store's clock.
+    /// When it began to lead, since the Unix epoch, by the store's clock. (Where the store
+    /// keeps time on a monotonic line, as SQLite and the memory store do, it is told on the
+    /// wall clock as each read finds it, so two reads may differ by a little.)
     pub since: Duration,
 }
 
@@ -408,7 +410,11 @@ impl LockManager {
                     Err(error) => Some(Err(error)),
                     Ok(rows) => {
                         let leader = leader_of(&owned, &rows);
-                        if shown.as_ref() == Some(&leader) {
+                        // `since` is read anew each time, and may differ by a hair.
+                        let who = |leader: &Option<Leader>| {
+                            (leader.as_ref()).map(|l| (l.term, l.owner.clone(), l.value.clone()))
+                        };
+                        if shown.as_ref().map(who) == Some(who(&leader)) {
                             None
                         } else {
                             *shown = Some(leader.clone());

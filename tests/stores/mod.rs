@@ -335,6 +335,18 @@ where
     on_every_database(scenario);
 }
 
+/// `on_every_store` but for the simulated store: for scenarios that need what a simulation
+/// does not give (an executor of the test's own for a manager's background work).
+pub fn on_stores_of_this_process<F, Fut>(scenario: F)
+where
+    F: Fn(Store) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    eprintln!("=== in memory");
+    crate::common::on_every_executor(|| scenario(Store::memory()));
+    on_every_database(scenario);
+}
+
 /// Runs `scenario` once on a simulated store (feature `testkit`), inside its simulation: the
 /// same lock manager, its worker stepped as a task on virtual time.
 pub fn in_a_simulation<F, Fut>(scenario: &F)
