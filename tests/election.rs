@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{bounded, interrupted_with, join_within, record_status, test_clock, within, Statuses};
 use futures::StreamExt;
 use leasehold::{
-    fork_daemon, AbortController, Exit, Fiber, Interrupted, LeadError, Leader, Leadership,
+    fork_daemon, AbortController, Clock, Exit, Fiber, Interrupted, LeadError, Leader, Leadership,
     LeaseLost, LockError, LockManager, LockRequest, Observe, Removal, Schedule, Scoped, Spawner,
 };
 
@@ -461,5 +461,186 @@ fn every_runs_a_job_exactly_once_per_recurrence_in_a_simulation() {
             }
         });
         assert_eq!(runs, 5, "seed {seed}: five recurrences, one run each");
+    }
+}
+
+// Across processes: the child's side, and the cases that start it.
+
+const STORE_VAR: &str = "LEASEHOLD_ELECTION_STORE";
+const SCHEMA_VAR: &str = "LEASEHOLD_ELECTION_SCHEMA";
+const CHANGES_VAR: &str = "LEASEHOLD_ELECTION_CHANGES";
+
+/// Microseconds since the machine's boot: one monotonic time line for every process.
+fn since_boot() -> u128 {
+    leasehold::SystemClock
+        .boot_time()
+        .expect("a boot clock (Linux)")
+        .since_boot
+        .as_micros()
+}
+
+/// The child's side. Returns at once unless this process was started as a child.
+#[test]
+fn child_entry() {
+    let Some(role) = common::child::role() else {
+        return;
+    };
+    futures::executor::block_on(async {
+        match role.as_str() {
+            "observe" => observe_in_child().await,
+            "lead-unrenewed" => lead_unrenewed_in_child().await,
+            other => panic!("unknown child role {other:?}"),
+        }
+    });
+}
+
+/// The store the parent named, opened with `builder`.
+async fn open_in_child(builder: leasehold::LockManagerBuilder) -> LockManager {
+    let store = std::env::var(STORE_VAR).expect("the store");
+    if store.starts_with("postgres") {
+        #[cfg(feature = "postgres")]
+        {
+            let schema = std::env::var(SCHEMA_VAR).expect("the schema");
+            return builder.schema(&schema).connect(&store).await.unwrap();
+        }
+    }
+    builder.open(&store).unwrap()
+}
+
+/// Prints each leader change of `scheduler`, numbered, until it has seen as many as asked.
+async fn observe_in_child() {
+    let changes: usize = std::env::var(CHANGES_VAR).unwrap().parse().unwrap();
+    let locks = open_in_child(LockManager::builder()).await;
+    let mut leaders = locks.observe("scheduler");
+    for n in 0..changes {
+        match leaders.next().await.expect("the stream goes on").unwrap() {
+            Some(leader) => println!("change-{n}: {} {}", leader.term, leader.value),
+            None => println!("change-{n}: none"),
+        }
+    }
+}
+
+/// Leads `scheduler` on a manager whose heartbeats never run, until its lease is about to run
+/// out; reports when its body's clean-up ended, on the boot clock, and how `lead` ended.
+async fn lead_unrenewed_in_child() {
+    let dead: Arc<dyn Spawner> = Arc::new(|future: futures::future::BoxFuture<'static, ()>| {
+        drop(future);
+    });
+    let builder = LockManager::builder()
+        .lease(LEASE)
+        .heartbeat(HEARTBEAT)
+        .spawner(dead);
+    let locks = open_in_child(builder).await;
+    let led = locks
+        .lead("scheduler", "child", |leadership| {
+            println!("leading: {}", leadership.term());
+            Scoped::<(), Interrupted>::new(|scope| async move {
+                scope.add_finalizer(|_| async {
+                    leasehold::SystemClock
+                        .sleep(Duration::from_millis(50))
+                        .await;
+                    println!("cleaned-up: {}", since_boot());
+                });
+                std::future::pending().await
+            })
+        })
+        .await;
+    match led {
+        Err(LeadError::Lock(LockError::LeaseLost(why))) if why.before_expiry() => {
+            println!("ended: lease lost");
+        }
+        other => println!("ended: {other:?}"),
+    }
+}
+
+/// The stores another process can share, each new: SQLite, and PostgreSQL if there is a
+/// test server.
+fn shared_stores() -> Vec<stores::Store> {
+    let mut all = vec![stores::Store::sqlite()];
+    #[cfg(all(feature = "postgres", feature = "testkit"))]
+    all.extend(stores::Store::postgres());
+    all
+}
+
+/// A child in `role` (see `child_entry`) on `store`, with `changes` for an observer.
+fn child_on(store: &stores::Store, role: &str, changes: usize) -> common::child::Child {
+    let mut command = common::child::Child::command("child_entry", role);
+    command.env(CHANGES_VAR, changes.to_string());
+    match store {
+        stores::Store::Sqlite { path, .. } => command.env(STORE_VAR, path),
+        #[cfg(all(feature = "postgres", feature = "testkit"))]
+        stores::Store::Postgres { url, schema } => {
+            command.env(STORE_VAR, url).env(SCHEMA_VAR, schema)
+        }
+        _ => panic!("not a store another process can share"),
+    };
+    common::child::Child::start(&mut command)
+}
+
+#[test]
+fn case_e2_observe_in_another_process_sees_each_change_in_order() {
+    for store in shared_stores() {
+        eprintln!("=== on {}", store.name());
+        futures::executor::block_on(async {
+            let (a, b) = (store.open().await, store.open().await);
+            let mut child = child_on(&store, "observe", 5);
+            let limit = Duration::from_secs(20);
+            assert_eq!(child.await_report("change-0:", limit), "none");
+            let first = a.campaign("scheduler", "a").await.unwrap();
+            let term = first.term();
+            assert_eq!(child.await_report("change-1:", limit), format!("{term} a"));
+            first.proclaim("a2").await.unwrap();
+            assert_eq!(child.await_report("change-2:", limit), format!("{term} a2"));
+            let next = start(&b, "scheduler", "b");
+            within(WAIT, "b queues", || async {
+                rows(&a, "scheduler").await == 2
+            })
+            .await;
+            first.resign().await.unwrap();
+            let second = leadership_of(next).await;
+            let report = child.await_report("change-3:", limit);
+            assert_eq!(report, format!("{} b", second.term()));
+            second.resign().await.unwrap();
+            assert_eq!(child.await_report("change-4:", limit), "none");
+            child.assert_success(limit);
+        });
+    }
+}
+
+#[test]
+fn case_e2_a_leader_in_another_process_is_cleaned_up_before_the_next_leads() {
+    for store in shared_stores() {
+        eprintln!("=== on {}", store.name());
+        futures::executor::block_on(async {
+            let locks = store.open().await;
+            let mut child = child_on(&store, "lead-unrenewed", 0);
+            let limit = Duration::from_secs(20);
+            let term: u64 = child.await_report("leading:", limit).parse().unwrap();
+            let next_led = Arc::new(Mutex::new(None));
+            let led = {
+                let next_led = next_led.clone();
+                locks.lead("scheduler", "parent", move |leadership| {
+                    let term = leadership.term();
+                    Scoped::<u64, Interrupted>::new(move |_| async move {
+                        *next_led.lock().unwrap() = Some(since_boot());
+                        Ok(term)
+                    })
+                })
+            };
+            let next_term = bounded(limit, "the next leader", led).await.unwrap();
+            assert!(next_term > term, "terms strictly increase");
+            let cleaned: u128 = child.await_report("cleaned-up:", limit).parse().unwrap();
+            let next_led = next_led
+                .lock()
+                .unwrap()
+                .expect("the next leader's body ran");
+            assert!(
+                cleaned < next_led,
+                "the next leader's body began {} µs before the last one's clean-up ended",
+                cleaned - next_led
+            );
+            assert_eq!(child.await_report("ended:", limit), "lease lost");
+            child.assert_success(limit);
+        });
     }
 }
