@@ -29,7 +29,11 @@
 //! machine coordinate (or, with the `postgres` feature, in PostgreSQL for processes on several
 //! machines, or in this process's memory: [`MemoryStore`]), with a FIFO queue and writer
 //! preference, leases renewed by heartbeats, all-or-nothing acquisition of several keys, fencing
-//! tokens, and cancellation that never leaves a row behind.
+//! tokens, and cancellation that never leaves a row behind. On it: leader election
+//! ([`LockManager::campaign`], [`LockManager::lead`], [`LockManager::observe`]), work bound to
+//! a lease ([`LockManager::with_lock`]: interrupted a heartbeat before the lease could run out,
+//! and cleaned up before anyone else is let in), and jobs that run once per recurrence across
+//! a fleet ([`LockManager::every`]).
 //!
 //! Every future works under any executor (`futures::executor::block_on`, smol, tokio) with no
 //! runtime feature switched on. Background work goes through a [`Spawner`]; see below for which.
@@ -155,6 +159,39 @@
 //! let error = work.await.unwrap_err();
 //! assert_eq!(error.to_string(), "interrupted: user pressed stop");
 //! # });
+//! ```
+
+//!
+//! Leader election among replicas (two managers here; one per process in real use, on a SQLite
+//! file or PostgreSQL), the leader's work bound to its lease:
+//!
+//! ```
+//! use futures::StreamExt;
+//! use leasehold::{Interrupted, LockManager, MemoryStore, Scoped};
+//!
+//! # futures::executor::block_on(async {
+//! let store = MemoryStore::new();
+//! let (a, b) = (LockManager::builder().open_in(&store)?, LockManager::builder().open_in(&store)?);
+//! let leading = a.campaign("scheduler", "a:8080").await?;
+//! let mut leaders = b.observe("scheduler");
+//! let seen = leaders.next().await.unwrap()?.expect("a leads");
+//! assert_eq!((seen.value.as_str(), seen.term), ("a:8080", leading.term()));
+//!
+//! // b waits in line, then runs its body while it leads, and resigns when the body ends.
+//! let b_leads = b.lead("scheduler", "b:8080", |leadership| {
+//!     let term = leadership.term(); // a fencing token for the leader's writes
+//!     Scoped::<_, Interrupted>::new(move |scope| async move {
+//!         scope.add_finalizer(|status| async move { println!("b stepped down: {status}") });
+//!         Ok(term)
+//!     })
+//! });
+//! let first_term = leading.term();
+//! let (resigned, led) = futures::join!(leading.resign(), b_leads);
+//! resigned?;
+//! assert!(led.expect("b led") > first_term, "terms only grow");
+//! assert_eq!(b.leader("scheduler").await?, None);
+//! # Ok::<(), leasehold::LockError>(())
+//! # }).unwrap();
 //! ```
 
 // Denied everywhere but in `semaphore`, whose permits share its state without a reference count
