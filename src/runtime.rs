@@ -86,6 +86,11 @@ pub(crate) enum Observed {
         held: bool,
         ran_out: bool,
     },
+    /// Work bound to the lease of `owner`'s request `ticket` (`LockManager::with_lock`, `lead`,
+    /// `every`) began.
+    WorkBegan { owner: String, ticket: u64 },
+    /// That work has ended, its scope closed (its clean-up finished); its lock is released next.
+    WorkEnded { owner: String, ticket: u64 },
 }
 
 /// How many runtimes are entered, on all threads (invariant 2).

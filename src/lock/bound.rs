@@ -22,6 +22,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::abort::Interrupted;
+use crate::runtime::{self, Observed};
 use crate::schedule::Schedule;
 use crate::scope::Scoped;
 use crate::sync::lock;
@@ -202,6 +203,18 @@ impl LockManager {
     }
 }
 
+/// Takes the lease out of `slot` once the work bound to it has ended (its scope closed), to be
+/// released: by the body's end, or by the scope's finalizer, whichever comes first.
+fn ended<L: Lease>(slot: &Mutex<Option<L>>) -> Option<L> {
+    let held = lock(slot).take()?;
+    let guard = held.guard();
+    runtime::observe(|| Observed::WorkEnded {
+        owner: guard.owner().to_owned(),
+        ticket: guard.fencing_token(),
+    });
+    Some(held)
+}
+
 /// `body`, run on the lease `acquire` gives and bound to it (invariants 1 to 3).
 pub(super) fn bound<L, T, E, F>(
     acquire: impl Future<Output = Result<L, LockError>> + Send + 'static,
@@ -223,16 +236,21 @@ where
         let slot = Arc::new(Mutex::new(Some(held)));
         let left = slot.clone();
         scope.add_finalizer(move |_| async move {
-            let held = lock(&left).take();
-            if let Some(held) = held {
+            if let Some(held) = ended(&left) {
                 if let Err(error) = held.release().await {
                     tracing::warn!(%error, "releasing the lock of interrupted work failed");
                 }
             }
         });
+        if let Some(held) = lock(&slot).as_ref() {
+            let guard = held.guard();
+            runtime::observe(|| Observed::WorkBegan {
+                owner: guard.owner().to_owned(),
+                ticket: guard.fencing_token(),
+            });
+        }
         let outcome = work.with_signal(&lost).await;
-        let held = lock(&slot).take();
-        let released = match held {
+        let released = match ended(&slot) {
             Some(held) => held.release().await,
             None => Ok(()),
         };

@@ -235,6 +235,11 @@ impl Guard {
             .await
     }
 
+    /// Its owner's id.
+    pub(super) fn owner(&self) -> &str {
+        &self.shared.common.owner
+    }
+
     /// Why this guard's lease was lost, as its `lost()` signal says (lost by its deadline, if
     /// it says nothing else).
     pub(super) fn lost_reason(&self) -> LeaseLost {

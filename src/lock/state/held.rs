@@ -1,7 +1,7 @@
 //! The leases an owner holds (`Guards`): one owner for the lease of every granted request, and
 //! the one place where a lost lease is told.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +21,8 @@ use crate::lock::LeaseLost;
 pub(crate) struct Guards {
     /// The manager's clock, on whose monotonic time line the deadlines are kept.
     clock: Arc<dyn Clock>,
-    entries: HashMap<u64, GuardEntry>,
+    /// In ticket order, so that losses are told in the same order every run.
+    entries: BTreeMap<u64, GuardEntry>,
     /// Whether the owner's lock heartbeat runs (see `heartbeat::ensure_daemon`).
     pub(crate) daemon_running: bool,
     /// Set (as the entries are drained) when the worker has shut down, so that a grant made
@@ -87,7 +88,7 @@ impl Guards {
     pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
         Guards {
             clock,
-            entries: HashMap::new(),
+            entries: BTreeMap::new(),
             daemon_running: false,
             shut_down: false,
         }
@@ -207,7 +208,7 @@ impl Guards {
     /// The manager has shut down: every lease is lost, and any granted later is born lost.
     pub(crate) fn shut_down(&mut self) {
         self.shut_down = true;
-        for (_, entry) in self.entries.drain() {
+        for (_, entry) in std::mem::take(&mut self.entries) {
             entry.lose(LeaseLost::shutdown());
         }
     }

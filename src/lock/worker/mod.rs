@@ -186,7 +186,9 @@ pub(crate) struct Worker<S> {
     common: Arc<Common>,
     rx: Receiver<Command>,
     /// Request id -> its ticket and keys, for every request of this owner that has rows.
-    requests: HashMap<u64, Written>,
+    /// In id order, so that what is done for several of them is done in the same order every
+    /// run (a simulation replays it).
+    requests: BTreeMap<u64, Written>,
     /// This owner's queued requests, and the keys it watches (see `watch.rs`).
     waits: Waits,
     /// When to look for other managers' changes, and what to read then (`look.rs`).
@@ -212,7 +214,7 @@ impl<S: Storage> Worker<S> {
             caps: storage.capabilities(),
             storage,
             rx,
-            requests: HashMap::new(),
+            requests: BTreeMap::new(),
             waits: Waits::default(),
             looks: Looks::new(&common),
             marker: Marker::default(),

@@ -27,7 +27,9 @@ pub(crate) struct Waiting {
 
 #[derive(Default)]
 pub(crate) struct Waits {
-    by_ticket: HashMap<u64, Waiting>,
+    /// In ticket order, so that waits are settled, and their callers woken, in an order that
+    /// is the same every run (a simulation replays it).
+    by_ticket: BTreeMap<u64, Waiting>,
     /// Key -> the tickets of the queued requests on it.
     by_key: HashMap<String, BTreeSet<u64>>,
     /// Key digest -> the queued keys with that digest (what announcements name).

@@ -89,6 +89,23 @@ pub enum LockEvent {
         /// Whether the guard's own reckoning of its lease had run out by then.
         ran_out: bool,
     },
+    /// Work bound to the lease of an owner's request began ([`LockManager::with_lock`],
+    /// [`lead`](crate::LockManager::lead), [`every`](crate::LockManager::every)).
+    ///
+    /// [`LockManager::with_lock`]: crate::LockManager::with_lock
+    WorkBegan {
+        /// The owner.
+        owner: String,
+        /// The request's ticket.
+        ticket: u64,
+    },
+    /// That work ended, its clean-up finished; its lock is released next.
+    WorkEnded {
+        /// The owner.
+        owner: String,
+        /// The request's ticket.
+        ticket: u64,
+    },
     /// A storage fault was injected into an owner's connection.
     Fault {
         /// The owner.
@@ -185,6 +202,9 @@ struct Replay {
     /// The largest tickets granted on each key so far.
     last_granted: BTreeMap<String, LastGranted>,
     removals: BTreeMap<u64, FirstRemoval>,
+    /// The work bound to a lease that has begun and not ended, by ticket: its owner, and the
+    /// keys (with their modes) its request holds.
+    working: BTreeMap<u64, (String, Vec<(String, Mode)>)>,
     killed: BTreeSet<String>,
     ended: BTreeSet<String>,
 }
@@ -268,6 +288,20 @@ impl Replay {
         if mode == Mode::Exclusive {
             last.exclusive = last.exclusive.max(Some(ticket));
         }
+        // Work bound to a lease ends, clean-up and all, before anyone who conflicts with it
+        // is let in: it is told a heartbeat before its lease could run out.
+        for (other, (owner, keys)) in &self.working {
+            let conflicts = keys.iter().any(|(held, held_mode)| {
+                held == key && (mode == Mode::Exclusive || *held_mode == Mode::Exclusive)
+            });
+            if *other != ticket && conflicts {
+                return Err(format!(
+                    "event {n}: ticket {ticket} was granted {mode} on {key:?} at {at} while the \
+                     work bound to ticket {other} ({owner}) had not ended: bound work must end, \
+                     its clean-up finished, before a conflicting grant"
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -289,6 +323,11 @@ type Check = Result<(), String>;
 /// - **Lost leases are told.** A release that tells its caller the lease held found the rows
 ///   all there and live when it deleted them; one that tells of a loss did not, or the
 ///   guard's own reckoning of its lease had run out.
+/// - **Bound work ends first.** Work bound to a lease ([`with_lock`](crate::LockManager::with_lock),
+///   [`lead`](crate::LockManager::lead), [`every`](crate::LockManager::every)) has ended, its
+///   clean-up finished, before any grant on its keys that conflicts with its lock: it is told
+///   a heartbeat before its lease could run out. (A clean-up that takes longer than a
+///   heartbeat breaks this, and is reported.)
 /// - **Nothing left.** No row is written by an owner after its worker ended, and when every
 ///   owner's worker has ended, no row is left but those of killed owners (which run out with
 ///   their lease).
@@ -457,6 +496,16 @@ pub fn check_locks(history: &LockHistory) -> Result<(), String> {
             LockEvent::Ended { owner } => {
                 replay.ended.insert(owner.clone());
             }
+            LockEvent::WorkBegan { owner, ticket } => {
+                let keys = (replay.rows.iter())
+                    .filter(|((_, held), _)| held == ticket)
+                    .map(|((key, _), row)| (key.clone(), row.mode))
+                    .collect();
+                replay.working.insert(*ticket, (owner.clone(), keys));
+            }
+            LockEvent::WorkEnded { ticket, .. } => {
+                replay.working.remove(ticket);
+            }
             LockEvent::Fault { .. } | LockEvent::Stopped { .. } => {}
         }
     }
@@ -573,6 +622,40 @@ mod tests {
             Ok(()),
             "its own lease ran out"
         );
+    }
+
+    /// A conflicting grant while bound work on the key goes on is found; one after it ended,
+    /// or beside it in a mode that does not conflict, is not.
+    #[test]
+    fn a_grant_while_bound_work_goes_on_is_found() {
+        let work = |owner: &str, began: bool| {
+            let (owner, ticket) = (owner.into(), 1);
+            match began {
+                true => LockEvent::WorkBegan { owner, ticket },
+                false => LockEvent::WorkEnded { owner, ticket },
+            }
+        };
+        let overlapping = history(vec![
+            granted("a", 1, "k", Mode::Exclusive, 0),
+            work("a", true),
+            granted("b", 2, "k", Mode::Exclusive, 100),
+        ]);
+        let error = check_locks(&overlapping).unwrap_err();
+        assert!(error.contains("work bound to ticket 1"), "{error}");
+        let ended = history(vec![
+            granted("a", 1, "k", Mode::Exclusive, 0),
+            work("a", true),
+            work("a", false),
+            granted("b", 2, "k", Mode::Exclusive, 100),
+        ]);
+        assert_eq!(check_locks(&ended), Ok(()));
+        let readers = history(vec![
+            granted("a", 1, "k", Mode::Shared, 0),
+            work("a", true),
+            granted("b", 2, "k", Mode::Shared, 50),
+            granted("c", 3, "other", Mode::Exclusive, 50),
+        ]);
+        assert_eq!(check_locks(&readers), Ok(()));
     }
 
     #[test]

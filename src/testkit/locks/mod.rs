@@ -122,21 +122,36 @@ impl SimStore {
         sim.listen(Box::new({
             let (history, owners) = (history.clone(), owners.clone());
             move |observed| {
-                if let Observed::Released {
-                    owner,
-                    ticket,
-                    held,
-                    ran_out,
-                } = observed
-                {
-                    if lock(&owners).contains(owner) {
-                        lock(&history).push(LockEvent::Released {
-                            owner: owner.clone(),
-                            ticket: *ticket,
-                            held: *held,
-                            ran_out: *ran_out,
-                        });
-                    }
+                let event = match observed {
+                    Observed::Released {
+                        owner,
+                        ticket,
+                        held,
+                        ran_out,
+                    } => LockEvent::Released {
+                        owner: owner.clone(),
+                        ticket: *ticket,
+                        held: *held,
+                        ran_out: *ran_out,
+                    },
+                    Observed::WorkBegan { owner, ticket } => LockEvent::WorkBegan {
+                        owner: owner.clone(),
+                        ticket: *ticket,
+                    },
+                    Observed::WorkEnded { owner, ticket } => LockEvent::WorkEnded {
+                        owner: owner.clone(),
+                        ticket: *ticket,
+                    },
+                    _ => return,
+                };
+                let owner = match &event {
+                    LockEvent::Released { owner, .. }
+                    | LockEvent::WorkBegan { owner, .. }
+                    | LockEvent::WorkEnded { owner, .. } => owner,
+                    _ => return,
+                };
+                if lock(&owners).contains(owner) {
+                    lock(&history).push(event);
                 }
             }
         }));

@@ -25,7 +25,14 @@ use super::faults::Planted;
 use crate::testkit::{
     check_cleanup, check_locks, Fault, FaultPlan, LockEvent, Sim, SimConfig, SimStore,
 };
-use crate::{Clock, LockError, LockManager, LockRequest, Mode, Scoped};
+use std::sync::Mutex;
+
+use futures::StreamExt;
+
+use crate::{
+    AbortController, AbortSignal, Clock, Interrupted, LeadError, LockError, LockManager,
+    LockRequest, Mode, Scoped,
+};
 
 const LEASE: Duration = Duration::from_secs(3);
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -33,6 +40,8 @@ const KEYS: [&str; 2] = ["a", "b"];
 /// The key of permits tasks (step key `KEYS.len()`), with [`SLOTS_LIMIT`] permits.
 const SLOTS: &str = "slots";
 const SLOTS_LIMIT: u32 = 2;
+/// The election of leader tasks.
+const LEADER: &str = "leader";
 
 /// A small deterministic generator (SplitMix64), so that a workload is its seed.
 struct Draw(u64);
@@ -94,11 +103,24 @@ enum Disruption {
     Stop(Duration),
 }
 
+/// One term of a leader task: how long its body runs, and its clean-up takes (always well
+/// within a heartbeat), and the pause before it campaigns again.
+#[derive(Clone, Debug)]
+struct Term {
+    hold: Duration,
+    clean_up: Duration,
+    pause: Duration,
+}
+
 #[derive(Clone, Debug)]
 struct Workload {
     processes: usize,
     /// Per task: its process and its steps.
     tasks: Vec<(usize, Vec<Step>)>,
+    /// Per leader task: its process, and the terms it leads [`LEADER`] for.
+    leaders: Vec<(usize, Vec<Term>)>,
+    /// The processes with a task that observes [`LEADER`].
+    observers: Vec<usize>,
     /// When, whom, what.
     disruptions: Vec<(Duration, usize, Disruption)>,
     fault_rate: f64,
@@ -159,6 +181,8 @@ impl Workload {
         Workload {
             processes,
             tasks,
+            leaders: Vec::new(),
+            observers: Vec::new(),
             disruptions,
             fault_rate,
         }
@@ -182,6 +206,74 @@ impl Workload {
         }
         workload
     }
+}
+
+impl Workload {
+    /// [`drawn_with_permits`](Workload::drawn_with_permits), and for half the seeds one to
+    /// three leader tasks that lead [`LEADER`] for one to three terms each, their bodies bound
+    /// to the lease (`lead`), and a task that observes it. Drawn from a stream of their own.
+    fn drawn_with_election(seed: u64) -> Workload {
+        let mut workload = Workload::drawn_with_permits(seed);
+        let mut draw = Draw(seed ^ 0x656c_6563_7469_6f6e);
+        if draw.chance(50) {
+            let processes = workload.processes as u64;
+            for _ in 0..1 + draw.below(3) {
+                let process = draw.below(processes) as usize;
+                let terms = (0..1 + draw.below(3))
+                    .map(|_| Term {
+                        hold: draw.millis(2500),
+                        clean_up: draw.millis(300),
+                        pause: draw.millis(500),
+                    })
+                    .collect();
+                workload.leaders.push((process, terms));
+            }
+            workload.observers.push(draw.below(processes) as usize);
+        }
+        workload
+    }
+}
+
+/// Leads [`LEADER`] for each of `terms` on `locks`, until they end or its manager is gone.
+async fn run_leader(locks: LockManager, clock: Arc<dyn Clock>, terms: Vec<Term>) {
+    for term in terms {
+        let (body_clock, hold, clean_up) = (clock.clone(), term.hold, term.clean_up);
+        let led = locks
+            .lead(LEADER, "leader", move |_| {
+                Scoped::<(), Interrupted>::new(move |scope| async move {
+                    let clock = body_clock.clone();
+                    scope.add_finalizer(move |_| async move { clock.sleep(clean_up).await });
+                    body_clock.sleep(hold).await;
+                    Ok(())
+                })
+            })
+            .await;
+        if let Err(LeadError::Lock(LockError::Shutdown)) = led {
+            return;
+        }
+        clock.sleep(term.pause).await;
+    }
+}
+
+/// Observes [`LEADER`] on `locks` until `stop` aborts, noting each leader's term as seen.
+async fn run_observer(locks: LockManager, stop: AbortSignal, seen: Arc<Mutex<Vec<Option<u64>>>>) {
+    let mut leaders = locks.observe(LEADER);
+    let watch = async {
+        while let Some(leader) = leaders.next().await {
+            if let Ok(leader) = leader {
+                seen.lock().unwrap().push(leader.map(|leader| leader.term));
+            }
+        }
+    };
+    let stopped = stop.aborted();
+    futures::pin_mut!(watch, stopped);
+    let _ = select(watch, stopped).await;
+}
+
+/// Whether an observer saw the leaders in order: never a term older than one it saw before.
+fn in_order(seen: &[Option<u64>]) -> bool {
+    let terms: Vec<u64> = seen.iter().flatten().copied().collect();
+    terms.windows(2).all(|pair| pair[0] <= pair[1])
 }
 
 /// The request of `step` (and for `many`, of a second key). On [`SLOTS`], an exclusive step
@@ -291,7 +383,7 @@ fn run(
 ) -> Result<Run, String> {
     run_workload(
         seed,
-        Workload::drawn_with_permits(seed),
+        Workload::drawn_with_election(seed),
         planted,
         postgres_like,
     )
@@ -354,6 +446,30 @@ fn run_workload(
                 }));
                 done.push(rx);
             }
+            for (process, terms) in workload.leaders.clone() {
+                let (locks, clock) = (managers[process].clone(), clock.clone());
+                let (tx, rx) = futures::channel::oneshot::channel::<()>();
+                spawner.spawn(Box::pin(async move {
+                    run_leader(locks, clock, terms).await;
+                    let _ = tx.send(());
+                }));
+                done.push(rx);
+            }
+            let stop_observers = AbortController::new();
+            let mut observed = Vec::new();
+            for &process in &workload.observers {
+                let seen: Arc<Mutex<Vec<Option<u64>>>> = Arc::default();
+                let (locks, stop) = (managers[process].clone(), stop_observers.signal());
+                let (tx, rx) = futures::channel::oneshot::channel::<()>();
+                spawner.spawn(Box::pin({
+                    let seen = seen.clone();
+                    async move {
+                        run_observer(locks, stop, seen).await;
+                        let _ = tx.send(());
+                    }
+                }));
+                observed.push((seen, rx));
+            }
             for (at, whom, what) in &workload.disruptions {
                 clock.sleep(*at).await;
                 match what {
@@ -363,6 +479,14 @@ fn run_workload(
             }
             for rx in done {
                 let _ = rx.await;
+            }
+            stop_observers.abort("every task ended");
+            for (seen, rx) in observed {
+                let _ = rx.await;
+                let seen = seen.lock().unwrap().clone();
+                if !in_order(&seen) {
+                    return Ok(Err(format!("an observer saw a leader go back: {seen:?}")));
+                }
             }
             // Every task has ended: no row is left but a killed process's.
             let killed: Vec<String> = store
