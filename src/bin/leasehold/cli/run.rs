@@ -1,5 +1,6 @@
-//! `leasehold run`: COMMAND under a lock, on machinery that takes what COMMAND runs under
-//! (`Held`) and how it is taken (`under_lease`) as parameters.
+//! `leasehold run`: COMMAND under a lock; and the machinery `elect` shares, which runs COMMAND
+//! under whatever it holds (`Held`: a lock, or a leadership), taken by a `take` of its own
+//! (`under_lease`).
 //!
 //! The order of things, and why:
 //!
@@ -17,8 +18,9 @@
 //!    on a terminal, to COMMAND). One the terminal sent (Ctrl-C) went to COMMAND already, as to
 //!    every process of the foreground group, and is not sent twice.
 //! 5. A lost lease ends COMMAND (SIGTERM, then SIGKILL after `--grace`), with its group off a
-//!    terminal; the rows are not released on anyone's behalf (they are gone, or lapsed and
-//!    another may hold them now).
+//!    terminal (`elect`'s a heartbeat before the lease would run out: `Held::lost`); the rows
+//!    are not released on anyone's behalf (they are gone, or lapsed and another may hold them
+//!    now).
 //! 6. This process dying, however (SIGKILL included, which it cannot catch), ends COMMAND at
 //!    once with SIGKILL, and off a terminal COMMAND's group: on Linux, by a death signal and a
 //!    watcher set up before COMMAND's program starts (`lifeline.rs`, which says why SIGKILL and
@@ -43,7 +45,7 @@ use signal_hook::low_level::siginfo::Cause;
 use super::args::{Run, StoreArgs};
 use super::store_failed;
 use leasehold::{AbortController, AbortReason, AbortSignal};
-use leasehold::{Guard, LockError, LockManager, LockRequest};
+use leasehold::{Guard, Leadership, LockError, LockManager, LockRequest};
 
 /// The exit code when the lease was lost while COMMAND ran.
 const LEASE_LOST: u8 = 4;
@@ -104,7 +106,7 @@ pub(crate) fn run(args: Run) -> u8 {
     })
 }
 
-/// COMMAND, the KEY it runs on, and how long it has between
+/// What `run` and `elect` have in common: COMMAND, run on KEY, and how long it has between
 /// SIGTERM and SIGKILL once its lease is lost.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Job<'a> {
@@ -118,12 +120,20 @@ pub(crate) struct Job<'a> {
 pub(crate) enum Held {
     /// `run`'s lock: COMMAND is told (SIGTERM) when the lease is lost.
     Lock(Guard),
+    /// `elect`'s leadership: COMMAND is told `margin` (a heartbeat) before the lease would run
+    /// out with no renewal back, or as soon as it is lost, so that it can stop before another
+    /// campaigner can lead.
+    Leadership {
+        leadership: Leadership,
+        margin: Duration,
+    },
 }
 
 impl Held {
     fn guard(&self) -> &Guard {
         match self {
             Held::Lock(guard) => guard,
+            Held::Leadership { leadership, .. } => leadership.guard(),
         }
     }
 
@@ -131,29 +141,35 @@ impl Held {
     fn lost(&self) -> AbortSignal {
         match self {
             Held::Lock(guard) => guard.lost(),
+            Held::Leadership { leadership, margin } => leadership.guard().lost_within(*margin),
         }
     }
 
     /// COMMAND's environment beside what it inherits.
     fn env(&self, locks: &LockManager, key: &str) -> Vec<(&'static str, String)> {
         let token = self.guard().fencing_token().to_string();
-        vec![
-            ("LEASEHOLD_FENCING_TOKEN", token),
+        let mut env = vec![
+            ("LEASEHOLD_FENCING_TOKEN", token.clone()),
             ("LEASEHOLD_KEY", key.to_owned()),
             ("LEASEHOLD_OWNER", locks.owner_id().to_owned()),
-        ]
+        ];
+        if let Held::Leadership { .. } = self {
+            env.push(("LEASEHOLD_TERM", token));
+        }
+        env
     }
 
-    /// Releases the lock.
+    /// Releases the lock, or resigns the leadership.
     async fn release(self) -> Result<(), LockError> {
         match self {
             Held::Lock(guard) => guard.release().await,
+            Held::Leadership { leadership, .. } => leadership.resign().await,
         }
     }
 }
 
 /// COMMAND's whole life under a lease of `lease` on the store `store` names: catches the
-/// signals, opens the store, takes what COMMAND runs under with `take` (which says why not, and
+/// signals, opens the store, takes the lock or leadership with `take` (which says why not, and
 /// gives the exit code), runs COMMAND under it, and lets the store go; the exit code.
 pub(crate) fn under_lease(
     store: &StoreArgs,
@@ -255,7 +271,7 @@ async fn take(
     .await
 }
 
-/// Awaits `acquiring`, an acquisition to which `interrupt`'s signal is attached:
+/// Awaits `acquiring`, an acquisition or a campaign to which `interrupt`'s signal is attached:
 /// what it was granted, or the exit code of why not, said on standard error. A signal that comes
 /// meanwhile interrupts it (its clean-up removes its waiting row before it resolves); one that
 /// comes as it is granted lets the grant go at once. With `conflict` (`-w`'s wait, and the
