@@ -16,6 +16,7 @@
 //!   loops with generous deadlines ([`PATIENCE`]), which only a failing test waits out. Leases
 //!   that must run out are short (1 s). The one deliberate pause stops a holder (`SIGSTOP`)
 //!   until another `run` has been granted its key, which it cannot be before the lease ran out.
+//!   Renewals that do not come back are made by a writer that keeps the SQLite file locked.
 //! - Every `leasehold` the test starts is a [`Running`], started in a process group of its own:
 //!   dropping it kills that group and reaps leasehold, and prints what each process wrote. (The
 //!   COMMAND, its stdin not a terminal, leads a group of its own, which on Linux dies with
@@ -138,6 +139,12 @@ impl Sandbox {
     fn run(&self, options: &[&str], key: &str, script: &str) -> Command {
         let script = format!(". ./helpers.sh; {script}");
         self.leasehold("run", options, &[key, "--", "sh", "-c", &script])
+    }
+
+    /// `leasehold elect OPTIONS.. STORE KEY -- sh -c SCRIPT`, the script with [`HELPERS`].
+    fn elect(&self, options: &[&str], key: &str, script: &str) -> Command {
+        let script = format!(". ./helpers.sh; {script}");
+        self.leasehold("elect", options, &[key, "--", "sh", "-c", &script])
     }
 
     /// Creates the store, as the first `run` on it does.
@@ -281,6 +288,12 @@ on_each_store!(
     a_waiter_removed_by_release_exits_5_says_who_and_runs_nothing,
     watch_shows_a_new_holder_of_its_prefix_only,
     permit_runs_overlap_up_to_the_limit_and_no_further,
+    elect_runs_the_next_leaders_command_only_after_the_first_ends_with_a_larger_term,
+    elect_listen_shows_each_leader_in_turn_then_no_leader,
+    a_campaigner_stopped_by_a_signal_leaves_the_queue_and_exits_128_plus_the_signal,
+    a_signal_to_elect_is_passed_on_to_its_command,
+    a_leader_whose_leadership_is_released_gets_sigterm_and_elect_exits_4,
+    a_leader_stopped_past_its_lease_gets_sigterm_and_elect_exits_4,
 );
 
 // Scenarios on each store.
@@ -965,6 +978,231 @@ fn watch_shows_a_new_holder_of_its_prefix_only(sandbox: &Sandbox) {
     watched.let_go().assert_exit(0);
 }
 
+// `elect`.
+
+/// An `elect` on `e` with value `name` whose COMMAND writes its LEASEHOLD_TERM,
+/// LEASEHOLD_FENCING_TOKEN, LEASEHOLD_KEY and LEASEHOLD_OWNER to `NAME.env` as it starts, and
+/// leads until `NAME.go`; `then` runs after that.
+fn leader(sandbox: &Sandbox, name: &str, then: &str) -> Running {
+    let script = format!(
+        "printf '%s\\n' \"$LEASEHOLD_TERM\" \"$LEASEHOLD_FENCING_TOKEN\" \"$LEASEHOLD_KEY\" \
+         \"$LEASEHOLD_OWNER\" > {name}.part; mv {name}.part {name}.env; await_file {name}.go; \
+         {then}"
+    );
+    Running::start(&mut sandbox.elect(&["--value", name], "e", &script))
+}
+
+/// The lines of `NAME.env` (see [`leader`]), once it is there.
+fn leader_env(sandbox: &Sandbox, name: &str) -> Vec<String> {
+    let env = sandbox.read(&format!("{name}.env"));
+    let lines: Vec<String> = env.lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 4, "{name}.env: {env:?}");
+    lines
+}
+
+fn elect_runs_the_next_leaders_command_only_after_the_first_ends_with_a_larger_term(
+    sandbox: &Sandbox,
+) {
+    let mut first = leader(sandbox, "first", "touch first.ended");
+    first.await_file(sandbox, "first.env");
+    let mut second = leader(sandbox, "second", "");
+    sandbox.await_waiting("second");
+    assert!(
+        !sandbox.exists("second.env"),
+        "the second's COMMAND started while the first led"
+    );
+    let row = sandbox.row_of("first");
+    assert_eq!((row.text("key"), row.text("mode")), ("e", "exclusive"));
+
+    sandbox.create("first.go");
+    first.wait().assert_exit(0);
+    second.await_file(sandbox, "second.env");
+    assert!(sandbox.exists("first.ended"));
+
+    let (first, second_env) = (leader_env(sandbox, "first"), leader_env(sandbox, "second"));
+    for env in [&first, &second_env] {
+        assert_eq!(env[0], env[1], "LEASEHOLD_TERM is not the fencing token");
+        assert_eq!(env[2], "e", "LEASEHOLD_KEY");
+    }
+    assert_ne!(first[3], second_env[3], "the two share an owner");
+    let term = |env: &[String]| -> u64 {
+        env[0]
+            .parse()
+            .unwrap_or_else(|_| panic!("LEASEHOLD_TERM is {:?}", env[0]))
+    };
+    assert!(
+        term(&first) < term(&second_env),
+        "terms do not grow: {} then {}",
+        first[0],
+        second_env[0]
+    );
+    assert_eq!(sandbox.row_of("second").number("ticket"), term(&second_env));
+    sandbox.create("second.go");
+    second.wait().assert_exit(0);
+    assert!(sandbox.rows(None).is_empty(), "the leader did not resign");
+}
+
+fn elect_listen_shows_each_leader_in_turn_then_no_leader(sandbox: &Sandbox) {
+    sandbox.create_store();
+    let mut json = Running::start(&mut sandbox.leasehold("elect", &["--listen", "--json"], &["e"]));
+    let mut text = Running::start(&mut sandbox.leasehold("elect", &["-l"], &["e"]));
+    // Waits until `line` holds of the last whole line the JSON listener printed.
+    let shown = |listener: &mut Running, what: &str, line: &dyn Fn(&Row) -> bool| {
+        within_blocking(PATIENCE, what, || {
+            listener.expect_running(what);
+            let out = listener.stdout();
+            // A line is whole once its newline is written.
+            let whole = out.rsplit_once('\n').map_or("", |(whole, _)| whole);
+            whole
+                .lines()
+                .last()
+                .map(Row::parse)
+                .is_some_and(|row| line(&row))
+        });
+    };
+    let no_leader = |row: &Row| row.get("term") == &Value::Null;
+    let led_by =
+        |value: &'static str| move |row: &Row| row.get("value") == &Value::Text(value.into());
+    shown(&mut json, "no leader at first", &no_leader);
+    within_blocking(PATIENCE, "the text listener shows no leader", || {
+        text.expect_running("no leader");
+        text.stdout() == "e: no leader\n"
+    });
+
+    let mut first = leader(sandbox, "first", "");
+    shown(&mut json, "the first leader", &led_by("first"));
+    let mut second = leader(sandbox, "second", "");
+    sandbox.await_waiting("second");
+    sandbox.create("first.go");
+    first.wait().assert_exit(0);
+    shown(&mut json, "the second leader", &led_by("second"));
+    sandbox.create("second.go");
+    second.wait().assert_exit(0);
+    shown(&mut json, "no leader at the end", &no_leader);
+
+    let (first, second) = (leader_env(sandbox, "first"), leader_env(sandbox, "second"));
+    let rows: Vec<Row> = json.stdout().lines().map(Row::parse).collect();
+    assert!(rows.iter().all(|row| row.text("key") == "e"), "{rows:?}");
+    let leaders: Vec<(&str, String, String)> = rows
+        .iter()
+        .filter(|row| !no_leader(row))
+        .map(|row| {
+            assert!(row.number("since_ms") > 0, "{row:?}");
+            let term = row.number("term").to_string();
+            (row.text("value"), term, row.text("owner").to_owned())
+        })
+        .collect();
+    assert_eq!(
+        leaders,
+        [
+            ("first", first[0].clone(), first[3].clone()),
+            ("second", second[0].clone(), second[3].clone()),
+        ],
+        "not each leader once, in order, as its COMMAND saw its term and owner"
+    );
+
+    within_blocking(PATIENCE, "the text listener shows both, then none", || {
+        text.expect_running("its lines");
+        let out = text.stdout();
+        let lines: Vec<&str> = out.lines().collect();
+        lines.first() == Some(&"e: no leader")
+            && lines.last() == Some(&"e: no leader")
+            && lines.contains(&format!("e: first (term {}, {})", first[0], first[3]).as_str())
+            && lines.contains(&format!("e: second (term {}, {})", second[0], second[3]).as_str())
+    });
+}
+
+fn a_campaigner_stopped_by_a_signal_leaves_the_queue_and_exits_128_plus_the_signal(
+    sandbox: &Sandbox,
+) {
+    let mut first = leader(sandbox, "first", "");
+    first.await_file(sandbox, "first.env");
+    for (signal, code) in [("INT", 130), ("TERM", 143), ("HUP", 129)] {
+        let value = format!("waiter-{signal}");
+        let script = format!("touch ran-{signal}");
+        let mut waiter = Running::start(&mut sandbox.elect(&["--value", &value], "e", &script));
+        sandbox.await_waiting(&value);
+        waiter.signal(signal);
+        let stopped = waiter.wait();
+        stopped.assert_exit(code);
+        assert!(stopped.stderr.contains("left the queue"), "{stopped}");
+        assert_eq!(
+            operations(&sandbox.rows(None)),
+            ["first"],
+            "SIG{signal} left the campaigner's row"
+        );
+    }
+    sandbox.create("first.go");
+    first.wait().assert_exit(0);
+    for signal in ["INT", "TERM", "HUP"] {
+        assert!(
+            !sandbox.exists(&format!("ran-{signal}")),
+            "the campaigner stopped by SIG{signal} ran its COMMAND"
+        );
+    }
+    assert!(sandbox.rows(None).is_empty());
+}
+
+/// Also: without --value, the leader's value is `HOST:PID`, as its owner begins.
+fn a_signal_to_elect_is_passed_on_to_its_command(sandbox: &Sandbox) {
+    let mut elect = Running::start(&mut sandbox.elect(
+        &[],
+        "e",
+        "trap 'echo term > term; exit 7' TERM; touch started; idle",
+    ));
+    elect.await_file(sandbox, "started");
+    let rows = sandbox.rows(None);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let (value, owner) = (rows[0].text("operation"), rows[0].text("owner"));
+    assert!(
+        value.ends_with(&format!(":{}", elect.pid())) && owner.starts_with(&format!("{value}:")),
+        "the default value {value:?} is not HOST:PID of the owner {owner:?}"
+    );
+    elect.signal("TERM");
+    elect.wait().assert_exit(7);
+    assert_eq!(sandbox.read("term").trim(), "term");
+    assert!(sandbox.rows(None).is_empty(), "the leader did not resign");
+}
+
+fn a_leader_whose_leadership_is_released_gets_sigterm_and_elect_exits_4(sandbox: &Sandbox) {
+    let mut elect = Running::start(&mut sandbox.elect(
+        &["--lease", "1s", "--value", "leader"],
+        "e",
+        "trap 'echo term > term; exit 0' TERM; touch started; idle",
+    ));
+    elect.await_file(sandbox, "started");
+    let owner = sandbox.row_of("leader").text("owner").to_owned();
+    finish(&mut sandbox.leasehold("release", &[], &["--owner", &owner, "--yes"])).assert_exit(0);
+    elect.await_file(sandbox, "term");
+    let lost = elect.wait();
+    lost.assert_exit(4);
+    assert!(lost.stderr.to_lowercase().contains("lost"), "{lost}");
+    assert!(sandbox.rows(None).is_empty());
+}
+
+fn a_leader_stopped_past_its_lease_gets_sigterm_and_elect_exits_4(sandbox: &Sandbox) {
+    let mut elect = Running::start(&mut sandbox.elect(
+        &["--lease", "1s", "--grace", "5s", "--value", "stopped"],
+        "e",
+        "trap 'echo term > term; exit 0' TERM; touch started; idle",
+    ));
+    elect.await_file(sandbox, "started");
+    let mut next = Running::start(&mut sandbox.elect(
+        &["--value", "next"],
+        "e",
+        "touch granted; await_file done",
+    ));
+    sandbox.await_waiting("next");
+
+    stop_until_granted(&elect, sandbox, "granted");
+    elect.await_file(sandbox, "term");
+    let lost = elect.wait();
+    lost.assert_exit(4);
+    assert!(lost.stderr.to_lowercase().contains("lost"), "{lost}");
+    sandbox.create("done");
+    next.wait().assert_exit(0);
+}
+
 // Scenarios on one store.
 
 #[test]
@@ -1038,6 +1276,37 @@ fn watch_redraws_on_a_change_long_before_its_own_next_look() {
         watch.stdout()[shown..].contains("no locks")
     });
     watch.kill();
+}
+
+/// `elect` tells its COMMAND (SIGTERM) a heartbeat before the lease would run out when renewals
+/// stop coming back, while the store still counts it the leader: here a writer keeps the file
+/// locked, so that no renewal can commit, and COMMAND is told before the expiry `inspect` shows
+/// (the last renewal's). The lease is 3 s, the heartbeat 1 s.
+#[test]
+fn an_elect_whose_renewals_stop_tells_its_command_a_heartbeat_before_the_lease_runs_out() {
+    let sandbox = Sandbox::sqlite();
+    let mut elect = Running::start(&mut sandbox.elect(
+        &["--lease", "3s", "--value", "leader"],
+        "e",
+        "trap 'date +%s%N > told.part; mv told.part told; exit 0' TERM; touch started; idle",
+    ));
+    elect.await_file(&sandbox, "started");
+    let writer = sqlite::open(sandbox.path(DB)).unwrap();
+    within_blocking(PATIENCE, "the writer's lock on the store", || {
+        writer.execute("BEGIN IMMEDIATE").is_ok()
+    });
+    // No renewal commits from now on: the lease the store judges by is the one it shows.
+    let expires_at_ms = sandbox.row_of("leader").number("expires_at_ms");
+    elect.await_file(&sandbox, "told");
+    let told_ms = sandbox.read("told").trim().parse::<u128>().unwrap() / 1_000_000;
+    assert!(
+        told_ms < u128::from(expires_at_ms),
+        "COMMAND was told at {told_ms} ms, not before the lease ran out at {expires_at_ms} ms"
+    );
+    writer.execute("ROLLBACK").unwrap();
+    let told = elect.wait();
+    told.assert_exit(4);
+    assert!(told.stderr.contains("about to run out"), "{told}");
 }
 
 #[test]
@@ -1191,7 +1460,7 @@ fn a_run_that_ends_leaves_what_its_command_left_running_and_no_watcher() {
 #[test]
 fn each_subcommands_help_exits_0_with_an_example() {
     let dir = folder();
-    for subcommand in ["run", "inspect", "watch", "release", "doctor"] {
+    for subcommand in ["run", "elect", "inspect", "watch", "release", "doctor"] {
         let help = finish(leasehold(dir.path()).args([subcommand, "--help"]));
         help.assert_exit(0);
         assert!(help.stdout.contains("Example"), "{help}");
@@ -1260,6 +1529,9 @@ fn usage_errors_exit_2_and_touch_neither_command_nor_store() {
     let run = |options: &[&'static str]| -> Vec<&str> {
         [&["run"][..], options, &[db, "k", "--", "touch", "ran"]].concat()
     };
+    let elect = |options: &[&'static str]| -> Vec<&str> {
+        [&["elect"][..], options, &[db, "e", "--", "touch", "ran"]].concat()
+    };
     for args in [
         vec!["run"],
         vec!["run", db, "k"],
@@ -1271,6 +1543,13 @@ fn usage_errors_exit_2_and_touch_neither_command_nor_store() {
         vec!["release", db, "--yes"],
         vec!["release", db, "--key", "k", "--yes"],
         vec!["frobnicate", db],
+        vec!["elect", db, "e"],
+        elect(&["--listen"]),
+        elect(&["--json"]),
+        elect(&["--lease", "soon"]),
+        elect(&["--grace", "5 s"]),
+        elect(&["--lease", "299ms"]),
+        vec!["elect", "--listen", "--value", "v", db, "e"],
     ] {
         let ran = finish(leasehold(sandbox.dir.path()).args(&args));
         ran.assert_exit(2);

@@ -18,6 +18,7 @@ const STORE_HELP: &str =
              and check what a store holds.",
     after_help = "Examples:\n  \
         leasehold run locks.db backup -- ./backup.sh\n  \
+        leasehold elect locks.db scheduler -- ./scheduler\n  \
         leasehold inspect locks.db\n  \
         leasehold doctor postgres://app@db.internal/app"
 )]
@@ -29,6 +30,7 @@ pub(crate) struct Args {
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
     Run(Run),
+    Elect(Elect),
     Inspect(Inspect),
     Watch(Watch),
     Release(Release),
@@ -119,6 +121,75 @@ pub(crate) struct Run {
     pub(crate) key: String,
     /// The program to run, and its arguments (after `--`)
     #[arg(required = true, last = true, value_name = "COMMAND")]
+    pub(crate) command: Vec<String>,
+}
+
+/// Run COMMAND while leading the election KEY; or, with --listen, print each leader change
+///
+/// Campaigns with VALUE: waits, in the order campaigners came, for the exclusive lock on KEY,
+/// whose operation is the leader's VALUE; then runs COMMAND while leading, as `run` runs it
+/// (its signals, --lease, --grace, and the exit codes), with LEASEHOLD_TERM (the leader's term:
+/// its fencing token, larger than every earlier leader's) besides LEASEHOLD_FENCING_TOKEN,
+/// LEASEHOLD_KEY and LEASEHOLD_OWNER in its environment. When COMMAND exits, it resigns, so
+/// that the next campaigner leads at once, and exits with COMMAND's status. SIGINT, SIGTERM or
+/// SIGHUP while campaigning leaves the queue (no row is left) and exits 130, 143 or 129. When
+/// renewals stop coming back, COMMAND is told (SIGTERM) one heartbeat (a third of --lease)
+/// before the lease would run out, before any other campaigner can lead, and SIGKILL follows
+/// after --grace; the exit code is then 4. It is told at once when the leadership is lost
+/// outright (an operator's `leasehold release`).
+///
+/// With --listen, it campaigns for nothing: it prints the leader, then a line for each change
+/// (a new leader, or none), until interrupted: `KEY: VALUE (term T, OWNER)`, or `KEY: no
+/// leader`, with --json one object per line. The store must exist, as for `watch`.
+#[derive(Debug, ClapArgs)]
+#[command(after_help = "Examples:\n  \
+        leasehold elect --value \"$(hostname):8080\" locks.db scheduler -- ./scheduler\n  \
+        leasehold elect --lease 10s postgres://app@db/app compactor -- ./compact --forever\n  \
+        leasehold elect --listen locks.db scheduler\n  \
+        leasehold elect -l --json locks.db scheduler | jq -r '.value // \"none\"'")]
+pub(crate) struct Elect {
+    /// Print the leader and each change of it instead of campaigning
+    #[arg(short = 'l', long)]
+    pub(crate) listen: bool,
+    /// With --listen, one JSON object per line: key, value, owner, term, since_ms (all but
+    /// the key null when there is no leader)
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// What the leader tells others, as `inspect` shows its operation and --listen its value
+    /// (an address, say) [default: HOST:PID, as its owner begins]
+    #[arg(long, value_name = "VALUE", conflicts_with = "listen")]
+    pub(crate) value: Option<String>,
+    /// How long the leadership outlives this process if it stops renewing it (at least
+    /// 300ms); renewed every third of it
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "30s",
+        value_parser = parse_duration,
+        conflicts_with = "listen"
+    )]
+    pub(crate) lease: Duration,
+    /// After the leadership is lost, how long COMMAND has between SIGTERM and SIGKILL
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "10s",
+        value_parser = parse_duration,
+        conflicts_with = "listen"
+    )]
+    pub(crate) grace: Duration,
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// The election's name
+    pub(crate) key: String,
+    /// The program to run while leading, and its arguments (after `--`)
+    #[arg(
+        last = true,
+        value_name = "COMMAND",
+        required_unless_present = "listen",
+        // Not `requires = "listen"` on --json: a flag's default, false, would satisfy it.
+        conflicts_with_all = ["listen", "json"]
+    )]
     pub(crate) command: Vec<String>,
 }
 
@@ -236,6 +307,48 @@ mod tests {
         assert_eq!(run.wait, Some(Duration::from_secs(120)));
         assert_eq!(run.command, ["ls", "-l"]);
         assert_eq!(run.conflict_exit_code, 1);
+    }
+
+    #[test]
+    fn an_elect_takes_its_command_after_two_dashes_and_a_listener_none() {
+        let args = Args::try_parse_from([
+            "leasehold",
+            "elect",
+            "--value",
+            "a:80",
+            "l.db",
+            "e",
+            "--",
+            "ls",
+            "-l",
+        ])
+        .unwrap();
+        let Command::Elect(elect) = args.command else {
+            panic!("not an elect")
+        };
+        assert!(!elect.listen);
+        assert_eq!(elect.value.as_deref(), Some("a:80"));
+        assert_eq!(elect.lease, Duration::from_secs(30));
+        assert_eq!(elect.command, ["ls", "-l"]);
+
+        let args = Args::try_parse_from(["leasehold", "elect", "-l", "--json", "l.db", "e"]);
+        let Command::Elect(listen) = args.unwrap().command else {
+            panic!("not an elect")
+        };
+        assert!(listen.listen && listen.json && listen.command.is_empty());
+    }
+
+    #[test]
+    fn an_elect_without_a_command_or_a_listener_with_one_is_refused() {
+        for args in [
+            &["leasehold", "elect", "l.db", "e"][..],
+            &["leasehold", "elect", "--json", "l.db", "e", "--", "true"],
+            &["leasehold", "elect", "-l", "l.db", "e", "--", "true"],
+            &["leasehold", "elect", "-l", "--value", "v", "l.db", "e"],
+            &["leasehold", "elect", "-l", "--lease", "5s", "l.db", "e"],
+        ] {
+            assert!(Args::try_parse_from(args).is_err(), "{args:?}");
+        }
     }
 
     #[test]

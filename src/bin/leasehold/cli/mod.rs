@@ -1,13 +1,16 @@
-//! The `leasehold` command (feature `cli`): run a program under a lock, and see, mend and check
-//! what a store holds, over SQLite (a file) or PostgreSQL (a URL), with the same rows, rules and
-//! fencing tokens as the library's managers. `main.rs` calls `main`.
+//! The `leasehold` command (feature `cli`): run a program under a lock or while leading an
+//! election, and see, mend and check what a store holds, over SQLite (a file) or PostgreSQL (a
+//! URL), with the same rows, rules and fencing tokens as the library's managers. `main.rs` calls
+//! `main`.
 //!
 //! Its parts: `args.rs` (the arguments, and every `--help`), `run.rs` (a program under a lock,
-//! with its signals), `show.rs` (`inspect` and `watch`), `release.rs` (an operator's removal of
-//! a gone owner's rows), `doctor.rs` (what is wrong with a store, and what to do about it), and
-//! here the stores and the exit codes.
+//! with its signals), `elect.rs` (a program while leading, on `run`'s machinery, and the leader
+//! changes), `show.rs` (`inspect` and `watch`), `release.rs` (an operator's removal of a gone
+//! owner's rows), `doctor.rs` (what is wrong with a store, and what to do about it), and here
+//! the stores and the exit codes.
 //!
-//! Exit codes, beside a `run`'s COMMAND's own (and 128 + N when it died of signal N):
+//! Exit codes, beside a `run`'s or `elect`'s COMMAND's own (and 128 + N when it died of signal
+//! N):
 //!
 //! | code | meaning |
 //! |---|---|
@@ -15,13 +18,16 @@
 //! | 1 | `run`: the key is held (`-n`, or `-w` ran out; `-E` changes it); `release`: nothing removed; `doctor`: a problem found |
 //! | 2 | the arguments are wrong |
 //! | 3 | the store could not be opened or failed (missing, a schema of another version, a storage error) |
-//! | 4 | `run`: the lease was lost while COMMAND ran (it was sent SIGTERM, then SIGKILL after `--grace`) |
-//! | 5 | `run`: an operator removed the waiting request (`release`); COMMAND never ran |
-//! | 126, 127 | `run`: COMMAND could not be run, or was not found |
-//! | 129, 130, 143 | `run`: SIGHUP, SIGINT or SIGTERM came while waiting (the queue was left) |
+//! | 4 | `run`, `elect`: the lease was lost while COMMAND ran (it was sent SIGTERM, then SIGKILL after `--grace`); `elect` tells COMMAND a heartbeat before the lease would run out |
+//! | 5 | `run`, `elect`: an operator removed the waiting request (`release`); COMMAND never ran |
+//! | 126, 127 | `run`, `elect`: COMMAND could not be run, or was not found |
+//! | 129, 130, 143 | `run`, `elect`: SIGHUP, SIGINT or SIGTERM came while waiting (the queue was left) |
+//!
+//! `watch` and `elect --listen` run until a signal ends them, by its default action.
 
 mod args;
 mod doctor;
+mod elect;
 mod lifeline;
 mod release;
 mod run;
@@ -48,6 +54,7 @@ pub(crate) fn main() -> ExitCode {
     let args = Args::parse();
     let code = match args.command {
         Command::Run(run) => run::run(run),
+        Command::Elect(elect) => elect::elect(elect),
         Command::Inspect(inspect) => show::inspect(inspect),
         Command::Watch(watch) => show::watch(watch),
         Command::Release(release) => release::release(release),

@@ -1,4 +1,6 @@
-//! `leasehold run`: COMMAND under a lock.
+//! `leasehold run`: COMMAND under a lock; and the machinery `elect` shares, which runs COMMAND
+//! under whatever it holds (`Held`: a lock, or a leadership), taken by a `take` of its own
+//! (`under_lease`).
 //!
 //! The order of things, and why:
 //!
@@ -16,8 +18,9 @@
 //!    on a terminal, to COMMAND). One the terminal sent (Ctrl-C) went to COMMAND already, as to
 //!    every process of the foreground group, and is not sent twice.
 //! 5. A lost lease ends COMMAND (SIGTERM, then SIGKILL after `--grace`), with its group off a
-//!    terminal; the rows are not released on anyone's behalf (they are gone, or lapsed and
-//!    another may hold them now).
+//!    terminal (`elect`'s a heartbeat before the lease would run out: `Held::lost`); the rows
+//!    are not released on anyone's behalf (they are gone, or lapsed and another may hold them
+//!    now).
 //! 6. This process dying, however (SIGKILL included, which it cannot catch), ends COMMAND at
 //!    once with SIGKILL, and off a terminal COMMAND's group: on Linux, by a death signal and a
 //!    watcher set up before COMMAND's program starts (`lifeline.rs`, which says why SIGKILL and
@@ -25,8 +28,10 @@
 //! 7. A wait ended by an operator's removal (`leasehold release`) runs nothing: it says who
 //!    removed it and exits 5, without queueing again.
 
+use std::future::Future;
 use std::io::IsTerminal;
 use std::os::unix::process::CommandExt;
+use std::pin::pin;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -37,11 +42,10 @@ use signal_hook::iterator::exfiltrator::WithOrigin;
 use signal_hook::iterator::SignalsInfo;
 use signal_hook::low_level::siginfo::Cause;
 
-use super::args::Run;
+use super::args::{Run, StoreArgs};
 use super::store_failed;
-use leasehold::AbortController;
-use leasehold::AbortReason;
-use leasehold::{Guard, LockError, LockManager, LockRequest};
+use leasehold::{AbortController, AbortReason, AbortSignal};
+use leasehold::{Guard, Leadership, LockError, LockManager, LockRequest};
 
 /// The exit code when the lease was lost while COMMAND ran.
 const LEASE_LOST: u8 = 4;
@@ -56,10 +60,13 @@ const MIN_LEASE: Duration = Duration::from_millis(300);
 /// A signal that came, and whether a process sent it (rather than the terminal, to the whole
 /// foreground group).
 #[derive(Clone, Copy, Debug)]
-struct Caught {
+pub(crate) struct Caught {
     signal: i32,
     sent: bool,
 }
+
+/// The signals caught: SIGINT, SIGTERM and SIGHUP.
+pub(crate) type Signals = smol::channel::Receiver<Caught>;
 
 /// Why the acquisition was interrupted: a signal.
 #[derive(Debug)]
@@ -74,21 +81,6 @@ impl std::fmt::Display for Signalled {
 impl std::error::Error for Signalled {}
 
 pub(crate) fn run(args: Run) -> u8 {
-    let signals = match catch_signals() {
-        Ok(signals) => signals,
-        Err(error) => {
-            eprintln!("leasehold: cannot catch signals: {error}");
-            return super::USAGE;
-        }
-    };
-    if args.lease < MIN_LEASE {
-        eprintln!("leasehold: --lease must be at least 300ms");
-        return super::USAGE;
-    }
-    let store = match args.store.parse() {
-        Ok(store) => store,
-        Err(code) => return code,
-    };
     let operation = args.operation.clone().unwrap_or_else(|| {
         let program = std::path::Path::new(&args.command[0]);
         (program.file_name()).map_or(args.command[0].clone(), |name| {
@@ -104,10 +96,104 @@ pub(crate) fn run(args: Run) -> u8 {
         (None, _) if args.shared => LockRequest::shared(args.key.as_str(), operation),
         (None, _) => LockRequest::exclusive(args.key.as_str(), operation),
     };
+    let job = Job {
+        key: &args.key,
+        command: &args.command,
+        grace: args.grace,
+    };
+    under_lease(&args.store, args.lease, &job, async |locks, signals| {
+        take(locks, request, &args, &job, signals).await
+    })
+}
+
+/// What `run` and `elect` have in common: COMMAND, run on KEY, and how long it has between
+/// SIGTERM and SIGKILL once its lease is lost.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Job<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) command: &'a [String],
+    pub(crate) grace: Duration,
+}
+
+/// What COMMAND runs under.
+#[derive(Debug)]
+pub(crate) enum Held {
+    /// `run`'s lock: COMMAND is told (SIGTERM) when the lease is lost.
+    Lock(Guard),
+    /// `elect`'s leadership: COMMAND is told `margin` (a heartbeat) before the lease would run
+    /// out with no renewal back, or as soon as it is lost, so that it can stop before another
+    /// campaigner can lead.
+    Leadership {
+        leadership: Leadership,
+        margin: Duration,
+    },
+}
+
+impl Held {
+    fn guard(&self) -> &Guard {
+        match self {
+            Held::Lock(guard) => guard,
+            Held::Leadership { leadership, .. } => leadership.guard(),
+        }
+    }
+
+    /// Aborted when COMMAND must stop.
+    fn lost(&self) -> AbortSignal {
+        match self {
+            Held::Lock(guard) => guard.lost(),
+            Held::Leadership { leadership, margin } => leadership.guard().lost_within(*margin),
+        }
+    }
+
+    /// COMMAND's environment beside what it inherits.
+    fn env(&self, locks: &LockManager, key: &str) -> Vec<(&'static str, String)> {
+        let token = self.guard().fencing_token().to_string();
+        let mut env = vec![
+            ("LEASEHOLD_FENCING_TOKEN", token.clone()),
+            ("LEASEHOLD_KEY", key.to_owned()),
+            ("LEASEHOLD_OWNER", locks.owner_id().to_owned()),
+        ];
+        if let Held::Leadership { .. } = self {
+            env.push(("LEASEHOLD_TERM", token));
+        }
+        env
+    }
+
+    /// Releases the lock, or resigns the leadership.
+    async fn release(self) -> Result<(), LockError> {
+        match self {
+            Held::Lock(guard) => guard.release().await,
+            Held::Leadership { leadership, .. } => leadership.resign().await,
+        }
+    }
+}
+
+/// COMMAND's whole life under a lease of `lease` on the store `store` names: catches the
+/// signals, opens the store, takes the lock or leadership with `take` (which says why not, and
+/// gives the exit code), runs COMMAND under it, and lets the store go; the exit code.
+pub(crate) fn under_lease(
+    store: &StoreArgs,
+    lease: Duration,
+    job: &Job<'_>,
+    take: impl AsyncFnOnce(&LockManager, &Signals) -> Result<Held, u8>,
+) -> u8 {
+    let signals = match catch_signals() {
+        Ok(signals) => signals,
+        Err(error) => {
+            eprintln!("leasehold: cannot catch signals: {error}");
+            return super::USAGE;
+        }
+    };
+    if lease < MIN_LEASE {
+        eprintln!("leasehold: --lease must be at least 300ms");
+        return super::USAGE;
+    }
+    let store = match store.parse() {
+        Ok(store) => store,
+        Err(code) => return code,
+    };
     smol::block_on(async {
-        let builder = LockManager::builder()
-            .lease(args.lease)
-            .heartbeat(args.lease / 3);
+        let builder = LockManager::builder().lease(lease).heartbeat(lease / 3);
         // Opening may take a while (a server that does not answer yet): a signal ends it.
         let opened = futures::select_biased! {
             caught = signals.recv().fuse() => match caught {
@@ -121,8 +207,8 @@ pub(crate) fn run(args: Run) -> u8 {
             Some(Err(error)) => return store_failed(&error),
             None => return super::USAGE,
         };
-        let code = match take(&locks, request, &args, &signals).await {
-            Ok(guard) => hold(&locks, guard, &args, &signals).await,
+        let code = match take(&locks, &signals).await {
+            Ok(held) => hold(&locks, held, job, &signals).await,
             Err(code) => code,
         };
         // Whatever is left (nothing, after a release or a clean wait) goes with the owner.
@@ -136,12 +222,13 @@ async fn take(
     locks: &LockManager,
     request: LockRequest,
     args: &Run,
-    signals: &smol::channel::Receiver<Caught>,
-) -> Result<Guard, u8> {
+    job: &Job<'_>,
+    signals: &Signals,
+) -> Result<Held, u8> {
     let key = request.key.clone();
     if args.no_wait {
         return match locks.try_acquire(request).await {
-            Ok(Some(guard)) => Ok(guard),
+            Ok(Some(guard)) => Ok(Held::Lock(guard)),
             Ok(None) => {
                 eprintln!("leasehold: {key:?} is held; not waiting (-n)");
                 Err(args.conflict_exit_code)
@@ -156,7 +243,7 @@ async fn take(
     let mut left = None;
     if let Some(wait) = args.wait {
         match locks.try_acquire(request.clone()).await {
-            Ok(Some(guard)) => return Ok(guard),
+            Ok(Some(guard)) => return Ok(Held::Lock(guard)),
             Ok(None) => {}
             Err(error) => return Err(store_failed(&error)),
         }
@@ -173,7 +260,31 @@ async fn take(
     if let Some(left) = left {
         acquiring = acquiring.timeout(left);
     }
-    let mut acquiring = acquiring.fuse();
+    let conflict = args.wait.map(|wait| (wait, args.conflict_exit_code));
+    wait_for(
+        acquiring.map(|outcome| outcome.map(Held::Lock)),
+        &interrupt,
+        job,
+        conflict,
+        signals,
+    )
+    .await
+}
+
+/// Awaits `acquiring`, an acquisition or a campaign to which `interrupt`'s signal is attached:
+/// what it was granted, or the exit code of why not, said on standard error. A signal that comes
+/// meanwhile interrupts it (its clean-up removes its waiting row before it resolves); one that
+/// comes as it is granted lets the grant go at once. With `conflict` (`-w`'s wait, and the
+/// conflict code), an acquisition interrupted by nothing else ran out of its wait.
+pub(crate) async fn wait_for(
+    acquiring: impl Future<Output = Result<Held, LockError>>,
+    interrupt: &AbortController,
+    job: &Job<'_>,
+    conflict: Option<(Duration, u8)>,
+    signals: &Signals,
+) -> Result<Held, u8> {
+    let key = job.key;
+    let mut acquiring = pin!(acquiring.fuse());
     let mut signal = None;
     let outcome = loop {
         futures::select_biased! {
@@ -188,10 +299,10 @@ async fn take(
         }
     };
     match (outcome, signal) {
-        (Ok(guard), None) => Ok(guard),
-        (Ok(guard), Some(signal)) => {
+        (Ok(held), None) => Ok(held),
+        (Ok(held), Some(signal)) => {
             // Granted as the signal came: let it go at once.
-            let _ = guard.release().await;
+            let _ = held.release().await;
             Err(128 + signal as u8)
         }
         (Err(_), Some(signal)) => {
@@ -201,38 +312,36 @@ async fn take(
             );
             Err(128 + signal as u8)
         }
-        (Err(LockError::Interrupted(_)), None) => {
-            let waited = args.wait.map(super::show_duration).unwrap_or_default();
-            eprintln!("leasehold: {key:?} is held; gave up after {waited} (-w)");
-            Err(args.conflict_exit_code)
-        }
-        (Err(LockError::Removed { by }), None) => {
-            eprintln!(
-                "leasehold: {} removed this request while it waited for {key:?}; not running {:?}",
-                super::printable(&by),
-                args.command[0]
-            );
-            Err(REMOVED)
-        }
-        (Err(error), None) => Err(store_failed(&error)),
+        (Err(error), None) => match (error, conflict) {
+            (LockError::Interrupted(_), Some((wait, code))) => {
+                let waited = super::show_duration(wait);
+                eprintln!("leasehold: {key:?} is held; gave up after {waited} (-w)");
+                Err(code)
+            }
+            (LockError::Removed { by }, _) => {
+                eprintln!(
+                    "leasehold: {} removed this request while it waited for {key:?}; not \
+                     running {:?}",
+                    super::printable(&by),
+                    job.command[0]
+                );
+                Err(REMOVED)
+            }
+            (error, _) => Err(store_failed(&error)),
+        },
     }
 }
 
-/// Runs COMMAND while `guard` holds; the exit code.
-async fn hold(
-    locks: &LockManager,
-    guard: Guard,
-    args: &Run,
-    signals: &smol::channel::Receiver<Caught>,
-) -> u8 {
+/// Runs COMMAND while `held` holds; the exit code.
+async fn hold(locks: &LockManager, held: Held, job: &Job<'_>, signals: &Signals) -> u8 {
     // A signal that came while the lock was being taken (with `-n`, or as it was granted) is
     // for this process: nothing has run yet, so nothing runs.
     if let Ok(caught) = signals.try_recv() {
-        let _ = guard.release().await;
+        let _ = held.release().await;
         eprintln!(
             "leasehold: {}; not running {:?}",
             signal_name(caught.signal),
-            args.command[0]
+            job.command[0]
         );
         return 128 + caught.signal as u8;
     }
@@ -241,12 +350,10 @@ async fn hold(
     // the foreground group, where it can read the terminal and hears Ctrl-C itself; a lost
     // lease then signals COMMAND alone.
     let own_group = !std::io::stdin().is_terminal();
-    let mut command = std::process::Command::new(&args.command[0]);
+    let mut command = std::process::Command::new(&job.command[0]);
     command
-        .args(&args.command[1..])
-        .env("LEASEHOLD_FENCING_TOKEN", guard.fencing_token().to_string())
-        .env("LEASEHOLD_KEY", &args.key)
-        .env("LEASEHOLD_OWNER", locks.owner_id())
+        .args(&job.command[1..])
+        .envs(held.env(locks, job.key))
         .stdin(Stdio::inherit());
     if own_group {
         command.process_group(0);
@@ -267,8 +374,8 @@ async fn hold(
     let (mut child, lifeline) = match spawned {
         Ok(spawned) => spawned,
         Err(error) => {
-            eprintln!("leasehold: cannot run {:?}: {error}", args.command[0]);
-            let _ = guard.release().await;
+            eprintln!("leasehold: cannot run {:?}: {error}", job.command[0]);
+            let _ = held.release().await;
             return match error.kind() {
                 std::io::ErrorKind::NotFound => 127,
                 _ => 126,
@@ -289,7 +396,7 @@ async fn hold(
         let _ = exited_tx.send(wait_without_reaping(pid));
     });
     let mut exited = exited.fuse();
-    let lost = guard.lost();
+    let lost = held.lost();
     let mut lost_heard = Box::pin(lost.aborted().fuse());
     // When COMMAND, sent SIGTERM for a lost lease, is to be sent SIGKILL.
     let mut kill_at: Option<std::time::Instant> = None;
@@ -313,12 +420,12 @@ async fn hold(
                 eprintln!(
                     "leasehold: the lease on {:?} was lost ({reason}); sending SIGTERM to \
                      {:?}, and SIGKILL in {}",
-                    args.key,
-                    args.command[0],
-                    super::show_duration(args.grace),
+                    job.key,
+                    job.command[0],
+                    super::show_duration(job.grace),
                 );
                 send_signal(target, SIGTERM);
-                kill_at = Some(std::time::Instant::now() + args.grace);
+                kill_at = Some(std::time::Instant::now() + job.grace);
             }
             _ = grace_over => {
                 send_signal(target, SIGKILL);
@@ -331,7 +438,7 @@ async fn hold(
     let code = match child.wait() {
         Ok(status) => exit_code(status),
         Err(error) => {
-            eprintln!("leasehold: lost track of {:?}: {error}", args.command[0]);
+            eprintln!("leasehold: lost track of {:?}: {error}", job.command[0]);
             126
         }
     };
@@ -340,24 +447,24 @@ async fn hold(
         if !lost_heard.is_terminated() {
             eprintln!(
                 "leasehold: the lease on {:?} was lost as {:?} ended",
-                args.key, args.command[0]
+                job.key, job.command[0]
             );
         }
-        drop(guard);
+        drop(held);
         return LEASE_LOST;
     }
-    match guard.release().await {
+    match held.release().await {
         Ok(()) => code,
         Err(LockError::LeaseLost(_)) => {
             eprintln!(
                 "leasehold: the lease on {:?} ran out before {:?} ended",
-                args.key, args.command[0]
+                job.key, job.command[0]
             );
             LEASE_LOST
         }
         Err(error) => {
             // COMMAND ran under the lock; the row lapses with its lease.
-            eprintln!("leasehold: releasing {:?}: {error}", args.key);
+            eprintln!("leasehold: releasing {:?}: {error}", job.key);
             code
         }
     }
@@ -374,7 +481,7 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
 }
 
 /// Catches SIGINT, SIGTERM and SIGHUP from now on; each comes on the channel.
-fn catch_signals() -> std::io::Result<smol::channel::Receiver<Caught>> {
+fn catch_signals() -> std::io::Result<Signals> {
     let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP])?;
     let (tx, rx) = smol::channel::unbounded();
     std::thread::Builder::new()

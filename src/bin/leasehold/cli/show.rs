@@ -209,7 +209,7 @@ pub(crate) fn json_line(entry: &LockEntry, now: Duration) -> String {
 
 /// `text` as a JSON string, quoted and escaped: exact, and with every control character
 /// (C0, DEL, C1) escaped, so that it cannot steer a terminal it is printed on either.
-fn json_string(text: &str) -> String {
+pub(crate) fn json_string(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);
     out.push('"');
     for c in text.chars() {
