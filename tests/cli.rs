@@ -1306,7 +1306,8 @@ fn an_elect_whose_renewals_stop_tells_its_command_a_heartbeat_before_the_lease_r
     writer.execute("ROLLBACK").unwrap();
     let told = elect.wait();
     told.assert_exit(4);
-    assert!(told.stderr.contains("about to run out"), "{told}");
+    let said = "is running out (no renewal came back in time)";
+    assert!(told.stderr.contains(said), "{told}");
 }
 
 #[test]

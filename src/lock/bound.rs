@@ -199,7 +199,7 @@ impl LockManager {
 
     /// How long before its lease runs out a bound body is told (invariant 1).
     pub(super) fn margin(&self) -> Duration {
-        self.shared.common.heartbeat
+        self.heartbeat()
     }
 }
 

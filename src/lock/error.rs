@@ -293,9 +293,7 @@ impl fmt::Display for LeaseLost {
         f.write_str(match self.why {
             Why::Expired => "lease lost: the lock's rows are gone or its lease ran out",
             Why::Shutdown => "lease lost: the lock manager was shut down",
-            Why::RunningOut => {
-                "lease lost: no renewal came back in time, and the lease is about to run out"
-            }
+            Why::RunningOut => "lease running out: no renewal came back in time",
         })
     }
 }

@@ -356,6 +356,18 @@ impl LockManager {
         }
     }
 
+    /// How long a row stays live without a renewal ([`LockManagerBuilder::lease`]).
+    pub fn lease(&self) -> std::time::Duration {
+        self.shared.common.lease
+    }
+
+    /// How often this owner renews its rows ([`LockManagerBuilder::heartbeat`]); work bound to
+    /// a lease ([`with_lock`](Self::with_lock), [`lead`](Self::lead), [`every`](Self::every))
+    /// is told this long before its lease could run out.
+    pub fn heartbeat(&self) -> std::time::Duration {
+        self.shared.common.heartbeat
+    }
+
     /// Counters since open.
     pub fn stats(&self) -> StorageStats {
         let counters = &self.shared.common.counters;

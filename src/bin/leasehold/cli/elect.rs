@@ -26,14 +26,14 @@ pub(crate) fn elect(args: Elect) -> u8 {
         command: &args.command,
         grace: args.grace,
     };
-    // Told a heartbeat before the lease would run out: the heartbeat `under_lease` gives.
-    let margin = args.lease / 3;
     run::under_lease(&args.store, args.lease, &job, async |locks, signals| {
         let value = match &args.value {
             Some(value) => value.clone(),
             None => default_value(locks.owner_id()),
         };
         let interrupt = AbortController::new();
+        // Told a heartbeat before the lease would run out, as `LockManager::lead` tells its body.
+        let margin = locks.heartbeat();
         let campaign = locks.campaign(job.key, value);
         let campaign = campaign
             .with_signal(&interrupt.signal())

@@ -417,8 +417,14 @@ async fn hold(locks: &LockManager, held: Held, job: &Job<'_>, signals: &Signals)
                 }
             }
             reason = lost_heard => {
+                let running_out = (reason.downcast_ref::<leasehold::LeaseLost>())
+                    .is_some_and(|lost| lost.before_expiry());
+                let (what, why) = match running_out {
+                    true => ("is running out", "no renewal came back in time".to_owned()),
+                    false => ("was lost", reason.to_string()),
+                };
                 eprintln!(
-                    "leasehold: the lease on {:?} was lost ({reason}); sending SIGTERM to \
+                    "leasehold: the lease on {:?} {what} ({why}); sending SIGTERM to \
                      {:?}, and SIGKILL in {}",
                     job.key,
                     job.command[0],
