@@ -405,7 +405,7 @@ impl Meeting {
     }
 
     /// Says this side is ready, and waits (up to a minute) for the other.
-    fn meet(&self) -> Result<(), Error> {
+    pub(crate) fn meet(&self) -> Result<(), Error> {
         File::create(&self.mine)?;
         let deadline = Instant::now() + Duration::from_secs(60);
         while !self.theirs.exists() {
@@ -444,6 +444,10 @@ pub(crate) fn ping_pong(
     // After releasing, wait before asking again, so that the other side (already waiting) takes
     // its turn even under an unfair lock: this pause is outside every measured interval.
     let rest = Duration::from_millis(1);
+    if kind.ends_with("elect") {
+        let locks = open_kind(kind, target, detail, LockManager::builder())?;
+        return lead_in_turn(&locks, rounds, meeting);
+    }
     let locks = match kind {
         "lock" => Some(LockManager::open(target)?),
         #[cfg(all(feature = "postgres", feature = "testkit"))]
@@ -550,6 +554,20 @@ pub(crate) fn child(args: &[String]) -> Result<(), Error> {
         return Err("usage: --child KIND TARGET OUT ROUNDS DETAIL".into());
     };
     let meeting = Meeting::of(Path::new(out), true);
+    match kind.as_str() {
+        "crash" | "pg-crash" => {
+            let builder = LockManager::builder()
+                .lease(CRASH_LEASE)
+                .heartbeat(CRASH_LEASE / 4);
+            let locks = open_kind(kind, target, detail, builder)?;
+            return lead_until_killed(&locks, Path::new(out));
+        }
+        "observe" | "pg-observe" => {
+            let locks = open_kind(kind, target, detail, LockManager::builder())?;
+            return observe_changes(&locks, rounds.parse()?, &meeting, Path::new(out));
+        }
+        _ => {}
+    }
     let events = ping_pong(kind, target, detail, rounds.parse()?, &meeting)?;
     let mut file = File::create(PathBuf::from(out))?;
     for event in events {

@@ -53,6 +53,7 @@ type Error = Box<dyn std::error::Error>;
 const WIDE: f64 = 0.5;
 
 mod core;
+mod election;
 mod lock;
 #[cfg(all(feature = "postgres", feature = "testkit"))]
 mod on_postgres;
@@ -60,6 +61,7 @@ mod on_sqlite;
 mod report;
 
 use self::core::*;
+use election::*;
 use lock::*;
 use on_sqlite::*;
 use report::*;

@@ -121,6 +121,32 @@ pub(crate) fn report(plan: &Plan, url: Option<&str>) -> Result<Report, Error> {
         dir.path().to_owned(),
         rounds,
     ));
+    for name in ["elect", "crash", "observe"] {
+        // Each schema exists before the processes meet in it.
+        open(name, LockManager::builder())?;
+    }
+    measures.push(handoff_cross_process(
+        "failover_graceful_p50_us",
+        Ends::same("pg-elect", &conninfo, &schema("elect")),
+        dir.path().to_owned(),
+        plan.per_round(100, 30),
+    ));
+    measures.push(failover_after_kill(
+        "failover_after_kill_ms",
+        "pg-crash",
+        conninfo.clone(),
+        schema("crash"),
+        dir.path().to_owned(),
+        plan.per_round(5, 3),
+    ));
+    measures.push(observed_cross_process(
+        "observed_cross_process_p50_us",
+        "pg-observe",
+        conninfo.clone(),
+        schema("observe"),
+        dir.path().to_owned(),
+        plan.per_round(50, 15),
+    ));
     measures.extend(common_measures(plan, &open)?);
 
     report.notes = notes;
@@ -132,6 +158,7 @@ pub(crate) fn report(plan: &Plan, url: Option<&str>) -> Result<Report, Error> {
         admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))?;
     }
     shared_targets(&mut report, 3.0, 200.0, 0.5);
+    election_targets(&mut report);
     let cross = report.get("handoff_cross_process_p50_us");
     report.target(
         "handoff_cross_process_p50_us",

@@ -349,8 +349,39 @@ pub(crate) fn shared_targets(
 }
 
 /// Issue 14's targets for SQLite.
+/// The election's targets, on either backend: graceful failover within twice the lock's
+/// cross-process handoff, failover after a kill within the killed leader's lease and one poll,
+/// and an observer's sighting of a change within the handoff.
+pub(crate) fn election_targets(report: &mut Report) {
+    let handoff = report.get("handoff_cross_process_p50_us");
+    let graceful = report.get("failover_graceful_p50_us");
+    report.target(
+        "failover_graceful_p50_us",
+        format!("<= 2 x handoff_cross_process_p50_us ({:.2}x)", graceful / handoff),
+        graceful <= 2.0 * handoff,
+        &["handoff_cross_process_p50_us"],
+    );
+    let poll = 10.0;
+    let killed = report.get("failover_after_kill_ms");
+    let lease = CRASH_LEASE.as_secs_f64() * 1e3;
+    report.target(
+        "failover_after_kill_ms",
+        format!("<= lease + poll ({lease:.0} + {poll:.0} ms)"),
+        killed <= lease + poll,
+        &[],
+    );
+    let observed = report.get("observed_cross_process_p50_us");
+    report.target(
+        "observed_cross_process_p50_us",
+        format!("<= handoff_cross_process_p50_us ({:.2}x)", observed / handoff),
+        observed <= handoff,
+        &["handoff_cross_process_p50_us"],
+    );
+}
+
 pub(crate) fn sqlite_targets(report: &mut Report) {
     shared_targets(report, 2.5, 50.0, 1.5);
+    election_targets(report);
     let (raw, two, cycle) = (
         report.get("raw_txn_us"),
         report.get("two_txns_us"),

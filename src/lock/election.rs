@@ -278,6 +278,10 @@ impl LockManager {
     /// As [`acquire`](Self::acquire); [`LockError::InvalidRequest`] for a bad key or value
     /// (nothing is written).
     ///
+    /// Once granted, the leadership is announced to observers in other processes (a second,
+    /// short write, as [`proclaim`](Leadership::proclaim) makes, which the campaign does not
+    /// wait for), so that they see it at once rather than at their next poll.
+    ///
     /// # Cancel safety
     ///
     /// As every acquisition's: an interrupted or dropped campaign leaves no row.
@@ -295,6 +299,11 @@ impl LockManager {
         Scoped::new(move |_| async move {
             check_text("value", &value)?;
             let guard = acquisition.await?;
+            // A grant announces nothing to other processes (it frees no one): the value is
+            // stored again, which announces the key as a proclamation does, so that observers
+            // elsewhere see the new leader now rather than at their next poll. Not awaited:
+            // the leader goes on at once, and the worker writes it next.
+            guard.announce(value.clone());
             Ok(Leadership {
                 guard,
                 key,

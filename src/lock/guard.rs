@@ -240,6 +240,17 @@ impl Guard {
         &self.shared.common.owner
     }
 
+    /// [`relabel`](Self::relabel) without waiting for it: sent now, done by the worker next.
+    pub(super) fn announce(&self, operation: String) {
+        let (reply, _) = oneshot::channel();
+        let request = self.request;
+        let _ = (self.shared).send(Command::Relabel {
+            request,
+            operation,
+            reply,
+        });
+    }
+
     /// Why this guard's lease was lost, as its `lost()` signal says (lost by its deadline, if
     /// it says nothing else).
     pub(super) fn lost_reason(&self) -> LeaseLost {
