@@ -41,6 +41,7 @@ fn short_run(seconds: f64, backend: Backend) -> Config {
         cut_connections: true,
         clock_steps: true,
         permits: true,
+        election: true,
         runtime: Runtime::Smol,
         hold: Duration::from_millis(20),
         child_command: vec![
