@@ -73,6 +73,7 @@ counters! {
     election_stopped_leaders,
     election_stale_writes_refused,
     election_untold_refusals,
+    election_losses_masked,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {

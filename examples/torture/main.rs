@@ -73,7 +73,9 @@
 //! the earlier leader had been told, its child running: a clean-up that outlasted its
 //! heartbeat), `election_order_excused` (a lower term begun just after its child's pause) and
 //! `election_stale_writes_refused` (writes the leader log refused from leaders told their lease
-//! was lost: mostly a paused leader's, once it resumed).
+//! was lost: mostly a paused leader's, once it resumed), `election_losses_masked` (a paused
+//! leader whose `lead` the run's timeout ended as `Interrupted`, not `LeaseLost`, its `lost()`
+//! having fired: see `election.rs`).
 //!
 //! # What counts as harm
 //!

@@ -134,6 +134,7 @@ impl Summary {
                 "election_stale_writes_refused",
                 t.election_stale_writes_refused,
             ),
+            ("election_losses_masked", t.election_losses_masked),
             ("election_untold_refusals", t.election_untold_refusals),
             ("late_losses", t.late_losses),
             ("lost_updates", t.lost_updates),
