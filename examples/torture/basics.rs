@@ -42,6 +42,14 @@ pub(crate) fn unix_micros() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// The machine's monotonic clock (`CLOCK_MONOTONIC` on Linux), in micros: every process reads
+/// it alike, and no step of the wall clock moves it.
+pub(crate) fn mono_micros() -> u64 {
+    SystemClock
+        .boot_time()
+        .map_or(0, |time| time.since_boot.as_micros() as u64)
+}
+
 pub(crate) async fn sleep(duration: Duration) {
     smol::Timer::after(duration).await;
 }

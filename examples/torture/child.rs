@@ -8,10 +8,13 @@ pub(crate) struct ChildContext {
     pub(crate) tag: String,
     pub(crate) deadline: u64,
     pub(crate) lease: Duration,
+    pub(crate) heartbeat: Duration,
     /// The longest pause inside a hold (`Config::hold`).
     pub(crate) hold: Duration,
     /// Whether it takes permits too (`Config::permits`).
     pub(crate) permits: bool,
+    /// Whether some of its tasks lead (`Config::election`).
+    pub(crate) election: bool,
     pub(crate) locks: LockManager,
     pub(crate) counters: Counters,
 }
@@ -64,6 +67,7 @@ pub fn child_main() {
     let hold = Duration::from_millis(env_number("TORTURE_HOLD_MS"));
     let tokio = env("TORTURE_RUNTIME") == "tokio";
     let permits = env_number("TORTURE_PERMITS") == 1;
+    let election = env_number("TORTURE_ELECTION") == 1;
     let skew: i64 = env("TORTURE_SKEW_MS")
         .parse()
         .expect("the child's TORTURE_SKEW_MS is not a number");
@@ -97,8 +101,10 @@ pub fn child_main() {
         id,
         deadline,
         lease,
+        heartbeat,
         hold,
         permits,
+        election,
         locks,
         counters,
     });
@@ -116,11 +122,22 @@ pub fn child_main() {
 
 pub(crate) async fn child(context: Arc<ChildContext>, seed: u64, tasks: u64) {
     let counters_file = context.folder.join(format!("counters-{}", context.tag));
+    let leading = if context.election {
+        leading_tasks(tasks)
+    } else {
+        0
+    };
     let fibers: Vec<_> = (0..tasks)
         .map(|task| {
             let context = context.clone();
             let seed = seed ^ ((context.id as u64) << 40) ^ (task << 20);
-            fork_daemon(async move { task_loop(&context, Rng::new(seed)).await })
+            fork_daemon(async move {
+                if task < leading {
+                    election_loop(&context, Rng::new(seed)).await
+                } else {
+                    task_loop(&context, Rng::new(seed)).await
+                }
+            })
         })
         .collect();
     while unix_micros() < context.deadline {

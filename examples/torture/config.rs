@@ -6,7 +6,7 @@ pub(crate) const USAGE: &str =
     "usage: torture [--seconds N] [--processes N] [--tasks N] [--seed N] \
                      [--lease-ms N] [--heartbeat-ms N] [--backend sqlite|postgres] [--url URL] \
                      [--runtime smol|tokio] [--hold-ms N] [--no-cuts] [--no-steps] \
-                     [--no-permits] [--json]";
+                     [--no-permits] [--no-election] [--json]";
 
 /// Where the locks are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +53,8 @@ pub struct Config {
     pub clock_steps: bool,
     /// Take permits of `PERMIT_KEYS` besides the shared and exclusive locks of `KEYS`.
     pub permits: bool,
+    /// Lead `ELECTION_KEYS` in one task in four of each child.
+    pub election: bool,
     /// What runs each child's tasks.
     pub runtime: Runtime,
     /// The longest pause inside a hold, between entering the register and writing, and between
@@ -84,6 +86,10 @@ impl Config {
                 }
                 "--no-permits" => {
                     config.permits = false;
+                    continue;
+                }
+                "--no-election" => {
+                    config.election = false;
                     continue;
                 }
                 _ => {}
@@ -158,6 +164,7 @@ impl Default for Config {
             cut_connections: true,
             clock_steps: true,
             permits: true,
+            election: true,
             runtime: Runtime::Smol,
             hold: Duration::from_millis(20),
             child_command: vec![exe],

@@ -66,6 +66,14 @@ counters! {
     storage_errors,
     restart_storage_errors,
     register_errors,
+    election_grants,
+    election_resigned,
+    election_lease_lost,
+    election_writes,
+    election_stopped_leaders,
+    election_stale_writes_refused,
+    election_untold_refusals,
+    election_losses_masked,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {

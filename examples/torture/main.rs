@@ -2,8 +2,8 @@
 //! or a PostgreSQL schema), each running several tasks that take and release locks at random,
 //! while this parent kills and pauses them.
 //!
-//! What is checked, through a *register* per key (a small file that the lock protects), or a
-//! *tally* per permits key:
+//! What is checked, through a *register* per key (a small file that the lock protects), a
+//! *tally* per permits key, or a *leader log* per election key:
 //!
 //! - an exclusive holder marks the register as its own, reads the value, pauses, and writes it
 //!   back incremented, tagged with its fencing token; a shared holder reads it twice with a pause
@@ -21,6 +21,15 @@
 //!   the holders whose `lost()` had not fired when they left must have no more than the limit
 //!   between them; an overrun is fine only if holders that had lost their leases make up the
 //!   excess (`tally.rs` says why that is sound);
+//! - the election keys (`leader-a` and `leader-b`; not with `--no-election`) are led, one task in
+//!   four of every child, with `LockManager::lead`: a body enters its key's leader log and writes
+//!   to it, tagged with its term, for a random while (`--hold-ms`), recording when it began and
+//!   ended on the machine's monotonic clock. The log refuses a term lower than the highest it
+//!   has taken, and a refused write must come from a leader that had been told its lease was
+//!   lost. No two bodies of a key may run at once, unless the earlier one's child was paused or
+//!   killed during it, or it had been told (a frozen process can be told nothing before the next
+//!   leader begins; once it resumes, its `lead` must end with `LeaseLost`); and terms must grow
+//!   in the order bodies begin (`election.rs` says exactly what is excused, and why);
 //! - at the end every owner shuts down, and after one lease the database holds no rows at all.
 //!
 //! Besides the kills and pauses, every child's wall clock (its [`Clock`](leasehold::Clock)'s
@@ -35,7 +44,8 @@
 //! # The parts
 //!
 //! `config.rs` (the settings), `basics.rs` (randomness, time, files), `register.rs` (the fenced
-//! resource), `tally.rs` (the permits keys' counts, and their judgement), `store.rs` (where the
+//! resource), `tally.rs` (the permits keys' counts, and their judgement), `election.rs` (the
+//! leaders' work, their leader logs, and their judgement), `store.rs` (where the
 //! locks are kept, and the store's history), `counters.rs` (what each child counts), `child.rs`
 //! (a child's tasks), `parent.rs` (the faults, the summary and its explanations), and
 //! `tests.rs`.
@@ -49,22 +59,37 @@
 //! tokio runtime of two threads), `--backend sqlite|postgres` (default `sqlite`), `--url URL` and
 //! `--no-cuts` (with `postgres`, see below), `--no-steps` (no clock steps), `--no-permits` (no
 //! permits keys: the shared and exclusive workload draws what it drew before there were
-//! permits), `--json` (one JSON object as the last line).
+//! permits), `--no-election` (no election keys: every task takes locks, as before there were
+//! elections), `--json` (one JSON object as the last line).
 //!
 //! Besides the grants (`grants` counts guards; `shared_grants`, `exclusive_grants` and
 //! `permit_grants` the keys they hold), the summary gives `permits_most`, the most permits of one
 //! key that holders whose leases held had at once, beside `permits_limit`, and
 //! `permit_overruns`, the times a tally passed the limit with lost leases making up the excess.
+//! For the elections: `election_grants` (bodies begun), `election_terms` (bodies recorded),
+//! `election_resigned` and `election_lease_lost` (how `lead` ended), `election_writes`,
+//! `election_stopped_leaders` (bodies a pause fell in), `election_overlaps_excused` (pairs of
+//! bodies that ran at once, excused) and of those `election_overlaps_told` (excused only because
+//! the earlier leader had been told, its child running: a clean-up that outlasted its
+//! heartbeat), `election_order_excused` (a lower term begun just after its child's pause) and
+//! `election_stale_writes_refused` (writes the leader log refused from leaders told their lease
+//! was lost: mostly a paused leader's, once it resumed), `election_losses_masked` (a paused
+//! leader whose `lead` the run's timeout ended as `Interrupted`, not `LeaseLost`, its `lost()`
+//! having fired: see `election.rs`).
 //!
 //! # What counts as harm
 //!
 //! The run exits with status 1 if any of these is not 0: `violations`, `permit_violations`
-//! (holders whose leases held had more permits of a key than its limit), `late_losses` (another
-//! holder's work seen while `lost()` had not yet fired), `lost_updates`,
+//! (holders whose leases held had more permits of a key than its limit), `election_violations`
+//! (two bodies of a key at once, not excused), `election_order_violations` (a body begun after a
+//! higher term), `election_untold_refusals` (a leader log's refusal of a leader never told),
+//! `late_losses` (another holder's work seen, or a leader's write refused, while `lost()` had not
+//! yet fired), `lost_updates`,
 //! `stale_writes_accepted`, `leaked_rows`, `storage_errors`, `stops_unnoticed` (a paused holder
 //! whose `lost()` never fired) or `failed_children` (a child that did not finish: its threads'
 //! stacks go to its log, by `gdb` where there is one). It then keeps its folder (child logs,
-//! registers, tallies and their `overruns`, database) for a look. Every suspected holder is
+//! registers, tallies and their `overruns`, leader logs and their `election-KEY` records,
+//! database) for a look. Every suspected holder is
 //! explained in `explain.txt` there (and on stderr): the store's history of its key around it
 //! (every row inserted, changed or deleted, with the store's time, who did it and its mode, kept
 //! by a trigger the run puts on the table) and the faults the parent made meanwhile.
@@ -122,10 +147,14 @@ const PERMIT_KEYS: [&str; 2] = ["delta", "epsilon"];
 /// The limit of every permits key.
 const PERMIT_LIMIT: u32 = 3;
 
+/// The election keys (not with `--no-election`); each has a leader log.
+const ELECTION_KEYS: [&str; 2] = ["leader-a", "leader-b"];
+
 mod basics;
 mod child;
 mod config;
 mod counters;
+mod election;
 mod parent;
 mod register;
 mod store;
@@ -135,6 +164,7 @@ use basics::*;
 use child::*;
 use config::*;
 use counters::*;
+use election::*;
 use parent::*;
 use register::*;
 use store::*;

@@ -44,6 +44,19 @@ pub struct Summary {
     pub permit_overruns: u64,
     /// Times it passed the limit with holders whose leases held (see `tally.rs`).
     pub permit_violations: u64,
+    /// Election bodies recorded, each of its own term (0 with `--no-election`).
+    pub election_terms: u64,
+    /// Bodies that began while an earlier one of their key ran, excused by a pause or kill of
+    /// the earlier one's child, or because it had been told its lease was lost (`election.rs`).
+    pub election_overlaps_excused: u64,
+    /// Of those, the ones excused only because the earlier one had been told (its child ran).
+    pub election_overlaps_told: u64,
+    /// Such overlaps not excused.
+    pub election_violations: u64,
+    /// Bodies that began after a higher term, just after a pause of their child.
+    pub election_order_excused: u64,
+    /// Bodies that began after a higher term otherwise.
+    pub election_order_violations: u64,
     /// Where the locks were: `sqlite` or `postgres`.
     pub backend: &'static str,
     /// Rows left in the database after every owner shut down and one lease passed.
@@ -64,6 +77,9 @@ impl Summary {
         for (name, value) in [
             ("violations", t.violations),
             ("permit_violations", self.permit_violations),
+            ("election_violations", self.election_violations),
+            ("election_order_violations", self.election_order_violations),
+            ("election_untold_refusals", t.election_untold_refusals),
             ("late_losses", t.late_losses),
             ("lost_updates", t.lost_updates),
             ("stale_writes_accepted", t.stale_writes_accepted),
@@ -103,6 +119,23 @@ impl Summary {
             ("permits_most", self.permits_most),
             ("permit_overruns", self.permit_overruns),
             ("permit_violations", self.permit_violations),
+            ("election_grants", t.election_grants),
+            ("election_terms", self.election_terms),
+            ("election_resigned", t.election_resigned),
+            ("election_lease_lost", t.election_lease_lost),
+            ("election_writes", t.election_writes),
+            ("election_stopped_leaders", t.election_stopped_leaders),
+            ("election_overlaps_excused", self.election_overlaps_excused),
+            ("election_overlaps_told", self.election_overlaps_told),
+            ("election_violations", self.election_violations),
+            ("election_order_excused", self.election_order_excused),
+            ("election_order_violations", self.election_order_violations),
+            (
+                "election_stale_writes_refused",
+                t.election_stale_writes_refused,
+            ),
+            ("election_losses_masked", t.election_losses_masked),
+            ("election_untold_refusals", t.election_untold_refusals),
             ("late_losses", t.late_losses),
             ("lost_updates", t.lost_updates),
             ("stale_writes_accepted", t.stale_writes_accepted),
@@ -145,6 +178,19 @@ impl Summary {
                 "permits: at most {} of {} held at once by holders whose leases held; the limit \
                  passed {} times with lost leases making up the excess, {} times without\n",
                 self.permits_most, self.permits_limit, self.permit_overruns, self.permit_violations
+            ));
+        }
+        if self.election_terms > 0 {
+            text.push_str(&format!(
+                "election: {} terms; pairs of bodies overlapped {} times excused by a pause, a \
+                 kill or the earlier leader's being told ({} by being told alone), {} times not; \
+                 terms out of order {} times just after a pause, {} times otherwise\n",
+                self.election_terms,
+                self.election_overlaps_excused,
+                self.election_overlaps_told,
+                self.election_violations,
+                self.election_order_excused,
+                self.election_order_violations
             ));
         }
         for (name, value) in self.totals.fields() {
@@ -207,6 +253,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
             &format!("{}\t{what}\t{tag}\n", unix_micros()),
         );
     };
+    let note_mono_fault = |line: String| append(&folder.join(MONO_FAULTS_FILE), &line);
     let run_start = unix_micros();
     let deadline = run_start + (config.seconds * 1e6) as u64;
     let mut incarnations = 0u64;
@@ -298,6 +345,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
             summary.kills += 1;
             let tag = worker.tag();
             note_fault("killed", &tag);
+            note_mono_fault(format!("killed\t{tag}\t{}\n", mono_micros()));
             for key in KEYS {
                 let _ = smol::block_on(Register::new(&folder, key).clear(&tag));
             }
@@ -310,6 +358,7 @@ pub fn run(config: &Config, store: &Store) -> Summary {
             let worker = &workers[index];
             let pid = worker.child.id().to_string();
             let stopped_at = unix_micros();
+            let stopped_mono = mono_micros();
             if signal(&pid, "-STOP") {
                 note_fault("stopped", &worker.tag());
                 wait_until_stopped(&pid);
@@ -321,6 +370,11 @@ pub fn run(config: &Config, store: &Store) -> Summary {
                 std::thread::sleep(pause_for() + config.lease / 2 * rng.below(100) as u32 / 100);
                 signal(&pid, "-CONT");
                 note_fault("continued", &worker.tag());
+                note_mono_fault(format!(
+                    "stopped\t{}\t{stopped_mono}\t{}\n",
+                    worker.tag(),
+                    mono_micros()
+                ));
                 summary.stops += 1;
             }
         }
@@ -365,6 +419,9 @@ pub fn run(config: &Config, store: &Store) -> Summary {
     if config.permits {
         judge_permits(&mut summary, &folder);
     }
+    if config.election {
+        judge_election(&mut summary, &folder);
+    }
     summary.elapsed = started.elapsed();
     explain_suspects(config, store, &folder);
     if summary.failures().is_empty() {
@@ -403,6 +460,40 @@ pub(crate) fn judge_permits(summary: &mut Summary, folder: &Path) {
                     ),
                 );
             }
+        }
+    }
+}
+
+/// Judges the election keys' records (`election.rs`), and notes both bodies of every violation
+/// as suspects, to be explained with the others.
+pub(crate) fn judge_election(summary: &mut Summary, folder: &Path) {
+    let findings = ElectionFindings::read(folder, &ELECTION_KEYS);
+    summary.election_terms = findings.terms;
+    summary.election_overlaps_excused = findings.overlaps_excused;
+    summary.election_overlaps_told = findings.overlaps_told;
+    summary.election_violations = findings.violations.len() as u64;
+    summary.election_order_excused = findings.order_excused;
+    summary.election_order_violations = findings.order_violations.len() as u64;
+    let found = (findings
+        .violations
+        .iter()
+        .map(|pair| ("election overlap", pair)))
+    .chain(
+        findings
+            .order_violations
+            .iter()
+            .map(|pair| ("election order", pair)),
+    );
+    for (what, (key, earlier, later)) in found {
+        eprintln!("{what} on {key:?}: {earlier:?} then {later:?}");
+        for body in [earlier, later] {
+            append(
+                &folder.join("suspects"),
+                &format!(
+                    "{what}\t{}\t{}\t{key}\t{}\t{}\n",
+                    body.tag, body.term, earlier.began.unix, later.began.unix
+                ),
+            );
         }
     }
 }
@@ -462,6 +553,7 @@ pub(crate) fn spawn_child(
         .env("TORTURE_DEADLINE", deadline.to_string())
         .env("TORTURE_HOLD_MS", config.hold.as_millis().to_string())
         .env("TORTURE_PERMITS", u8::from(config.permits).to_string())
+        .env("TORTURE_ELECTION", u8::from(config.election).to_string())
         .env(
             "TORTURE_RUNTIME",
             match config.runtime {

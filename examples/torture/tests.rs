@@ -14,8 +14,8 @@
 use std::time::Duration;
 
 use super::{
-    child_main, run, Backend, Config, FileState, Holder, Mark, PermitsFindings, Runtime, Store,
-    Summary, TallyState,
+    child_main, run, Backend, Config, ElectionFindings, FileState, Holder, LeaderBody,
+    LeaderLogState, Mark, Moment, MonoFaults, PermitsFindings, Runtime, Store, Summary, TallyState,
 };
 
 #[test]
@@ -41,6 +41,7 @@ fn short_run(seconds: f64, backend: Backend) -> Config {
         cut_connections: true,
         clock_steps: true,
         permits: true,
+        election: true,
         runtime: Runtime::Smol,
         hold: Duration::from_millis(20),
         child_command: vec![
@@ -67,6 +68,11 @@ fn assert_clean(summary: &Summary) {
     assert!(
         summary.totals.grants >= 50 && summary.totals.permit_grants >= 10,
         "too little happened:\n{}",
+        summary.describe()
+    );
+    assert!(
+        summary.totals.election_grants >= 10 && summary.election_terms >= 10,
+        "too little leading:\n{}",
         summary.describe()
     );
 }
@@ -162,6 +168,111 @@ fn an_overrun_kept_twice_counts_once_and_an_open_one_is_judged_too() {
     state.leave(&holder(2, "1.1", 2).mark, false);
     let found = findings(TallyState::parse(&state.render()), &[]);
     assert_eq!((found.violations.len(), found.overruns), (0, 1));
+}
+
+/// A body of child `tag` with term `term` that ran from `began` to `ended` (monotonic micros),
+/// told or not that its lease was lost.
+fn body(term: u64, tag: &str, began: u64, ended: Option<u64>, told: bool) -> LeaderBody {
+    let at = |mono| Moment { mono, unix: mono };
+    LeaderBody {
+        term,
+        tag: tag.into(),
+        began: at(began),
+        ended: ended.map(at),
+        told,
+    }
+}
+
+/// What the parent makes of `bodies` of one key, given its `faults`.
+fn judged(bodies: Vec<LeaderBody>, faults: &str) -> ElectionFindings {
+    let mut findings = ElectionFindings::default();
+    findings.judge("leader-a", bodies, &MonoFaults::parse(faults));
+    findings
+}
+
+#[test]
+fn leaders_one_after_another_are_no_overlap() {
+    let found = judged(
+        vec![
+            body(1, "0.1", 100, Some(200), false),
+            body(2, "1.1", 210, Some(300), true),
+            body(3, "0.1", 300, Some(400), false),
+        ],
+        "",
+    );
+    assert_eq!((found.terms, found.overlaps_excused), (3, 0));
+    assert!(found.violations.is_empty() && found.order_violations.is_empty());
+}
+
+#[test]
+fn an_overlap_of_a_leader_never_told_is_a_violation() {
+    // Child 0's body still ran, untold, not paused, when child 1's began.
+    let found = judged(
+        vec![
+            body(1, "0.1", 100, Some(250), false),
+            body(2, "1.1", 200, Some(300), false),
+        ],
+        // A pause of another child, and one of child 0 after its body, excuse nothing.
+        "stopped\t1.1\t100\t150\nstopped\t0.1\t260\t900\n",
+    );
+    assert_eq!(found.violations.len(), 1);
+    let (key, earlier, later) = &found.violations[0];
+    assert_eq!((key.as_str(), earlier.term, later.term), ("leader-a", 1, 2));
+    assert_eq!(found.overlaps_excused, 0);
+}
+
+#[test]
+fn an_overlap_of_a_paused_told_or_killed_leader_is_excused() {
+    let found = judged(
+        vec![
+            // Paused during its body.
+            body(1, "0.1", 100, Some(2_500), true),
+            body(2, "1.1", 2_000, Some(2_600), false),
+            // Told, by its end, that its lease was lost.
+            body(3, "1.1", 2_600, Some(3_100), true),
+            body(4, "0.1", 3_000, Some(3_200), false),
+            // Killed before it recorded its end.
+            body(5, "2.1", 3_200, None, false),
+            body(6, "1.1", 3_300, Some(3_400), false),
+        ],
+        "stopped\t0.1\t150\t2400\nkilled\t2.1\t3500\n",
+    );
+    assert!(found.violations.is_empty(), "{:?}", found.violations);
+    assert_eq!((found.overlaps_excused, found.overlaps_told), (3, 1));
+}
+
+#[test]
+fn a_lower_term_beginning_later_is_a_violation_unless_just_after_a_pause() {
+    let bodies = || {
+        vec![
+            body(2, "1.1", 100, Some(200), false),
+            body(1, "0.1", 300, Some(400), true),
+        ]
+    };
+    let found = judged(bodies(), "");
+    assert_eq!(found.order_violations.len(), 1);
+    let found = judged(bodies(), "stopped\t0.1\t50\t290\n");
+    assert_eq!((found.order_violations.len(), found.order_excused), (0, 1));
+}
+
+#[test]
+fn the_leader_log_refuses_an_older_term() {
+    let mark = |token| Mark {
+        token,
+        tag: "0.1".into(),
+    };
+    let mut log = LeaderLogState::default();
+    assert!(log.take(&mark(3), true));
+    assert!(log.take(&mark(3), false));
+    assert!(log.take(&mark(5), true));
+    assert!(!log.take(&mark(3), false), "a deposed leader's write");
+    assert!(
+        !log.take(&mark(4), true),
+        "a leader that begins after a newer one"
+    );
+    let again = LeaderLogState::parse(&log.render());
+    assert_eq!((again.fence, again.writes), (5, 1));
+    assert_eq!(again, log);
 }
 
 #[test]
