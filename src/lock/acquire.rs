@@ -304,6 +304,8 @@ async fn acquire_in_scope(
     // Whether the waiter's heartbeat was forked: once, when a queued wait first lasts long
     // enough (see `WaitSlot::beat_due`), then it beats through every later wait of this call.
     let mut beating = false;
+    // Whether the grant came from the queue, rather than at once.
+    let mut queued = false;
     // The caller still wants the lock whenever a grant or a wait runs out of lease: its place
     // is lost, its turn is not, so it asks again.
     let grant = loop {
@@ -314,6 +316,7 @@ async fn acquire_in_scope(
                 match shared.acquire(id, &requests, Wait::Queued).await? {
                     Acquired::Granted(grant) => grant,
                     Acquired::Queued(ticket, slot) => {
+                        queued = true;
                         let woken = loop {
                             match slot.woken_by().await? {
                                 Woken::BeatDue if !beating => {
@@ -364,7 +367,9 @@ async fn acquire_in_scope(
         }
     };
     removal.disarm();
-    Ok(Guard::new(&shared, id, grant, requests, Some(started)))
+    let mut guard = Guard::new(&shared, id, grant, requests, Some(started));
+    guard.queued = queued;
+    Ok(guard)
 }
 
 /// Counts a waiter without a queue position while it lives.

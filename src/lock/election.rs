@@ -278,9 +278,10 @@ impl LockManager {
     /// As [`acquire`](Self::acquire); [`LockError::InvalidRequest`] for a bad key or value
     /// (nothing is written).
     ///
-    /// Once granted, the leadership is announced to observers in other processes (a second,
-    /// short write, as [`proclaim`](Leadership::proclaim) makes, which the campaign does not
-    /// wait for), so that they see it at once rather than at their next poll.
+    /// A leadership granted at once is announced to observers in other processes (by the
+    /// doorbell or a notification, writing nothing, not waited for), so that they see it at
+    /// once rather than at their next poll, as they see one granted from the queue (the
+    /// commit that freed the key announced it).
     ///
     /// # Cancel safety
     ///
@@ -299,11 +300,13 @@ impl LockManager {
         Scoped::new(move |_| async move {
             check_text("value", &value)?;
             let guard = acquisition.await?;
-            // A grant announces nothing to other processes (it frees no one): the value is
-            // stored again, which announces the key as a proclamation does, so that observers
-            // elsewhere see the new leader now rather than at their next poll. Not awaited:
-            // the leader goes on at once, and the worker writes it next.
-            guard.announce(value.clone());
+            // A grant at once announces nothing to other processes (it frees no one): the key
+            // is announced, so that observers elsewhere see the new leader now rather than at
+            // their next poll. Not awaited: the leader goes on at once. (A grant from the queue
+            // came with a commit that freed the key, announced already.)
+            if !guard.queued {
+                guard.announce();
+            }
             Ok(Leadership {
                 guard,
                 key,

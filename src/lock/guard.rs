@@ -47,6 +47,9 @@ pub struct Guard {
     lost: AbortSignal,
     acquired_at: Duration,
     released: bool,
+    /// Whether it was granted from the queue (a commit that freed its keys, and so was
+    /// announced to watchers, let it in), rather than at once.
+    pub(super) queued: bool,
 }
 
 impl Guard {
@@ -81,6 +84,7 @@ impl Guard {
             lost,
             acquired_at: now,
             released: false,
+            queued: false,
         }
     }
 
@@ -240,14 +244,11 @@ impl Guard {
         &self.shared.common.owner
     }
 
-    /// [`relabel`](Self::relabel) without waiting for it: sent now, done by the worker next.
-    pub(super) fn announce(&self, operation: String) {
-        let (reply, _) = oneshot::channel();
-        let request = self.request;
-        let _ = (self.shared).send(Command::Relabel {
-            request,
-            operation,
-            reply,
+    /// Tells the managers that watch every change that this guard's keys changed, writing
+    /// nothing, without waiting: sent now, done by the worker next.
+    pub(super) fn announce(&self) {
+        let _ = (self.shared).send(Command::Announce {
+            request: self.request,
         });
     }
 

@@ -121,6 +121,12 @@ pub(crate) trait Storage {
     /// `Siblings`) and, where the backend does it directly, in others. `freed`: the other owners
     /// whose requests it promoted, if it freed or promoted anything (`None`: nothing).
     fn wake_others(&mut self, freed: Option<&BTreeSet<String>>);
+    /// Outside a transaction, with nothing written: tells the other managers that watch every
+    /// change (`waiting`) that `keys` changed, as a commit that freed them would (this
+    /// process's by `Siblings`, others by the doorbell or a notification). For a change no
+    /// commit announces: a new leader granted at once, whom observers elsewhere should see
+    /// before their next poll. Best effort: a failure leaves them to their poll.
+    fn ring(&mut self, keys: &[String]);
     /// Whether this owner has callers waiting without a row (`Wait::Unqueued`) or watchers of
     /// every change, whom any commit that frees rows may let through, so that other managers'
     /// commits should reach it at once. Said before the read or inside the transaction that

@@ -98,7 +98,8 @@ impl<S: Storage> Worker<S> {
                 read @ (Command::Inspect { .. }
                 | Command::IsLocked { .. }
                 | Command::Evict { .. }
-                | Command::Relabel { .. }) => reads.push(read),
+                | Command::Relabel { .. }
+                | Command::Announce { .. }) => reads.push(read),
             }
         }
         if !writes.is_empty() {
@@ -187,6 +188,12 @@ impl<S: Storage> Worker<S> {
                 reply,
             } => {
                 let _ = reply.send(self.relabel(request, &operation));
+            }
+            Command::Announce { request } => {
+                if let Some(written) = self.requests.get(&request) {
+                    let keys = written.keys.clone();
+                    self.storage.ring(&keys);
+                }
             }
             _ => {}
         }

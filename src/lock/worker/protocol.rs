@@ -44,6 +44,9 @@ pub(crate) enum Command {
         operation: String,
         reply: Reply<usize>,
     },
+    /// Tells the managers that watch every change that the keys of this owner's request
+    /// changed, writing nothing (`Storage::ring`): a leader granted at once.
+    Announce { request: u64 },
     /// Another manager in this process committed to the same file: look now.
     Poke,
 }

@@ -477,6 +477,10 @@ impl Storage for SimStorage {
         Ok(deleted)
     }
 
+    fn ring(&mut self, keys: &[String]) {
+        self.inner.ring(keys);
+    }
+
     fn relabel(
         &mut self,
         owner: &str,

@@ -519,6 +519,10 @@ impl Storage for Memory {
         }
     }
 
+    fn ring(&mut self, _keys: &[String]) {
+        self.siblings.wake(&BTreeSet::new());
+    }
+
     fn waiting(&mut self, waiting: bool) {
         self.siblings.waiting(waiting);
     }

@@ -913,6 +913,22 @@ impl Storage for Postgres {
         }
     }
 
+    fn ring(&mut self, keys: &[String]) {
+        self.siblings.wake(&BTreeSet::new());
+        let mut hashes: Vec<i64> = keys.iter().map(|key| key_hash(key)).collect();
+        hashes.sort_unstable();
+        hashes.dedup();
+        // The payload holds digits, commas or `*` only.
+        let sql = format!(
+            "SELECT pg_notify('{}', '{}')",
+            channel(&self.schema),
+            payload(&hashes)
+        );
+        if let Err(error) = self.simple("announcing a change", &sql) {
+            tracing::debug!(%error, "a change could not be announced; watchers see it by their poll");
+        }
+    }
+
     /// Every release announces itself to owners that may be waiting (see `WATCHERS`).
     fn waiting(&mut self, waiting: bool) {
         self.siblings.waiting(waiting);

@@ -703,6 +703,14 @@ impl Storage for Db<'_> {
         let _ = self.conn.execute("ROLLBACK");
     }
 
+    fn ring(&mut self, _keys: &[String]) {
+        self.siblings.wake(&BTreeSet::new());
+        #[cfg(unix)]
+        if let Some(doorbell) = &mut self.doorbell {
+            doorbell.ring(&BTreeSet::new());
+        }
+    }
+
     fn waiting(&mut self, waiting: bool) {
         self.siblings.waiting(waiting);
         #[cfg(unix)]
