@@ -142,11 +142,15 @@ pub(crate) fn observe_changes(
     block_on(async {
         // The first item is the leader as it is: read before meeting, so that every change
         // the other side makes after is one this side is watching for.
-        let first = futures::StreamExt::next(&mut leaders).await.ok_or("no item")??;
+        let first = futures::StreamExt::next(&mut leaders)
+            .await
+            .ok_or("no item")??;
         seen.push((first.map_or(0, |leader| leader.term), unix_micros()));
         meeting.meet()?;
         while seen.len() < changes {
-            let leader = futures::StreamExt::next(&mut leaders).await.ok_or("ended")??;
+            let leader = futures::StreamExt::next(&mut leaders)
+                .await
+                .ok_or("ended")??;
             seen.push((leader.map_or(0, |leader| leader.term), unix_micros()));
         }
         Ok::<(), Error>(())

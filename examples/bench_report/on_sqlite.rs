@@ -87,7 +87,10 @@ pub(crate) fn sqlite_report(plan: &Plan) -> Result<Report, Error> {
     }
     let path = |name: &str| -> Result<String, Error> {
         let path = dir.path().join(format!("{name}.db"));
-        Ok(path.to_str().ok_or("a temporary path that is not UTF-8")?.to_owned())
+        Ok(path
+            .to_str()
+            .ok_or("a temporary path that is not UTF-8")?
+            .to_owned())
     };
     measures.push(handoff_cross_process(
         "failover_graceful_p50_us",

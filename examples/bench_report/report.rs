@@ -357,7 +357,10 @@ pub(crate) fn election_targets(report: &mut Report) {
     let graceful = report.get("failover_graceful_p50_us");
     report.target(
         "failover_graceful_p50_us",
-        format!("<= 2 x handoff_cross_process_p50_us ({:.2}x)", graceful / handoff),
+        format!(
+            "<= 2 x handoff_cross_process_p50_us ({:.2}x)",
+            graceful / handoff
+        ),
         graceful <= 2.0 * handoff,
         &["handoff_cross_process_p50_us"],
     );
@@ -373,7 +376,10 @@ pub(crate) fn election_targets(report: &mut Report) {
     let observed = report.get("observed_cross_process_p50_us");
     report.target(
         "observed_cross_process_p50_us",
-        format!("<= handoff_cross_process_p50_us ({:.2}x)", observed / handoff),
+        format!(
+            "<= handoff_cross_process_p50_us ({:.2}x)",
+            observed / handoff
+        ),
         observed <= handoff,
         &["handoff_cross_process_p50_us"],
     );

@@ -13,7 +13,10 @@
 //!    by the scope's finalizer when the whole is interrupted or panics.
 //! 3. A body stopped by the lease, or whose release found the lease lost, resolves with
 //!    `LockError::LeaseLost`: the one error that says the work may have overlapped another
-//!    holder's, wherever it came from.
+//!    holder's, wherever it came from. The exception: when the whole is interrupted from
+//!    outside, it resolves with the caller's `Interrupted`, as every `Scoped` does, and a
+//!    lost lease found by the release goes to the log only (found by the torture run's
+//!    election workload; the caller who needs to know looks at the guard's `lost()`).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -61,7 +64,10 @@ impl LockManager {
     ///
     /// The acquisition's errors (see [`acquire`](Self::acquire)) and the body's own, through
     /// `E::from`; [`LockError::LeaseLost`] if the body was stopped by the lease, or if its
-    /// release found the lease lost (its work may have overlapped another holder's).
+    /// release found the lease lost (its work may have overlapped another holder's). When the
+    /// returned `Scoped` is itself interrupted, it resolves with your
+    /// [`Interrupted`](crate::Interrupted), as every `Scoped` does, even if the lease was
+    /// lost meanwhile: that release's error is only logged (`tracing`).
     ///
     /// # Examples
     ///

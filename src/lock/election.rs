@@ -331,7 +331,7 @@ impl LockManager {
     /// [`LeadError::Body`] with the body's error; [`LeadError::Lock`] with the campaign's
     /// error, with [`LockError::LeaseLost`] if the body was stopped by a lost leadership (or
     /// the resignation found it lost), and with [`LockError::Interrupted`] if `lead` itself
-    /// was interrupted.
+    /// was interrupted (then whatever befell the lease meanwhile is only logged).
     ///
     /// # Examples
     ///

@@ -817,9 +817,9 @@ impl Shared {
                 *lock(&self.naming) = None;
                 return;
             }
-            Observed::Released { .. }
-            | Observed::WorkBegan { .. }
-            | Observed::WorkEnded { .. } => return,
+            Observed::Released { .. } | Observed::WorkBegan { .. } | Observed::WorkEnded { .. } => {
+                return
+            }
         };
         lock(&self.events).push(event);
     }

@@ -46,7 +46,9 @@ pub(crate) enum Command {
     },
     /// Tells the managers that watch every change that the keys of this owner's request
     /// changed, writing nothing (`Storage::ring`): a leader granted at once.
-    Announce { request: u64 },
+    Announce {
+        request: u64,
+    },
     /// Another manager in this process committed to the same file: look now.
     Poke,
 }
