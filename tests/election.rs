@@ -377,48 +377,54 @@ fn with_lock_whose_renewals_stop_resolves_with_lease_lost() {
     });
 }
 
+/// Three managers on `store` run `every` on one key, `recurrences` + 1 times on a fixed grid of
+/// `interval`, holding it `at_least`; each run of the job notes when it began and ended (the
+/// test's clock). Returns the runs, in order.
+async fn fleet_runs(
+    store: &stores::Store,
+    interval: Duration,
+    recurrences: usize,
+    at_least: Duration,
+) -> Vec<(Duration, Duration)> {
+    let runs: Arc<Mutex<Vec<(Duration, Duration)>>> = Arc::default();
+    let mut fleet = Vec::new();
+    for _ in 0..3 {
+        let locks = store.open().await;
+        let runs = runs.clone();
+        let schedule = Schedule::fixed(interval).intersect(Schedule::recurs(recurrences));
+        let job = move || {
+            let runs = runs.clone();
+            Scoped::new(move |_| async move {
+                let began = test_clock().monotonic();
+                test_clock().sleep(Duration::from_millis(10)).await;
+                runs.lock().unwrap().push((began, test_clock().monotonic()));
+                Ok(())
+            })
+        };
+        fleet.push(fork_daemon(locks.every("compact", schedule, at_least, job)));
+    }
+    for member in fleet {
+        let done = join_within(WAIT, "a member's schedule", member).await;
+        assert!(matches!(done, Exit::Success(Ok(()))), "{done:?}");
+    }
+    let mut runs = runs.lock().unwrap().clone();
+    runs.sort();
+    runs
+}
+
 /// Three managers run one job on a fixed grid: the runs never overlap, and each holds the key
 /// at least `at_least` from its recurrence's start, so no two runs start closer than that.
 #[test]
 fn every_runs_a_job_at_most_once_at_a_time_across_three_managers() {
     stores::on_every_store(|store| async move {
         let at_least = Duration::from_millis(150);
-        let runs: Arc<Mutex<Vec<(Duration, Duration)>>> = Arc::default();
-        let mut fleet = Vec::new();
-        for _ in 0..3 {
-            let locks = store.open().await;
-            let runs = runs.clone();
-            let schedule =
-                Schedule::fixed(Duration::from_millis(200)).intersect(Schedule::recurs(3));
-            fleet.push(fork_daemon(locks.every(
-                "compact",
-                schedule,
-                at_least,
-                move || {
-                    let runs = runs.clone();
-                    Scoped::new(move |_| async move {
-                        let began = test_clock().monotonic();
-                        test_clock().sleep(Duration::from_millis(10)).await;
-                        runs.lock().unwrap().push((began, test_clock().monotonic()));
-                        Ok(())
-                    })
-                },
-            )));
-        }
-        for member in fleet {
-            let done = join_within(WAIT, "a member's schedule", member).await;
-            assert!(matches!(done, Exit::Success(Ok(()))), "{done:?}");
-        }
-        let mut runs = runs.lock().unwrap().clone();
-        runs.sort();
+        let runs = fleet_runs(&store, Duration::from_millis(200), 3, at_least).await;
         assert!(!runs.is_empty());
         for pair in runs.windows(2) {
             let ((began, ended), (next, _)) = (pair[0], pair[1]);
             assert!(ended <= next, "two runs overlapped: {runs:?}");
-            assert!(
-                next - began >= at_least - Duration::from_millis(1),
-                "{runs:?}"
-            );
+            let apart = next - began;
+            assert!(apart >= at_least - Duration::from_millis(1), "{runs:?}");
         }
     });
 }
@@ -432,35 +438,11 @@ fn every_runs_a_job_exactly_once_per_recurrence_in_a_simulation() {
         let runs = common::in_simulation(seed, |sim| {
             let store = stores::Store::simulated(sim);
             async move {
-                let runs: Arc<Mutex<usize>> = Arc::default();
-                let mut fleet = Vec::new();
-                for _ in 0..3 {
-                    let locks = store.open().await;
-                    let runs = runs.clone();
-                    let schedule =
-                        Schedule::fixed(Duration::from_secs(1)).intersect(Schedule::recurs(4));
-                    fleet.push(fork_daemon(locks.every(
-                        "compact",
-                        schedule,
-                        Duration::from_millis(900),
-                        move || {
-                            let runs = runs.clone();
-                            Scoped::new(move |_| async move {
-                                *runs.lock().unwrap() += 1;
-                                Ok(())
-                            })
-                        },
-                    )));
-                }
-                for member in fleet {
-                    let done = join_within(WAIT, "a member's schedule", member).await;
-                    assert!(matches!(done, Exit::Success(Ok(()))), "{done:?}");
-                }
-                let runs = *runs.lock().unwrap();
-                runs
+                let at_least = Duration::from_millis(900);
+                fleet_runs(&store, Duration::from_secs(1), 4, at_least).await
             }
         });
-        assert_eq!(runs, 5, "seed {seed}: five recurrences, one run each");
+        assert_eq!(runs.len(), 5, "seed {seed}: five recurrences, one run each");
     }
 }
 

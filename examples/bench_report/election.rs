@@ -90,11 +90,7 @@ pub(crate) fn failover_after_kill<'a>(
         let mut samples = Vec::with_capacity(repetitions);
         for repetition in 0..repetitions {
             let leading = dir.join(format!("{figure}-{round}-{repetition}.leading"));
-            let mut child = Command::new(std::env::current_exe()?)
-                .args(["--child", kind, &target])
-                .arg(&leading)
-                .args(["1", &detail])
-                .spawn()?;
+            let mut child = spawn_child(kind, &target, &leading, 1, &detail)?;
             let deadline = Instant::now() + Duration::from_secs(60);
             while !leading.exists() {
                 if Instant::now() > deadline || child.try_wait()?.is_some() {
@@ -179,11 +175,7 @@ pub(crate) fn observed_cross_process<'a>(
         let locks = open_kind(kind, &target, &detail, LockManager::builder())?;
         let seen_file = dir.join(format!("{figure}-{round}.seen"));
         let changes = 2 * rounds;
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(["--child", kind, &target])
-            .arg(&seen_file)
-            .args([&(changes + 1).to_string(), &detail])
-            .spawn()?;
+        let mut child = spawn_child(kind, &target, &seen_file, changes + 1, &detail)?;
         Meeting::of(&seen_file, false).meet()?;
         let mut made: Vec<(u64, u64)> = Vec::with_capacity(changes);
         block_on(async {

@@ -358,11 +358,7 @@ pub(crate) fn handoff_cross_process<'a>(
     measure(&[figure], move || {
         round += 1;
         let child_events = dir.join(format!("{figure}-{round}.events"));
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(["--child", ends.kind, &ends.theirs])
-            .arg(&child_events)
-            .args([&rounds.to_string(), &ends.detail])
-            .spawn()?;
+        let mut child = spawn_child(ends.kind, &ends.theirs, &child_events, rounds, &ends.detail)?;
         let meeting = Meeting::of(&child_events, false);
         let ours = ping_pong(ends.kind, &ends.ours, &ends.detail, rounds, &meeting);
         let status = wait_with_deadline(&mut child, Duration::from_secs(120))?;
@@ -547,6 +543,22 @@ pub(crate) fn read_events(path: &Path) -> Result<Vec<Event>, Error> {
         });
     }
     Ok(events)
+}
+
+/// This program again, as the child `kind` on `target` (see [`child`]): its output to `out`,
+/// `count` its rounds (or what else its kind counts), `detail` the kind's detail.
+pub(crate) fn spawn_child(
+    kind: &str,
+    target: &str,
+    out: &Path,
+    count: usize,
+    detail: &str,
+) -> Result<Child, Error> {
+    Ok(Command::new(std::env::current_exe()?)
+        .args(["--child", kind, target])
+        .arg(out)
+        .args([&count.to_string(), detail])
+        .spawn()?)
 }
 
 pub(crate) fn child(args: &[String]) -> Result<(), Error> {
