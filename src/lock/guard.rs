@@ -120,7 +120,8 @@ impl Guard {
     /// as soon as [`lost`](Guard::lost) aborts. Work bound to it is told `margin` before any
     /// other owner can be granted the lock, so that its clean-up can finish first;
     /// [`LockManager::with_lock`](crate::LockManager::with_lock) binds its body so, with a
-    /// margin of one heartbeat.
+    /// margin of one heartbeat. Each call makes a signal of its own, kept with the guard until
+    /// it is released.
     ///
     /// # Examples
     ///

@@ -272,6 +272,48 @@ mod tests {
         assert!(guards.is_empty());
     }
 
+    /// A warning comes `margin` before the deadline, moves on with every renewal of the lease,
+    /// and comes at once with a loss (a renewal that did not renew it).
+    #[test]
+    fn a_warning_comes_a_margin_before_the_deadline_and_with_a_loss() {
+        let clock = TestClock::new();
+        let at = |secs: u64| clock.monotonic() + Duration::from_secs(secs);
+        let mut guards = Guards::new(Arc::new(clock.clone()));
+        guards.granted(1, keys("a"), at(10), i64::MAX);
+        let lost = guards.signal(1);
+        let warned = guards.signal_within(1, Duration::from_secs(3)).unwrap();
+        clock.advance(Duration::from_secs(6));
+        assert!(!warned.is_aborted());
+        assert_eq!(
+            guards.renewed(|_| 1, at(10), i64::MAX),
+            0,
+            "renewed until 16 s"
+        );
+        clock.advance(Duration::from_secs(6));
+        assert!(!warned.is_aborted(), "the warning moved on to 13 s");
+        clock.advance(Duration::from_secs(1));
+        let reason = warned.reason().unwrap();
+        assert!(reason.downcast_ref::<LeaseLost>().unwrap().before_expiry());
+        assert!(!lost.is_aborted(), "3 s of lease are left");
+
+        let later = guards.signal_within(1, Duration::from_secs(1)).unwrap();
+        assert!(!later.is_aborted());
+        assert_eq!(
+            guards.renewed(|_| 0, at(10), i64::MAX),
+            1,
+            "its rows are gone"
+        );
+        let reason = later.reason().unwrap();
+        assert_eq!(
+            reason.downcast_ref::<LeaseLost>(),
+            Some(&LeaseLost::expired())
+        );
+        assert!(
+            guards.signal_within(1, Duration::from_secs(1)).is_none(),
+            "no lease kept"
+        );
+    }
+
     /// The worker keeps a lease from its grant; the caller makes its signal when it takes the
     /// grant, however late: renewed meanwhile, it runs to the renewed deadline; lost meanwhile
     /// (by its deadline, a renewal that did not renew it, or a shutdown), it is born lost, and
