@@ -417,8 +417,11 @@ async fn hold(locks: &LockManager, held: Held, job: &Job<'_>, signals: &Signals)
                 }
             }
             reason = lost_heard => {
+                // Told early, and the lease itself not yet lost (a process stopped past its
+                // lease finds both due as it resumes: it was lost).
                 let running_out = (reason.downcast_ref::<leasehold::LeaseLost>())
-                    .is_some_and(|lost| lost.before_expiry());
+                    .is_some_and(|lost| lost.before_expiry())
+                    && !held.guard().lost().is_aborted();
                 let (what, why) = match running_out {
                     true => ("is running out", "no renewal came back in time".to_owned()),
                     false => ("was lost", reason.to_string()),
