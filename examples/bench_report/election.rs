@@ -29,6 +29,54 @@ pub(crate) fn open_kind(
     Ok(builder.open(target)?)
 }
 
+/// The election's three measures, on the stores `at` names: for each of "elect", "crash" and
+/// "observe", the target and detail of a store of its own (`prefix` before the kinds: "pg-"
+/// on PostgreSQL).
+pub(crate) fn election_measures<'a>(
+    plan: &Plan,
+    prefix: &str,
+    dir: &Path,
+    at: impl Fn(&str) -> Result<(String, String), Error>,
+) -> Result<Vec<Measure<'a>>, Error> {
+    let kind = |name: &str| -> &'static str {
+        match (prefix, name) {
+            ("pg-", "elect") => "pg-elect",
+            ("pg-", "crash") => "pg-crash",
+            ("pg-", _) => "pg-observe",
+            (_, "elect") => "elect",
+            (_, "crash") => "crash",
+            _ => "observe",
+        }
+    };
+    let (elect, elect_detail) = at("elect")?;
+    let (crash, crash_detail) = at("crash")?;
+    let (observe, observe_detail) = at("observe")?;
+    Ok(vec![
+        handoff_cross_process(
+            "failover_graceful_p50_us",
+            Ends::same(kind("elect"), &elect, &elect_detail),
+            dir.to_owned(),
+            plan.per_round(100, 30),
+        ),
+        failover_after_kill(
+            "failover_after_kill_ms",
+            kind("crash"),
+            crash,
+            crash_detail,
+            dir.to_owned(),
+            plan.per_round(5, 3),
+        ),
+        observed_cross_process(
+            "observed_cross_process_p50_us",
+            kind("observe"),
+            observe,
+            observe_detail,
+            dir.to_owned(),
+            plan.per_round(50, 15),
+        ),
+    ])
+}
+
 /// One side of the graceful failover: leads [`KEY`] `rounds` times, each body holding 2 ms,
 /// noting when each began and ended (the resignation follows the end).
 pub(crate) fn lead_in_turn(

@@ -125,28 +125,9 @@ pub(crate) fn report(plan: &Plan, url: Option<&str>) -> Result<Report, Error> {
         // Each schema exists before the processes meet in it.
         open(name, LockManager::builder())?;
     }
-    measures.push(handoff_cross_process(
-        "failover_graceful_p50_us",
-        Ends::same("pg-elect", &conninfo, &schema("elect")),
-        dir.path().to_owned(),
-        plan.per_round(100, 30),
-    ));
-    measures.push(failover_after_kill(
-        "failover_after_kill_ms",
-        "pg-crash",
-        conninfo.clone(),
-        schema("crash"),
-        dir.path().to_owned(),
-        plan.per_round(5, 3),
-    ));
-    measures.push(observed_cross_process(
-        "observed_cross_process_p50_us",
-        "pg-observe",
-        conninfo.clone(),
-        schema("observe"),
-        dir.path().to_owned(),
-        plan.per_round(50, 15),
-    ));
+    measures.extend(election_measures(plan, "pg-", dir.path(), |name| {
+        Ok((conninfo.clone(), schema(name)))
+    })?);
     measures.extend(common_measures(plan, &open)?);
 
     report.notes = notes;

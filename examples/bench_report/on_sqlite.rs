@@ -85,35 +85,11 @@ pub(crate) fn sqlite_report(plan: &Plan) -> Result<Report, Error> {
             plan.per_round(300, 60),
         ));
     }
-    let path = |name: &str| -> Result<String, Error> {
+    measures.extend(election_measures(plan, "", dir.path(), |name| {
         let path = dir.path().join(format!("{name}.db"));
-        Ok(path
-            .to_str()
-            .ok_or("a temporary path that is not UTF-8")?
-            .to_owned())
-    };
-    measures.push(handoff_cross_process(
-        "failover_graceful_p50_us",
-        Ends::same("elect", &path("elect")?, ""),
-        dir.path().to_owned(),
-        plan.per_round(100, 30),
-    ));
-    measures.push(failover_after_kill(
-        "failover_after_kill_ms",
-        "crash",
-        path("crash")?,
-        String::new(),
-        dir.path().to_owned(),
-        plan.per_round(5, 3),
-    ));
-    measures.push(observed_cross_process(
-        "observed_cross_process_p50_us",
-        "observe",
-        path("observe")?,
-        String::new(),
-        dir.path().to_owned(),
-        plan.per_round(50, 15),
-    ));
+        let path = path.to_str().ok_or("a temporary path that is not UTF-8")?;
+        Ok((path.to_owned(), String::new()))
+    })?);
     measures.extend(common_measures(plan, &open)?);
     run_rounds(&mut report, &mut measures, plan.rounds);
     drop(measures);
