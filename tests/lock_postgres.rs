@@ -626,14 +626,15 @@ fn a_schema_written_by_a_newer_version_is_refused() {
 /// A schema of version 3 (an acquisition and a release each had a function, with no `decide`),
 /// 4 (a `decide` without shortcuts), 5 (a `decide` that could judge on a stale read), 6 (no
 /// `renew`), 7 (no `acquire_one` and `release_one`), 8 (no tombstones of removals), 9 (no
-/// absorbed steps of the server's clock) or 10 (modes in a `smallint`, no permits) is brought up
-/// to date when a manager connects, keeping its rows.
+/// absorbed steps of the server's clock), 10 (modes in a `smallint`, no permits) or 11 (a release
+/// that could judge a waiter on a stale read) is brought up to date when a manager connects,
+/// keeping its rows.
 #[test]
 fn a_schema_of_an_older_version_is_migrated_keeping_its_rows() {
     let Some(server) = pg_support::server() else {
         return;
     };
-    for old_version in [3, 4, 5, 6, 7, 8, 9, 10] {
+    for old_version in [3, 4, 5, 6, 7, 8, 9, 10, 11] {
         block_on(migrated_from(server, old_version));
     }
 }
@@ -657,13 +658,17 @@ async fn migrated_from(server: &pg_support::Server, old_version: i32) {
     } else {
         String::new()
     };
+    let smallint = if old_version < 11 {
+        format!("ALTER TABLE {schema}.locks ALTER COLUMN mode TYPE smallint;")
+    } else {
+        String::new()
+    };
     server.sql(&format!(
-        "{older} ALTER TABLE {schema}.locks ALTER COLUMN mode TYPE smallint; \
-         UPDATE {schema}.meta SET version = {old_version}"
+        "{older} {smallint} UPDATE {schema}.meta SET version = {old_version}"
     ));
     let new = manager(server.url(), &schema).await;
     let version = server.sql(&format!("SELECT version FROM {schema}.meta"));
-    assert_eq!(version.trim(), "11");
+    assert_eq!(version.trim(), "12");
     let mode_type = server.sql(&format!(
         "SELECT data_type FROM information_schema.columns \
          WHERE table_schema = '{schema}' AND table_name = 'locks' AND column_name = 'mode'"
@@ -1137,6 +1142,95 @@ fn a_decision_that_waited_for_a_renewal_sees_the_row_renewed() {
             .collect();
         assert_eq!(holders, ["renewed"]);
     });
+}
+
+/// A release on a key where another owner's waiting row lapsed, while that owner's renewal,
+/// which judged it live, has not yet committed, must see the renewal: the release's deletion
+/// of lapsed rows waits for it and leaves the row renewed, and that waiter is then promoted
+/// and told. (Judged on the release's first read, the waiter was neither, and waited for the
+/// next change or the holder's whole lease.) Both server functions that release are asked:
+/// `release_one`, for a release alone, and `decide`, for a batch.
+#[test]
+fn a_release_that_waited_for_a_renewal_promotes_the_renewed_waiter() {
+    let Some(server) = pg_support::server() else {
+        return;
+    };
+    let Some(socket) = server.conninfo() else {
+        return; // an external server: the test cannot see the sessions that wait
+    };
+    for function in ["release_one", "decide"] {
+        let schema = pg_support::schema(&format!("release_straddles_{function}"));
+        block_on(async {
+            manager(server.url(), &schema)
+                .await
+                .shutdown()
+                .await
+                .unwrap();
+        });
+        let now = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+        let insert = |owner: &str, held: bool, expires_in: i64| {
+            server.sql(&format!(
+                "INSERT INTO \"{schema}\".locks (key, ticket, mode, operation, owner, held, \
+                 requested_at, acquired_at, expires_at, heartbeat_at) \
+                 SELECT 'k', nextval('\"{schema}\".tickets'), 1, '{owner}', '{owner}', {held}, \
+                 {now} - 10000000, CASE WHEN {held} THEN {now} END, {now} + {expires_in}, \
+                 {now} - 2000000 RETURNING ticket"
+            ))
+        };
+        let holder: i64 = insert("holder", true, 60_000_000).trim().parse().unwrap();
+        // The waiter's lease ran out a moment ago, as its owner's renewal comes.
+        insert("waiter", false, -1000);
+        let mut renewal = postgres::Client::connect(socket, postgres::NoTls).unwrap();
+        renewal.batch_execute("BEGIN").unwrap();
+        renewal
+            .execute(
+                &format!(
+                    "UPDATE \"{schema}\".locks SET expires_at = {now} + 60000000, \
+                     heartbeat_at = {now} WHERE owner = 'waiter'"
+                ),
+                &[],
+            )
+            .unwrap();
+        let name = format!("release_{schema}");
+        let call = match function {
+            "release_one" => format!(
+                "SELECT promoted, owners FROM \"{schema}\".release_one('holder', 1, 2, 'c', 'k', \
+                 {holder}, '*', NULL)"
+            ),
+            _ => format!(
+                "SELECT promoted, owners FROM \"{schema}\".decide('holder', 60000000, '{{1}}', 2, \
+                 'c', '{{1}}', '{{{holder}}}', '{{0}}', '{{NULL}}', '{{*}}', '{{k}}', '{{1}}', \
+                 '{{x}}', NULL)"
+            ),
+        };
+        let url = format!("{socket} application_name={name}");
+        let release = std::thread::spawn(move || {
+            let mut client = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+            let row = client.query_one(&call, &[]).unwrap();
+            let promoted: Option<Vec<i64>> = row.get(0);
+            let owners: Option<Vec<String>> = row.get(1);
+            (promoted, owners)
+        });
+        let waiting = format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{name}' \
+             AND wait_event_type = 'Lock'"
+        );
+        let waits = until_blocking(Duration::from_secs(5), || {
+            server.sql(&waiting).trim() == "1"
+        });
+        assert!(
+            waits,
+            "{function}: the release waits for the renewal's row lock"
+        );
+        renewal.batch_execute("COMMIT").unwrap();
+        let (promoted, owners) = release.join().unwrap();
+        assert_eq!(promoted.map(|p| p.len()), Some(1), "{function}: promoted");
+        assert_eq!(owners, Some(vec!["waiter".to_owned()]), "{function}: told");
+        let held = server.sql(&format!(
+            "SELECT held FROM \"{schema}\".locks WHERE owner = 'waiter'"
+        ));
+        assert_eq!(held.trim(), "t", "{function}: the waiter holds the key");
+    }
 }
 
 /// A grant read late, a lease and more after it was made, whose row the owner's heartbeat kept

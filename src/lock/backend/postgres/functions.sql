@@ -186,20 +186,28 @@ BEGIN
             -- then, if other live rows are left there, the single-key waiters that the rule now
             -- lets through promoted. (A release of the only rows on its keys, the uncontended
             -- case, is this one statement.)
+            -- The statement's reads predate a renewal in flight of a row they find lapsed:
+            -- the deletion waits for that renewal and leaves the row it renewed. Such a row
+            -- (read lapsed, not deleted) counts as live here, and the promotion, a statement
+            -- of its own, judges it as it is now. (Counted lapsed, a waiter renewed just in
+            -- time was neither promoted nor told, and waited for the holder's whole lease.)
             WITH d AS (
                 DELETE FROM {s}.locks AS d
                 WHERE d.key = ANY(op_keys)
                   AND ((d.ticket = op_ticket AND d.owner = p_owner) OR d.expires_at <= now)
-                RETURNING d.ticket = op_ticket AND d.owner = p_owner AS own,
+                RETURNING d.key, d.ticket, d.ticket = op_ticket AND d.owner = p_owner AS own,
                           d.expires_at > now AS live)
             SELECT count(*) FILTER (WHERE d.own), count(*) FILTER (WHERE d.own AND d.live),
                    count(*) FILTER (WHERE NOT d.own),
                    EXISTS (SELECT 1 FROM {s}.locks AS o
-                           WHERE o.key = ANY(op_keys) AND o.expires_at > now
-                             AND (o.ticket <> op_ticket OR o.owner <> p_owner)),
+                           WHERE o.key = ANY(op_keys)
+                             AND (o.ticket <> op_ticket OR o.owner <> p_owner)
+                             AND (o.expires_at > now OR NOT EXISTS (
+                                 SELECT 1 FROM d AS g WHERE g.key = o.key AND g.ticket = o.ticket))),
                    EXISTS (SELECT 1 FROM {s}.locks AS w
-                           WHERE w.key = ANY(op_keys) AND NOT w.held AND w.expires_at > now
-                             AND w.owner <> p_owner)
+                           WHERE w.key = ANY(op_keys) AND NOT w.held AND w.owner <> p_owner
+                             AND (w.expires_at > now OR NOT EXISTS (
+                                 SELECT 1 FROM d AS g WHERE g.key = w.key AND g.ticket = w.ticket)))
                    OR EXISTS (SELECT 1 FROM {s}.watchers AS w
                               WHERE w.key = ANY(op_keys) AND w.expires_at > now
                                 AND w.owner <> p_owner)
@@ -380,19 +388,23 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared({schema_class}, p_schema_lock);
     PERFORM pg_advisory_xact_lock({lock_class}, p_lock);
     now := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint - seen;
+    -- As in `decide`, a row read lapsed that the deletion left (renewed meanwhile) counts.
     WITH d AS (
         DELETE FROM {s}.locks AS d
         WHERE d.key = p_key
           AND ((d.ticket = p_ticket AND d.owner = p_owner) OR d.expires_at <= now)
-        RETURNING d.ticket = p_ticket AND d.owner = p_owner AS own, d.expires_at > now AS live)
+        RETURNING d.ticket, d.ticket = p_ticket AND d.owner = p_owner AS own,
+                  d.expires_at > now AS live)
     SELECT count(*) FILTER (WHERE d.own), count(*) FILTER (WHERE d.own AND d.live),
            count(*) FILTER (WHERE NOT d.own),
            EXISTS (SELECT 1 FROM {s}.locks AS o
-                   WHERE o.key = p_key AND o.expires_at > now
-                     AND (o.ticket <> p_ticket OR o.owner <> p_owner))
+                   WHERE o.key = p_key AND (o.ticket <> p_ticket OR o.owner <> p_owner)
+                     AND (o.expires_at > now
+                          OR NOT EXISTS (SELECT 1 FROM d AS g WHERE g.ticket = o.ticket)))
     INTO deleted, live, lapsed, others_left FROM d;
     -- A waiting row is a live row: with no other live row left on the key (the uncontended
-    -- case) there is none to promote, and none to announce to.
+    -- case) there is none to promote, and none to announce to. The statements from here read
+    -- afresh.
     IF others_left THEN
         waited_for := EXISTS (SELECT 1 FROM {s}.locks AS w
                               WHERE w.key = p_key AND NOT w.held AND w.expires_at > now

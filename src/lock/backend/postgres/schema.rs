@@ -10,7 +10,7 @@ use crate::lock::backend::Result;
 use crate::lock::LockError;
 
 /// The schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i32 = 11;
+pub(crate) const SCHEMA_VERSION: i32 = 12;
 
 /// The advisory lock class of this library (`pg_advisory_xact_lock(class, key)`), so that its
 /// locks do not collide with an application's own advisory locks on other classes.
@@ -230,7 +230,10 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
             // a read that a renewal in flight could make stale; version 6 had no heartbeat in
             // one call; version 7 had no functions for an operation alone on one key; version 8's
             // heartbeat swept no tombstones; version 9's judged by the server's clock as it
-            // stepped; version 10's knew no permits); and the sweep's indexes (`SWEEP_INDEXES`).
+            // stepped; version 10's knew no permits; version 11's release judged a waiter on a
+            // read that a renewal in flight could make stale, and left it waiting); and the
+            // sweep's indexes (`SWEEP_INDEXES`). A process of version 11 refuses the schema
+            // from now on; processes sharing it must be upgraded together.
             transaction
                 .batch_execute(&format!(
                     "DROP FUNCTION IF EXISTS {s}.acquire, {s}.release;
