@@ -1195,12 +1195,12 @@ fn a_release_that_waited_for_a_renewal_promotes_the_renewed_waiter() {
         let call = match function {
             "release_one" => format!(
                 "SELECT promoted, owners FROM \"{schema}\".release_one('holder', 1, 2, 'c', 'k', \
-                 {holder}, '*', NULL)"
+                 {holder}, '*', NULL, false)"
             ),
             _ => format!(
                 "SELECT promoted, owners FROM \"{schema}\".decide('holder', 60000000, '{{1}}', 2, \
                  'c', '{{1}}', '{{{holder}}}', '{{0}}', '{{NULL}}', '{{*}}', '{{k}}', '{{1}}', \
-                 '{{x}}', NULL)"
+                 '{{x}}', NULL, '{{false}}')"
             ),
         };
         let url = format!("{socket} application_name={name}");

@@ -53,7 +53,7 @@ pub(crate) fn election_measures<'a>(
     let (observe, observe_detail) = at("observe")?;
     Ok(vec![
         handoff_cross_process(
-            "failover_graceful_p50_us",
+            &["failover_graceful_p50_us"],
             Ends::same(kind("elect"), &elect, &elect_detail),
             dir.to_owned(),
             plan.per_round(100, 30),

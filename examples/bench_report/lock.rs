@@ -347,15 +347,18 @@ impl Ends {
 }
 
 /// Two processes pass one lock back and forth (each holds it 2 ms); a handoff is the time from
-/// one side's release returning to the other side holding it. A child process per round.
+/// one side's release returning to the other side holding it (`figures[0]`), and, if a second
+/// figure is named, from the call to release (`figures[1]`: that release's own round trip
+/// included). A child process per round.
 pub(crate) fn handoff_cross_process<'a>(
-    figure: &'static str,
+    figures: &'static [&'static str],
     ends: Ends,
     dir: PathBuf,
     rounds: usize,
 ) -> Measure<'a> {
     let mut round = 0;
-    measure(&[figure], move || {
+    let figure = figures[0];
+    measure(figures, move || {
         round += 1;
         let child_events = dir.join(format!("{figure}-{round}.events"));
         let mut child = spawn_child(ends.kind, &ends.theirs, &child_events, rounds, &ends.detail)?;
@@ -367,16 +370,20 @@ pub(crate) fn handoff_cross_process<'a>(
             return Err(format!("the {} child failed: {status}", ends.kind).into());
         }
         let theirs = read_events(&child_events)?;
-        let mut samples = handoffs(&ours, &theirs);
-        if samples.len() < rounds / 4 {
-            return Err(format!(
-                "the {} lock changed hands only {} times in {rounds} rounds",
-                ends.kind,
-                samples.len()
-            )
-            .into());
+        let mut values = Vec::with_capacity(figures.len());
+        for from_call in [false, true].into_iter().take(figures.len()) {
+            let mut samples = handoffs(&ours, &theirs, from_call);
+            if samples.len() < rounds / 4 {
+                return Err(format!(
+                    "the {} lock changed hands only {} times in {rounds} rounds",
+                    ends.kind,
+                    samples.len()
+                )
+                .into());
+            }
+            values.push(median(&mut samples));
         }
-        Ok(vec![median(&mut samples)])
+        Ok(values)
     })
 }
 
@@ -417,6 +424,9 @@ impl Meeting {
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Event {
     Granted(u64),
+    /// Release called.
+    Releasing(u64),
+    /// Release returned.
     Released(u64),
 }
 
@@ -457,6 +467,7 @@ pub(crate) fn ping_pong(
                 let guard = locks.exclusive("ball", "ping-pong").await?;
                 events.push(Event::Granted(unix_micros()));
                 SystemClock.sleep(hold).await;
+                events.push(Event::Releasing(unix_micros()));
                 guard.release().await?;
                 events.push(Event::Released(unix_micros()));
                 SystemClock.sleep(rest).await;
@@ -477,6 +488,7 @@ pub(crate) fn ping_pong(
                 fs4::FileExt::lock(&file)?;
                 events.push(Event::Granted(unix_micros()));
                 std::thread::sleep(hold);
+                events.push(Event::Releasing(unix_micros()));
                 fs4::FileExt::unlock(&file)?;
                 events.push(Event::Released(unix_micros()));
                 std::thread::sleep(rest);
@@ -492,6 +504,7 @@ pub(crate) fn ping_pong(
                 client.execute(&lock, &[&detail])?;
                 events.push(Event::Granted(unix_micros()));
                 std::thread::sleep(hold);
+                events.push(Event::Releasing(unix_micros()));
                 client.execute(&unlock, &[&detail])?;
                 events.push(Event::Released(unix_micros()));
                 std::thread::sleep(rest);
@@ -502,14 +515,17 @@ pub(crate) fn ping_pong(
     Ok(events)
 }
 
-/// Pairs each release by one side with the next grant, when that grant went to the other side.
-pub(crate) fn handoffs(ours: &[Event], theirs: &[Event]) -> Vec<f64> {
+/// Pairs each release by one side (as it returned, or as it was called: `from_call`) with the
+/// next grant, when that grant went to the other side.
+pub(crate) fn handoffs(ours: &[Event], theirs: &[Event], from_call: bool) -> Vec<f64> {
     let mut all: Vec<(u64, bool, usize)> = Vec::new();
     for (side, events) in [ours, theirs].into_iter().enumerate() {
         for event in events {
             match *event {
                 Event::Granted(t) => all.push((t, true, side)),
-                Event::Released(t) => all.push((t, false, side)),
+                Event::Releasing(t) if from_call => all.push((t, false, side)),
+                Event::Released(t) if !from_call => all.push((t, false, side)),
+                Event::Releasing(_) | Event::Released(_) => {}
             }
         }
     }
@@ -536,10 +552,10 @@ pub(crate) fn read_events(path: &Path) -> Result<Vec<Event>, Error> {
     for line in text.lines() {
         let (what, t) = line.split_once(' ').ok_or("a malformed event line")?;
         let t: u64 = t.parse()?;
-        events.push(if what == "granted" {
-            Event::Granted(t)
-        } else {
-            Event::Released(t)
+        events.push(match what {
+            "granted" => Event::Granted(t),
+            "releasing" => Event::Releasing(t),
+            _ => Event::Released(t),
         });
     }
     Ok(events)
@@ -585,6 +601,7 @@ pub(crate) fn child(args: &[String]) -> Result<(), Error> {
     for event in events {
         match event {
             Event::Granted(t) => writeln!(file, "granted {t}")?,
+            Event::Releasing(t) => writeln!(file, "releasing {t}")?,
             Event::Released(t) => writeln!(file, "released {t}")?,
         }
     }

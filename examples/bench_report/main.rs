@@ -5,6 +5,7 @@
 //! cargo run --release --example bench_report              # the full run, a table for people
 //! cargo run --release --example bench_report -- --quick   # under a minute on 2 cores
 //! cargo run --release --example bench_report -- --json    # and one JSON object as the last line
+//! cargo run --release --example bench_report -- --only failover,observed   # those figures alone
 //! # PostgreSQL: a throwaway server started for the run (as the tests do), or the one of --url
 //! cargo run --release --features postgres,testkit --example bench_report -- --backend postgres
 //! cargo run --release --features postgres,testkit --example bench_report -- --backend postgres --url URL
@@ -82,6 +83,9 @@ fn main() -> Result<(), Error> {
     let plan = Plan {
         quick,
         rounds: if quick { 3 } else { 5 },
+        only: value_of("--only").map_or_else(Vec::new, |only| {
+            only.split(',').map(str::to_owned).collect()
+        }),
     };
     let started = Instant::now();
     let report = match value_of("--backend").unwrap_or("sqlite") {
@@ -105,6 +109,9 @@ fn main() -> Result<(), Error> {
 struct Plan {
     quick: bool,
     rounds: usize,
+    /// Parts of figure names (`--only a,b`): only the measures with a figure naming one of
+    /// them are run, the others and the targets that read them left unjudged. Empty: all.
+    only: Vec<String>,
 }
 
 impl Plan {
@@ -137,11 +144,16 @@ fn measure<'a>(
 /// Round 1 of every measurement, then round 2, and so on.
 /// A round that fails is reported, and the targets that read its figures are judged "round
 /// failed"; the run goes on.
-fn run_rounds(report: &mut Report, measures: &mut [Measure<'_>], rounds: usize) {
+fn run_rounds(report: &mut Report, measures: &mut [Measure<'_>], plan: &Plan) {
     eprintln!("set up in {:.1} s", report.started.elapsed().as_secs_f64());
+    let rounds = plan.rounds;
+    let chosen = |measure: &Measure<'_>| {
+        plan.only.is_empty()
+            || (measure.figures.iter()).any(|figure| plan.only.iter().any(|o| figure.contains(o)))
+    };
     for round in 1..=rounds {
         eprintln!("round {round} of {rounds}");
-        for measure in measures.iter_mut() {
+        for measure in measures.iter_mut().filter(|measure| chosen(measure)) {
             let started = Instant::now();
             let values = match (measure.round)() {
                 Ok(values) => values,

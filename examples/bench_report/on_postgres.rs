@@ -77,7 +77,10 @@ pub(crate) fn report(plan: &Plan, url: Option<&str>) -> Result<Report, Error> {
     // The schema exists before the two processes meet in it.
     open("cross", LockManager::builder())?;
     measures.push(handoff_cross_process(
-        "handoff_cross_process_p50_us",
+        &[
+            "handoff_cross_process_p50_us",
+            "handoff_cross_process_from_call_p50_us",
+        ],
         Ends::same("pg-lock", &conninfo, &cross),
         dir.path().to_owned(),
         rounds,
@@ -97,7 +100,7 @@ pub(crate) fn report(plan: &Plan, url: Option<&str>) -> Result<Report, Error> {
         Some(server) => {
             let ends = poll_only_ends(server, &schema("cross-poll"), &open)?;
             measures.push(handoff_cross_process(
-                "handoff_cross_process_poll_only_p50_us",
+                &["handoff_cross_process_poll_only_p50_us"],
                 ends,
                 dir.path().to_owned(),
                 rounds,
@@ -116,7 +119,7 @@ pub(crate) fn report(plan: &Plan, url: Option<&str>) -> Result<Report, Error> {
         ),
     }
     measures.push(handoff_cross_process(
-        "advisory_handoff_cross_process_p50_us",
+        &["advisory_handoff_cross_process_p50_us"],
         Ends::same("advisory", &conninfo, &schema("advisory-handoff")),
         dir.path().to_owned(),
         rounds,
@@ -131,7 +134,7 @@ pub(crate) fn report(plan: &Plan, url: Option<&str>) -> Result<Report, Error> {
     measures.extend(common_measures(plan, &open)?);
 
     report.notes = notes;
-    run_rounds(&mut report, &mut measures, plan.rounds);
+    run_rounds(&mut report, &mut measures, plan);
     drop(measures);
     shut_down(&opened.borrow())?;
     let mut admin = Client::connect(&conninfo, NoTls)?;

@@ -76,9 +76,12 @@ pub(crate) fn sqlite_report(plan: &Plan) -> Result<Report, Error> {
             .ok_or("a temporary path that is not UTF-8")?;
         measures.push(handoff_cross_process(
             if kind == "lock" {
-                "handoff_cross_process_p50_us"
+                &[
+                    "handoff_cross_process_p50_us",
+                    "handoff_cross_process_from_call_p50_us",
+                ]
             } else {
-                "flock_handoff_cross_process_p50_us"
+                &["flock_handoff_cross_process_p50_us"]
             },
             Ends::same(kind, target, ""),
             dir.path().to_owned(),
@@ -91,7 +94,7 @@ pub(crate) fn sqlite_report(plan: &Plan) -> Result<Report, Error> {
         Ok((path.to_owned(), String::new()))
     })?);
     measures.extend(common_measures(plan, &open)?);
-    run_rounds(&mut report, &mut measures, plan.rounds);
+    run_rounds(&mut report, &mut measures, plan);
     drop(measures);
     shut_down(&opened.borrow())?;
     sqlite_targets(&mut report);

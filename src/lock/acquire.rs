@@ -23,8 +23,10 @@ use super::worker::protocol::{Acquired, Command, Grant, Wait, Woken, Write};
 use super::{LockError, LockManager, LockRequest};
 
 enum Policy {
-    /// Queue under one ticket (single key, or `many_queued`).
-    Queue,
+    /// Queue under one ticket (single key, or `many_queued`); `announce`d to every other
+    /// manager of the store when granted at once and when removed, whoever waits (a
+    /// leadership: see `Write::Acquire`).
+    Queue { announce: bool },
     /// All or nothing, holding no queue position while waiting (`many`).
     NoQueue,
 }
@@ -134,7 +136,13 @@ impl LockManager {
     /// # }).unwrap();
     /// ```
     pub fn acquire(&self, request: LockRequest) -> Scoped<Guard, LockError> {
-        self.start(vec![request], Policy::Queue)
+        self.start(vec![request], Policy::Queue { announce: false })
+    }
+
+    /// [`acquire`](Self::acquire), announced to every other manager of the store when granted
+    /// at once and when released, whoever waits: a leadership, which observers watch.
+    pub(super) fn acquire_announced(&self, request: LockRequest) -> Scoped<Guard, LockError> {
+        self.start(vec![request], Policy::Queue { announce: true })
     }
 
     /// All or nothing; holds no queue position while it waits (never blocks others, but may
@@ -209,7 +217,10 @@ impl LockManager {
         &self,
         requests: impl IntoIterator<Item = LockRequest>,
     ) -> Scoped<Guard, LockError> {
-        self.start(requests.into_iter().collect(), Policy::Queue)
+        self.start(
+            requests.into_iter().collect(),
+            Policy::Queue { announce: false },
+        )
     }
 
     /// Granted now or `None`; never queues.
@@ -242,7 +253,7 @@ impl LockManager {
         let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
         let undo = RemoveOnDrop::new(&shared, id);
         let grant = loop {
-            let grant = match shared.acquire(id, &requests, Wait::No).await? {
+            let grant = match shared.acquire(id, &requests, Wait::No, false).await? {
                 Acquired::Granted(grant) => grant,
                 Acquired::NotNow | Acquired::Queued(..) => break None,
             };
@@ -304,19 +315,19 @@ async fn acquire_in_scope(
     // Whether the waiter's heartbeat was forked: once, when a queued wait first lasts long
     // enough (see `WaitSlot::beat_due`), then it beats through every later wait of this call.
     let mut beating = false;
-    // Whether the grant came from the queue, rather than at once.
-    let mut queued = false;
     // The caller still wants the lock whenever a grant or a wait runs out of lease: its place
     // is lost, its turn is not, so it asks again.
     let grant = loop {
         let grant = match policy {
-            Policy::Queue => {
+            Policy::Queue { announce } => {
                 // No later than the row's lease starts: the heartbeat counts from here.
                 let sent_at = shared.common.clock.monotonic();
-                match shared.acquire(id, &requests, Wait::Queued).await? {
+                match shared
+                    .acquire(id, &requests, Wait::Queued, announce)
+                    .await?
+                {
                     Acquired::Granted(grant) => grant,
                     Acquired::Queued(ticket, slot) => {
-                        queued = true;
                         let woken = loop {
                             match slot.woken_by().await? {
                                 Woken::BeatDue if !beating => {
@@ -355,7 +366,7 @@ async fn acquire_in_scope(
                     // Listen before trying, so a change between the try and the wait is not
                     // missed.
                     let changed = shared.common.changed.listen();
-                    match shared.acquire(id, &requests, Wait::Unqueued).await? {
+                    match shared.acquire(id, &requests, Wait::Unqueued, false).await? {
                         Acquired::Granted(grant) => break grant,
                         Acquired::NotNow | Acquired::Queued(..) => changed.await,
                     }
@@ -367,9 +378,7 @@ async fn acquire_in_scope(
         }
     };
     removal.disarm();
-    let mut guard = Guard::new(&shared, id, grant, requests, Some(started));
-    guard.queued = queued;
-    Ok(guard)
+    Ok(Guard::new(&shared, id, grant, requests, Some(started)))
 }
 
 /// Counts a waiter without a queue position while it lives.
@@ -425,12 +434,14 @@ impl Shared {
         request: u64,
         requests: &[LockRequest],
         wait: Wait,
+        announce: bool,
     ) -> Result<Acquired, LockError> {
         self.call(|reply| {
             Command::Write(Write::Acquire {
                 request,
                 requests: requests.to_vec(),
                 wait,
+                announce,
                 reply,
             })
         })

@@ -23,7 +23,7 @@ use crate::sync::lock;
 use super::bound::{bound, Lease};
 use super::changes::{self, Rows};
 use super::types::check_text;
-use super::{EntryState, Guard, LockEntry, LockError, LockManager, Mode};
+use super::{EntryState, Guard, LockEntry, LockError, LockManager, LockRequest, Mode};
 
 /// This manager's leadership of an election's key, from [`LockManager::campaign`]: an exclusive
 /// lock on the key whose operation is the leader's value. Resigned by
@@ -278,10 +278,10 @@ impl LockManager {
     /// As [`acquire`](Self::acquire); [`LockError::InvalidRequest`] for a bad key or value
     /// (nothing is written).
     ///
-    /// A leadership granted at once is announced to observers in other processes (by the
-    /// doorbell or a notification, writing nothing, not waited for), so that they see it at
-    /// once rather than at their next poll, as they see one granted from the queue (the
-    /// commit that freed the key announced it).
+    /// A leadership is announced to observers in other processes (by the doorbell, or a
+    /// notification sent with the commit) when it is granted at once and when it ends by a
+    /// resignation or a drop, so that they see it then rather than at their next poll; one
+    /// granted from the queue was announced by the commit that freed the key.
     ///
     /// # Cancel safety
     ///
@@ -296,17 +296,10 @@ impl LockManager {
         value: impl AsRef<str>,
     ) -> Scoped<Leadership, LockError> {
         let (key, value) = (key.as_ref().to_owned(), value.as_ref().to_owned());
-        let acquisition = self.exclusive(&key, &value);
+        let acquisition = self.acquire_announced(LockRequest::exclusive(&key, &value));
         Scoped::new(move |_| async move {
             check_text("value", &value)?;
             let guard = acquisition.await?;
-            // A grant at once announces nothing to other processes (it frees no one): the key
-            // is announced, so that observers elsewhere see the new leader now rather than at
-            // their next poll. Not awaited: the leader goes on at once. (A grant from the queue
-            // came with a commit that freed the key, announced already.)
-            if !guard.queued {
-                guard.announce();
-            }
             Ok(Leadership {
                 guard,
                 key,

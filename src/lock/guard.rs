@@ -47,9 +47,6 @@ pub struct Guard {
     lost: AbortSignal,
     acquired_at: Duration,
     released: bool,
-    /// Whether it was granted from the queue (a commit that freed its keys, and so was
-    /// announced to watchers, let it in), rather than at once.
-    pub(super) queued: bool,
 }
 
 impl Guard {
@@ -84,7 +81,6 @@ impl Guard {
             lost,
             acquired_at: now,
             released: false,
-            queued: false,
         }
     }
 
@@ -243,14 +239,6 @@ impl Guard {
     /// Its owner's id.
     pub(super) fn owner(&self) -> &str {
         &self.shared.common.owner
-    }
-
-    /// Tells the managers that watch every change that this guard's keys changed, writing
-    /// nothing, without waiting: sent now, done by the worker next.
-    pub(super) fn announce(&self) {
-        let _ = (self.shared).send(Command::Announce {
-            request: self.request,
-        });
     }
 
     /// Why this guard's lease was lost, as its `lost()` signal says (lost by its deadline, if

@@ -315,13 +315,19 @@ pub(crate) trait DecidesAtOnce {
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum AtOnce<'a> {
-    /// A new request on these keys.
+    /// A new request on these keys; `announce`d to every listener if granted.
     Acquire {
         requests: &'a [LockRequest],
         wait: Wait,
+        announce: bool,
     },
-    /// The removal of the request written under `ticket` on `keys`.
-    Remove { keys: &'a [String], ticket: u64 },
+    /// The removal of the request written under `ticket` on `keys`; `announce`d to every
+    /// listener if it deleted rows, whoever waits.
+    Remove {
+        keys: &'a [String],
+        ticket: u64,
+        announce: bool,
+    },
 }
 
 /// What `Storage::decide_at_once` did with one operation.

@@ -32,15 +32,22 @@ impl<S: Storage> Worker<S> {
             let ops: Vec<AtOnce<'_>> = writes
                 .iter()
                 .filter_map(|write| match write {
-                    Write::Acquire { requests, wait, .. } => Some(AtOnce::Acquire {
+                    Write::Acquire {
+                        requests,
+                        wait,
+                        announce,
+                        ..
+                    } => Some(AtOnce::Acquire {
                         requests,
                         wait: *wait,
+                        announce: *announce,
                     }),
                     Write::Remove { request, .. } => {
                         let written = self.requests.get(request)?;
                         Some(AtOnce::Remove {
                             keys: &written.keys,
                             ticket: written.ticket,
+                            announce: written.announce,
                         })
                     }
                     _ => None,
@@ -137,11 +144,12 @@ impl<S: Storage> Worker<S> {
                     request,
                     requests,
                     wait,
+                    announce,
                     ..
                 },
                 Outcome::Acquired(decision),
             ) => {
-                let (request, wait) = (*request, *wait);
+                let (request, wait, announce) = (*request, *wait, *announce);
                 let keys = keys_of(requests);
                 let misfit = (decision.misfit.as_ref()).and_then(|(key, theirs)| {
                     let mode = requests.iter().find(|r| r.key == *key)?.mode;
@@ -156,6 +164,7 @@ impl<S: Storage> Worker<S> {
                         requests,
                         ticket,
                         decision.granted.then_some(decision.now + lease),
+                        announce,
                     ),
                     None => Decided::NotNow,
                 };

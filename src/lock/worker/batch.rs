@@ -23,6 +23,7 @@ impl<S: Storage> Worker<S> {
                     request,
                     requests,
                     wait,
+                    announce,
                     reply,
                 }) => {
                     // A refusal read outside a transaction cannot note an unqueued waiter
@@ -50,6 +51,7 @@ impl<S: Storage> Worker<S> {
                         request,
                         requests,
                         wait,
+                        announce,
                         reply,
                     });
                 }
@@ -98,8 +100,7 @@ impl<S: Storage> Worker<S> {
                 read @ (Command::Inspect { .. }
                 | Command::IsLocked { .. }
                 | Command::Evict { .. }
-                | Command::Relabel { .. }
-                | Command::Announce { .. }) => reads.push(read),
+                | Command::Relabel { .. }) => reads.push(read),
             }
         }
         if !writes.is_empty() {
@@ -189,12 +190,6 @@ impl<S: Storage> Worker<S> {
             } => {
                 let _ = reply.send(self.relabel(request, &operation));
             }
-            Command::Announce { request } => {
-                if let Some(written) = self.requests.get(&request) {
-                    let keys = written.keys.clone();
-                    self.storage.ring(&keys);
-                }
-            }
             _ => {}
         }
     }
@@ -264,10 +259,14 @@ impl<S: Storage> Worker<S> {
             });
             let error = match outcome {
                 Ok(((decided, now), freed)) => {
+                    let announced = Self::announced(&writes, &decided);
                     for (write, decided) in writes.into_iter().zip(decided) {
                         self.deliver(write, decided, now);
                     }
                     self.after_commit(&freed);
+                    if !announced.is_empty() {
+                        self.storage.ring(&announced);
+                    }
                     return;
                 }
                 Err(error) => error,
@@ -295,6 +294,28 @@ impl<S: Storage> Worker<S> {
             }
             tracing::debug!(%error, "a write failed for a passing reason; once more");
         }
+    }
+
+    /// The keys of the announced requests (`Write::Acquire`'s `announce`) among `writes` that
+    /// a transaction granted, having `decided` so: rung once it committed. (A removal deletes
+    /// rows, which the transaction announces itself, as the storage does where it decides in
+    /// one call.)
+    fn announced(writes: &[Write], decided: &[Decided]) -> Vec<String> {
+        let mut keys = BTreeSet::new();
+        for (write, decided) in writes.iter().zip(decided) {
+            if let (
+                Write::Acquire {
+                    requests,
+                    announce: true,
+                    ..
+                },
+                Decided::Granted { .. },
+            ) = (write, decided)
+            {
+                keys.extend(requests.iter().map(|r| r.key.clone()));
+            }
+        }
+        keys.into_iter().collect()
     }
 
     pub(super) fn retry_alone(&mut self, writes: Vec<Write>, error: LockError) {

@@ -109,6 +109,8 @@ fn spin_schedule() -> Schedule {
 struct Written {
     ticket: u64,
     keys: Vec<String>,
+    /// Announced whenever granted at once or removed (`Write::Acquire`'s `announce`).
+    announce: bool,
 }
 
 /// What a transaction freed, for waking waiters once it has committed.

@@ -44,21 +44,19 @@ pub(crate) enum Command {
         operation: String,
         reply: Reply<usize>,
     },
-    /// Tells the managers that watch every change that the keys of this owner's request
-    /// changed, writing nothing (`Storage::ring`): a leader granted at once.
-    Announce {
-        request: u64,
-    },
     /// Another manager in this process committed to the same file: look now.
     Poke,
 }
 
 pub(crate) enum Write {
     /// Grant now, or queue (`Wait::Queued`), or report `NotNow`.
+    /// `announce`: a leadership, announced to every other manager of the store whenever it
+    /// is granted at once or its rows are deleted, whoever waits (observers do not).
     Acquire {
         request: u64,
         requests: Vec<LockRequest>,
         wait: Wait,
+        announce: bool,
         reply: Reply<Acquired>,
     },
     /// Delete this owner's rows of a request, whatever their state (release or cancel).

@@ -84,7 +84,11 @@ impl<S: Storage> Worker<S> {
                     .collect();
                 for (ticket, keys) in requests {
                     if !known.contains(&ticket) {
-                        self.doubts.acquisitions.push(Written { ticket, keys });
+                        self.doubts.acquisitions.push(Written {
+                            ticket,
+                            keys,
+                            announce: false,
+                        });
                     }
                 }
             }

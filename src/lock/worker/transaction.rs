@@ -200,6 +200,7 @@ impl<S: Storage> Worker<S> {
                 request,
                 requests,
                 wait,
+                announce,
                 ..
             } => {
                 let keys = keys_of(requests);
@@ -233,7 +234,8 @@ impl<S: Storage> Worker<S> {
                     .insert_request(owner, ticket, requests, granted, now, expires_at)?;
                 // Recorded now, not after the commit, so that a `Remove` later in this batch
                 // finds it; `write` forgets it again if the transaction rolls back.
-                Ok(self.written(*request, requests, ticket, granted.then_some(expires_at)))
+                let granted_until = granted.then_some(expires_at);
+                Ok(self.written(*request, requests, ticket, granted_until, *announce))
             }
             Write::Remove { request, .. } => {
                 let Some(written) = self.requests.get(request) else {
@@ -290,9 +292,17 @@ impl<S: Storage> Worker<S> {
         requests: &[LockRequest],
         ticket: u64,
         granted_until: Option<i64>,
+        announce: bool,
     ) -> Decided {
         let keys = requests.iter().map(|r| r.key.clone()).collect();
-        self.requests.insert(request, Written { ticket, keys });
+        self.requests.insert(
+            request,
+            Written {
+                ticket,
+                keys,
+                announce,
+            },
+        );
         match granted_until {
             Some(expires_at) => Decided::Granted { ticket, expires_at },
             None => Decided::Queued(ticket),

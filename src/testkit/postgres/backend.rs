@@ -190,14 +190,12 @@ mod the_rule_in_sql {
             if one {
                 let args = OneArgs::new(&self.schema, owner, 1_000_000, &[op])?;
                 let sql = args.call().1.replace("{s}", &s);
-                let mut params = args.params();
-                params.push(&latest);
+                let params = args.params(&latest);
                 return Some(self.client.query_one(&sql, &params).unwrap());
             }
             let args = DecideArgs::new(&self.schema, owner, 1_000_000, &[op]);
             let sql = DECIDE.replace("{s}", &s);
-            let mut params = args.params().to_vec();
-            params.push(&latest);
+            let params = args.params(&latest);
             Some(self.client.query_one(&sql, &params).unwrap())
         }
 
@@ -343,7 +341,7 @@ mod the_rule_in_sql {
                 })
                 .collect();
             let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
-            let op = AtOnce::Acquire { requests: &requests, wait: Wait::No };
+            let op = AtOnce::Acquire { requests: &requests, wait: Wait::No, announce: false };
             let Some(row) = case.answer("o9", op, one) else {
                 continue;
             };
@@ -364,12 +362,14 @@ mod the_rule_in_sql {
         }
 
         /// `acquire_one` and `release_one` decide as `decide` does, in everything they
-        /// answer, write and announce.
+        /// answer, write and announce; and an operation asked to be announced (a leadership)
+        /// is, whenever it changes its key, whoever waits.
         #[test]
         fn an_operation_on_one_key_is_decided_by_its_function_as_by_decide(
             rows in planted(),
             watcher in prop::option::of(0..2u8),
             acquire in any::<bool>(),
+            announce in any::<bool>(),
             key in 0..2u8,
             code in 0..5u8,
             wait in 0..3u8,
@@ -394,13 +394,21 @@ mod the_rule_in_sql {
                 }
             };
             let op = || match acquire {
-                true => AtOnce::Acquire { requests: &requests, wait },
-                false => AtOnce::Remove { keys: &keys, ticket },
+                true => AtOnce::Acquire { requests: &requests, wait, announce },
+                false => AtOnce::Remove { keys: &keys, ticket, announce },
             };
             let by_decide = case.outcome(&rows, watcher, &owner, op(), false);
             let by_one = case.outcome(&rows, watcher, &owner, op(), true);
             prop_assert!(by_one.is_some(), "an operation on one key has its function");
-            prop_assert_eq!(by_decide, by_one, "rows {:?}", rows);
+            prop_assert_eq!(&by_decide, &by_one, "rows {:?}", rows);
+            let outcome = by_one.unwrap_or_default();
+            let changed = match acquire {
+                true => outcome.contains("granted Some(true)"),
+                false => !outcome.contains("deleted Some(0)"),
+            };
+            if announce && changed {
+                prop_assert!(!outcome.contains("heard []"), "not announced: {}", outcome);
+            }
             Ok(())
             })?;
         }
@@ -427,7 +435,7 @@ mod the_rule_in_sql {
             };
             let ticket = at as i64 + 1;
             let owner = format!("o{owner}");
-            let op = AtOnce::Remove { keys: &keys, ticket: ticket as u64 };
+            let op = AtOnce::Remove { keys: &keys, ticket: ticket as u64, announce: false };
             let Some(row) = case.answer(&owner, op, one) else {
                 continue;
             };

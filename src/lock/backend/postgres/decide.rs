@@ -19,7 +19,7 @@ use crate::lock::StorageError;
 
 /// The call of the function `decide` (see `FUNCTIONS`), for `DecideArgs::params`.
 pub(crate) const DECIDE: &str =
-    "SELECT * FROM {s}.decide($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
+    "SELECT * FROM {s}.decide($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
 
 /// The arguments of the function `decide`: a batch of operations of one owner, with one entry
 /// per operation and one per key of each.
@@ -37,6 +37,7 @@ pub(crate) struct DecideArgs<'a> {
     keys: Vec<String>,
     modes: Vec<i64>,
     operations: Vec<&'a str>,
+    announces: Vec<bool>,
 }
 
 impl<'a> DecideArgs<'a> {
@@ -55,6 +56,7 @@ impl<'a> DecideArgs<'a> {
             keys: Vec::new(),
             modes: Vec::new(),
             operations: Vec::new(),
+            announces: Vec::with_capacity(ops.len()),
         };
         for op in ops {
             args.push(op);
@@ -65,7 +67,11 @@ impl<'a> DecideArgs<'a> {
 
     fn push(&mut self, op: &AtOnce<'a>) {
         match *op {
-            AtOnce::Acquire { requests, wait } => {
+            AtOnce::Acquire {
+                requests,
+                wait,
+                announce,
+            } => {
                 for request in requests {
                     self.keys.push(request.key.clone());
                     self.modes.push(mode_code(request.mode));
@@ -74,12 +80,15 @@ impl<'a> DecideArgs<'a> {
                 self.tickets.push(None);
                 self.waits.push(Some(wait_code(wait)));
                 self.all_keys.push(encode_keys(requests));
-                self.payloads.push(None);
+                let keys = requests.iter().map(|request| request.key.as_str());
+                self.payloads.push(announce.then(|| payload_of(keys)));
+                self.announces.push(announce);
             }
-            AtOnce::Remove { keys, ticket } => {
-                let mut hashes: Vec<i64> = keys.iter().map(|key| key_hash(key)).collect();
-                hashes.sort_unstable();
-                hashes.dedup();
+            AtOnce::Remove {
+                keys,
+                ticket,
+                announce,
+            } => {
                 for key in keys {
                     self.keys.push(key.clone());
                     self.modes.push(0);
@@ -88,16 +97,19 @@ impl<'a> DecideArgs<'a> {
                 self.tickets.push(Some(sql_ticket(ticket)));
                 self.waits.push(None);
                 self.all_keys.push(None);
-                self.payloads.push(Some(payload(&hashes)));
+                self.payloads
+                    .push(Some(payload_of(keys.iter().map(String::as_str))));
+                self.announces.push(announce);
             }
         }
         self.ends
             .push(i32::try_from(self.keys.len()).unwrap_or(i32::MAX));
     }
 
-    /// The parameters of `DECIDE`, in order.
-    pub(crate) fn params(&self) -> [&(dyn ToSql + Sync); 13] {
-        [
+    /// The parameters of `DECIDE`, in order, `latest` the caller's estimate of the store's
+    /// time (`check_clock` in `FUNCTIONS`).
+    pub(crate) fn params<'s>(&'s self, latest: &'s Option<i64>) -> Vec<&'s (dyn ToSql + Sync)> {
+        vec![
             &self.owner,
             &self.lease,
             &self.locks,
@@ -111,6 +123,8 @@ impl<'a> DecideArgs<'a> {
             &self.keys,
             &self.modes,
             &self.operations,
+            latest,
+            &self.announces,
         ]
     }
 }
@@ -118,8 +132,9 @@ impl<'a> DecideArgs<'a> {
 /// The calls of the functions `acquire_one` and `release_one` (see `FUNCTIONS`): `decide` for
 /// an operation alone on one key, the commonest call, with less work on the server. Their
 /// answer is one row of `decide`'s columns.
-const ACQUIRE_ONE: &str = "SELECT * FROM {s}.acquire_one($1, $2, $3, $4, $5, $6, $7, $8, $9)";
-const RELEASE_ONE: &str = "SELECT * FROM {s}.release_one($1, $2, $3, $4, $5, $6, $7, $8)";
+const ACQUIRE_ONE: &str =
+    "SELECT * FROM {s}.acquire_one($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+const RELEASE_ONE: &str = "SELECT * FROM {s}.release_one($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
 /// The arguments of `acquire_one` or `release_one`, for a batch of one operation on one key.
 pub(crate) enum OneArgs<'a> {
@@ -132,6 +147,9 @@ pub(crate) enum OneArgs<'a> {
         mode: i64,
         operation: &'a str,
         wait: i16,
+        channel: String,
+        /// The announcement of a grant, if asked for.
+        payload: Option<String>,
     },
     Release {
         owner: &'a str,
@@ -141,6 +159,7 @@ pub(crate) enum OneArgs<'a> {
         key: &'a str,
         ticket: i64,
         payload: String,
+        announce: bool,
     },
 }
 
@@ -157,6 +176,7 @@ impl<'a> OneArgs<'a> {
             [AtOnce::Acquire {
                 requests: [ref request],
                 wait,
+                announce,
             }] => Some(OneArgs::Acquire {
                 owner,
                 lease,
@@ -166,10 +186,13 @@ impl<'a> OneArgs<'a> {
                 mode: mode_code(request.mode),
                 operation: &request.operation,
                 wait: wait_code(wait),
+                channel: channel(schema),
+                payload: announce.then(|| payload_of([request.key.as_str()])),
             }),
             [AtOnce::Remove {
                 keys: [ref key],
                 ticket,
+                announce,
             }] => Some(OneArgs::Release {
                 owner,
                 lock: key_lock(schema, key),
@@ -178,6 +201,7 @@ impl<'a> OneArgs<'a> {
                 key,
                 ticket: sql_ticket(ticket),
                 payload: payload(&[key_hash(key)]),
+                announce,
             }),
             _ => None,
         }
@@ -191,8 +215,9 @@ impl<'a> OneArgs<'a> {
         }
     }
 
-    /// The parameters of the call, in order.
-    pub(crate) fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+    /// The parameters of the call, in order, `latest` the caller's estimate of the store's time
+    /// (`check_clock` in `FUNCTIONS`).
+    pub(crate) fn params<'s>(&'s self, latest: &'s Option<i64>) -> Vec<&'s (dyn ToSql + Sync)> {
         match self {
             OneArgs::Acquire {
                 owner,
@@ -203,7 +228,21 @@ impl<'a> OneArgs<'a> {
                 mode,
                 operation,
                 wait,
-            } => vec![owner, lease, lock, schema_lock, key, mode, operation, wait],
+                channel,
+                payload,
+            } => vec![
+                owner,
+                lease,
+                lock,
+                schema_lock,
+                key,
+                mode,
+                operation,
+                wait,
+                latest,
+                channel,
+                payload,
+            ],
             OneArgs::Release {
                 owner,
                 lock,
@@ -212,9 +251,34 @@ impl<'a> OneArgs<'a> {
                 key,
                 ticket,
                 payload,
-            } => vec![owner, lock, schema_lock, channel, key, ticket, payload],
+                announce,
+            } => vec![
+                owner,
+                lock,
+                schema_lock,
+                channel,
+                key,
+                ticket,
+                payload,
+                latest,
+                announce,
+            ],
         }
     }
+}
+
+/// The call that decides a batch: `decide`, or the function for an operation alone on one key.
+enum Call<'a> {
+    One(OneArgs<'a>),
+    Many(DecideArgs<'a>),
+}
+
+/// The announcement of `keys`: the payload of their digests, each once.
+fn payload_of<'k>(keys: impl IntoIterator<Item = &'k str>) -> String {
+    let mut hashes: Vec<i64> = keys.into_iter().map(key_hash).collect();
+    hashes.sort_unstable();
+    hashes.dedup();
+    payload(&hashes)
 }
 
 /// The code of `wait` in the functions' arguments.
@@ -266,22 +330,20 @@ impl Postgres {
         lease: i64,
     ) -> Result<Vec<Outcome>> {
         self.transient = false;
-        let (one, many);
-        let (doing, sql, mut params): (_, _, Vec<&(dyn ToSql + Sync)>) =
-            match OneArgs::new(&self.schema, owner, lease, ops) {
-                Some(args) => {
-                    let (doing, sql) = args.call();
-                    one = args;
-                    (doing, sql, one.params())
-                }
-                None => {
-                    many = DecideArgs::new(&self.schema, owner, lease, ops);
-                    ("deciding", DECIDE, many.params().into())
-                }
-            };
+        let call = match OneArgs::new(&self.schema, owner, lease, ops) {
+            Some(one) => Call::One(one),
+            None => Call::Many(DecideArgs::new(&self.schema, owner, lease, ops)),
+        };
+        let (doing, sql) = match &call {
+            Call::One(one) => one.call(),
+            Call::Many(_) => ("deciding", DECIDE),
+        };
         let statement = self.statement(doing, sql)?;
         let latest = self.latest();
-        params.push(&latest);
+        let params = match &call {
+            Call::One(one) => one.params(&latest),
+            Call::Many(many) => many.params(&latest),
+        };
         let sent = self.monotonic();
         let rows = self.with(doing, |client| client.query(&statement, &params))?;
         self.succeeded();

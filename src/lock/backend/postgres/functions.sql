@@ -59,6 +59,10 @@ END $$;
 -- - for a release: the rows it `deleted`, how many of them were `live`, whether it `freed`
 --   anything, the tickets it `promoted`, whoever owns them, and the other `owners` of those.
 -- The other columns are left as they were: what they hold means nothing.
+-- An operation whose `p_announce` is true is announced whenever it changes its keys (an
+-- acquisition granted, a release that deleted rows), whoever waits: a leadership, which
+-- observers watch without waiting. Otherwise only a release that may free another owner's
+-- waiter is.
 --
 -- Written for speed: PL/pgSQL compiles each expression once per transaction, so an operation
 -- alone in its call pays for every expression it meets (hence no resetting of the answer's
@@ -68,7 +72,7 @@ END $$;
 CREATE OR REPLACE FUNCTION {s}.decide(
     p_owner text, p_lease bigint, p_locks int4[], p_schema_lock int4, p_channel text,
     p_ends int4[], p_tickets int8[], p_waits int2[], p_all_keys text[], p_payloads text[],
-    p_keys text[], p_modes int8[], p_operations text[], p_latest bigint)
+    p_keys text[], p_modes int8[], p_operations text[], p_latest bigint, p_announce boolean[])
 RETURNS TABLE (
     now bigint, ticket bigint, granted boolean, others_keys text[], others_expiries int8[],
     deleted bigint, live bigint, freed boolean, promoted int8[], owners text[],
@@ -107,6 +111,9 @@ BEGIN
             IF FOUND THEN
                 ticket := currval('{s}.tickets');
                 granted := true;
+                IF p_announce[n] THEN
+                    PERFORM pg_notify(p_channel, p_payloads[n]);
+                END IF;
                 RETURN NEXT;
                 lo := p_ends[n] + 1;
                 CONTINUE;
@@ -181,6 +188,9 @@ BEGIN
                 FROM unnest(op_keys, op_modes, p_operations[lo:p_ends[n]])
                      AS r(key, mode, operation);
             END IF;
+            IF granted AND p_announce[n] THEN
+                PERFORM pg_notify(p_channel, p_payloads[n]);
+            END IF;
         ELSE
             -- A release: the owner's rows of the ticket deleted, with the keys' lapsed rows;
             -- then, if other live rows are left there, the single-key waiters that the rule now
@@ -245,7 +255,7 @@ BEGIN
             -- waited before (a waiting row, promoted since or not, or a caller without a row,
             -- in `watchers`). This owner learns of its own promotions from the answer, and
             -- looks for itself at the keys where a request of its own on several keys waits.
-            IF freed AND (owners IS NOT NULL OR waited_for) THEN
+            IF freed AND (p_announce[n] OR owners IS NOT NULL OR waited_for) THEN
                 PERFORM pg_notify(p_channel, p_payloads[n]);
             END IF;
         END IF;
@@ -299,7 +309,7 @@ END $$;
 -- (`tests.rs`) compares every answer, row and announcement of the two.
 CREATE OR REPLACE FUNCTION {s}.acquire_one(
     p_owner text, p_lease bigint, p_lock int4, p_schema_lock int4, p_key text, p_mode int8,
-    p_operation text, p_wait int2, p_latest bigint,
+    p_operation text, p_wait int2, p_latest bigint, p_channel text, p_payload text,
     OUT now bigint, OUT ticket bigint, OUT granted boolean, OUT others_keys text[],
     OUT others_expiries int8[], OUT deleted bigint, OUT live bigint, OUT freed boolean,
     OUT promoted int8[], OUT owners text[], OUT misfit_key text, OUT misfit_mode bigint)
@@ -321,6 +331,10 @@ BEGIN
     RETURNING l.ticket INTO ticket;
     IF FOUND THEN
         granted := true;
+        -- Announced as `decide` announces an acquisition: if asked (a payload given).
+        IF p_payload IS NOT NULL THEN
+            PERFORM pg_notify(p_channel, p_payload);
+        END IF;
         RETURN;
     END IF;
     -- As `decide` does: the lapsed rows deleted, and the key judged again after it.
@@ -370,11 +384,14 @@ BEGIN
         VALUES (p_key, p_mode, p_operation, p_owner, ticket, granted, now,
                 CASE WHEN granted THEN now END, now + p_lease, now);
     END IF;
+    IF granted AND p_payload IS NOT NULL THEN
+        PERFORM pg_notify(p_channel, p_payload);
+    END IF;
 END $$;
 
 CREATE OR REPLACE FUNCTION {s}.release_one(
     p_owner text, p_lock int4, p_schema_lock int4, p_channel text, p_key text, p_ticket bigint,
-    p_payload text, p_latest bigint,
+    p_payload text, p_latest bigint, p_announce boolean,
     OUT now bigint, OUT ticket bigint, OUT granted boolean, OUT others_keys text[],
     OUT others_expiries int8[], OUT deleted bigint, OUT live bigint, OUT freed boolean,
     OUT promoted int8[], OUT owners text[], OUT misfit_key text, OUT misfit_mode bigint)
@@ -433,8 +450,8 @@ BEGIN
         INTO promoted, owners FROM p;
     END IF;
     freed := deleted > 0 OR lapsed > 0 OR promoted IS NOT NULL;
-    -- Announced as `decide` announces: only if another owner may be waiting.
-    IF freed AND (owners IS NOT NULL OR waited_for
+    -- Announced as `decide` announces: if asked, or if another owner may be waiting.
+    IF freed AND (p_announce OR owners IS NOT NULL OR waited_for
                   OR EXISTS (SELECT 1 FROM {s}.watchers AS w
                              WHERE w.key = p_key AND w.expires_at > now
                                AND w.owner <> p_owner)) THEN

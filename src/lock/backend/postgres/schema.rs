@@ -223,6 +223,15 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
                 ))
                 .map_err(|e| storage_error("migrating the schema to version 11", e))?;
         }
+        if found < 12 {
+            // Leaderships announced by the functions that write them (`p_announce`, and a
+            // channel and payload for `acquire_one`): the old ones go.
+            transaction
+                .batch_execute(&format!(
+                    "DROP FUNCTION IF EXISTS {s}.decide, {s}.acquire_one, {s}.release_one;"
+                ))
+                .map_err(|e| storage_error("migrating the schema to version 12", e))?;
+        }
         if found < SCHEMA_VERSION {
             // One round trip per batch of acquisitions and releases: the functions of
             // `FUNCTIONS` (version 3 had one for an acquisition and one for a release; version
@@ -231,7 +240,8 @@ pub(crate) fn migrate(client: &mut Client, schema: &str) -> Result<()> {
             // one call; version 7 had no functions for an operation alone on one key; version 8's
             // heartbeat swept no tombstones; version 9's judged by the server's clock as it
             // stepped; version 10's knew no permits; version 11's release judged a waiter on a
-            // read that a renewal in flight could make stale, and left it waiting); and the
+            // read that a renewal in flight could make stale, and left it waiting, and
+            // announced no leadership); and the
             // sweep's indexes (`SWEEP_INDEXES`). A process of version 11 refuses the schema
             // from now on; processes sharing it must be upgraded together.
             transaction
