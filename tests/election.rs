@@ -47,12 +47,21 @@ async fn next(leaders: &mut Observe) -> Option<Leader> {
 /// leader that stops renewing, as one whose process is starved or cut off from the store.
 /// (Not in a simulation, which runs every task on its own executor.)
 async fn unrenewed(store: &stores::Store) -> LockManager {
+    unrenewed_with(store, LEASE, HEARTBEAT).await
+}
+
+/// [`unrenewed`], with this `lease` and `heartbeat`.
+async fn unrenewed_with(
+    store: &stores::Store,
+    lease: Duration,
+    heartbeat: Duration,
+) -> LockManager {
     let dead: Arc<dyn Spawner> = Arc::new(|future: futures::future::BoxFuture<'static, ()>| {
         drop(future);
     });
     let builder = LockManager::builder()
-        .lease(LEASE)
-        .heartbeat(HEARTBEAT)
+        .lease(lease)
+        .heartbeat(heartbeat)
         .spawner(dead);
     store.open_with(builder).await
 }
@@ -208,62 +217,107 @@ impl Times {
 #[test]
 fn case_e2_a_leader_whose_renewals_stop_is_interrupted_and_cleaned_up_before_the_next_leads() {
     stores::on_stores_of_this_process(|store| async move {
-        let stuck = unrenewed(&store).await;
-        let next_in_line = store.open().await;
-        let (times, statuses) = (Times::default(), Statuses::new());
-        let led = {
-            let (times, statuses) = (times.clone(), statuses.clone());
-            fork_daemon(stuck.lead("scheduler", "stuck", move |_| {
-                Scoped::<(), Interrupted>::new(move |scope| async move {
-                    record_status(&scope, &statuses);
-                    times.mark("led");
-                    scope.add_finalizer(move |_| async move {
-                        test_clock().sleep(Duration::from_millis(50)).await;
-                        times.mark("cleaned up");
-                    });
-                    std::future::pending().await
-                })
-            }))
-        };
-        within(WAIT, "the stuck manager leads", || async {
-            next_in_line.leader("scheduler").await.unwrap().is_some()
-        })
-        .await;
-        let next = {
-            let times = times.clone();
-            fork_daemon(next_in_line.lead("scheduler", "next", move |_| {
-                Scoped::<(), Interrupted>::new(move |_| async move {
-                    times.mark("next led");
+        stuck_leader_cleaned_up_before_the_next(&store, LEASE, HEARTBEAT).await;
+    });
+}
+
+/// As above, at the smallest lease the builder allows, twice the heartbeat, where the margin
+/// is half a heartbeat ([`LockManager::margin`]).
+#[test]
+fn at_the_smallest_lease_a_stuck_leader_is_cleaned_up_before_the_next_leads() {
+    stores::on_stores_of_this_process(|store| async move {
+        let heartbeat = Duration::from_millis(500);
+        stuck_leader_cleaned_up_before_the_next(&store, heartbeat * 2, heartbeat).await;
+    });
+}
+
+/// A leader on `store` whose renewals stop, with this `lease` and `heartbeat`, is interrupted
+/// with `LeaseLost` before its lease runs out, and its clean-up has ended before the next
+/// campaigner's body begins.
+async fn stuck_leader_cleaned_up_before_the_next(
+    store: &stores::Store,
+    lease: Duration,
+    heartbeat: Duration,
+) {
+    let stuck = unrenewed_with(store, lease, heartbeat).await;
+    assert!(
+        stuck.margin() > Duration::from_millis(50),
+        "room for the clean-up"
+    );
+    let next_in_line = store.open().await;
+    let (times, statuses) = (Times::default(), Statuses::new());
+    let led = {
+        let (times, statuses) = (times.clone(), statuses.clone());
+        fork_daemon(stuck.lead("scheduler", "stuck", move |_| {
+            Scoped::<(), Interrupted>::new(move |scope| async move {
+                record_status(&scope, &statuses);
+                times.mark("led");
+                scope.add_finalizer(move |_| async move {
+                    test_clock().sleep(Duration::from_millis(50)).await;
+                    times.mark("cleaned up");
+                });
+                std::future::pending().await
+            })
+        }))
+    };
+    within(WAIT, "the stuck manager leads", || async {
+        next_in_line.leader("scheduler").await.unwrap().is_some()
+    })
+    .await;
+    let next = {
+        let times = times.clone();
+        fork_daemon(next_in_line.lead("scheduler", "next", move |_| {
+            Scoped::<(), Interrupted>::new(move |_| async move {
+                times.mark("next led");
+                Ok(())
+            })
+        }))
+    };
+    match join_within(WAIT, "the stuck leader's end", led).await {
+        Exit::Success(Err(LeadError::Lock(LockError::LeaseLost(why)))) => {
+            assert!(why.before_expiry(), "told before its lease ran out: {why}");
+        }
+        other => panic!("expected LeaseLost, got {other:?}"),
+    }
+    assert!(interrupted_with::<LeaseLost>(&statuses.only()));
+    assert!(matches!(
+        join_within(WAIT, "the next leader", next).await,
+        Exit::Success(Ok(()))
+    ));
+    let (led, cleaned, next) = (
+        times.of("led"),
+        times.of("cleaned up"),
+        times.of("next led"),
+    );
+    assert!(
+        cleaned < next,
+        "the next leader led before the clean-up ended"
+    );
+    // Told a margin before the lease, which began before "led", would run out.
+    assert!(
+        cleaned < led + lease,
+        "cleaned up {:?} after leading",
+        cleaned - led
+    );
+}
+
+/// At the smallest lease the builder allows (twice the heartbeat), a body whose renewals come
+/// back is never told its lease is running out: the margin leaves each renewal time to return.
+#[test]
+fn at_the_smallest_lease_a_renewed_body_runs_on() {
+    stores::on_stores_of_this_process(|store| async move {
+        let (lease, heartbeat) = (Duration::from_millis(600), Duration::from_millis(300));
+        let locks =
+            (store.open_with(LockManager::builder().lease(lease).heartbeat(heartbeat))).await;
+        let ran = locks
+            .with_lock(LockRequest::exclusive("repo", "long"), move |_| {
+                Scoped::<(), LockError>::new(move |_| async move {
+                    test_clock().sleep(lease * 3).await;
                     Ok(())
                 })
-            }))
-        };
-        match join_within(WAIT, "the stuck leader's end", led).await {
-            Exit::Success(Err(LeadError::Lock(LockError::LeaseLost(why)))) => {
-                assert!(why.before_expiry(), "told before its lease ran out: {why}");
-            }
-            other => panic!("expected LeaseLost, got {other:?}"),
-        }
-        assert!(interrupted_with::<LeaseLost>(&statuses.only()));
-        assert!(matches!(
-            join_within(WAIT, "the next leader", next).await,
-            Exit::Success(Ok(()))
-        ));
-        let (led, cleaned, next) = (
-            times.of("led"),
-            times.of("cleaned up"),
-            times.of("next led"),
-        );
-        assert!(
-            cleaned < next,
-            "the next leader led before the clean-up ended"
-        );
-        // Told one heartbeat before the lease, which began before "led", would run out.
-        assert!(
-            cleaned < led + LEASE,
-            "cleaned up {:?} after leading",
-            cleaned - led
-        );
+            })
+            .await;
+        assert!(ran.is_ok(), "{ran:?}");
     });
 }
 

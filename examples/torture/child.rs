@@ -8,7 +8,6 @@ pub(crate) struct ChildContext {
     pub(crate) tag: String,
     pub(crate) deadline: u64,
     pub(crate) lease: Duration,
-    pub(crate) heartbeat: Duration,
     /// The longest pause inside a hold (`Config::hold`).
     pub(crate) hold: Duration,
     /// Whether it takes permits too (`Config::permits`).
@@ -101,7 +100,6 @@ pub fn child_main() {
         id,
         deadline,
         lease,
-        heartbeat,
         hold,
         permits,
         election,

@@ -14,10 +14,10 @@
 //!
 //! What the library can promise, and so what is checked:
 //!
-//! 1. A leader whose process runs is told one heartbeat before its lease runs out as that
-//!    process knows it (the body is interrupted with `LeaseLost`), and `lead` releases only
-//!    after the body's clean-up; the store grants the key to nobody else before the lease has
-//!    run out. So the body ends before the next body of its key begins, or it was told.
+//! 1. A leader whose process runs is told a margin (`LockManager::margin`) before its lease
+//!    runs out as that process knows it (the body is interrupted with `LeaseLost`), and `lead`
+//!    releases only after the body's clean-up; the store grants the key to nobody else before
+//!    the lease has run out. So the body ends before the next body of its key begins, or it was told.
 //! 2. A leader whose process is paused (SIGSTOP) or killed can be told nothing: the next one may
 //!    begin while its body is frozen. A paused leader must be told once it resumes: a body that
 //!    a pause fell in ends `lead` with `LeadError::Lock(LockError::LeaseLost(_))`, else it counts
@@ -216,7 +216,7 @@ pub(crate) fn body(
     log: LeaderLog,
     tag: String,
     hold: Duration,
-    heartbeat: Duration,
+    margin: Duration,
     mut rng: Rng,
     seen_by_task: Arc<Mutex<BodySeen>>,
 ) -> impl FnOnce(&Leadership) -> Scoped<(), Interrupted> + Send + 'static {
@@ -225,8 +225,8 @@ pub(crate) fn body(
             token: leadership.term(),
             tag,
         };
-        // Told: `lost()`, or the signal `lead` binds the body to (a heartbeat earlier).
-        let signals = [leadership.lost(), leadership.guard().lost_within(heartbeat)];
+        // Told: `lost()`, or the signal `lead` binds the body to (`margin` earlier).
+        let signals = [leadership.lost(), leadership.guard().lost_within(margin)];
         let told = move || signals.iter().any(AbortSignal::is_aborted);
         Scoped::new(move |scope| async move {
             let began = Moment::now();
@@ -290,7 +290,7 @@ pub(crate) async fn lead_once(context: &ChildContext, rng: &mut Rng) {
         log.clone(),
         context.tag.clone(),
         context.hold,
-        context.heartbeat,
+        context.locks.margin(),
         Rng::new(rng.next()),
         seen_by_body.clone(),
     );
@@ -513,7 +513,7 @@ pub(crate) struct ElectionFindings {
     /// Pairs of bodies that overlapped, excused (invariant 3).
     pub(crate) overlaps_excused: u64,
     /// Of those, the ones excused only by the earlier body's having been told (its child was
-    /// neither paused nor killed during it): its clean-up outlasted the heartbeat it was given.
+    /// neither paused nor killed during it): its clean-up outlasted the margin it was given.
     pub(crate) overlaps_told: u64,
     /// Pairs that overlapped, not excused.
     pub(crate) violations: Vec<Pair>,

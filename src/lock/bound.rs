@@ -3,11 +3,12 @@
 //!
 //! Invariants:
 //!
-//! 1. The body runs with a signal attached that aborts one heartbeat before the lease runs out
-//!    as this process knows it (`Guard::lost_within`), or as soon as it is lost: a body whose
-//!    heartbeats stopped coming back is interrupted with a `LeaseLost` reason while the store
-//!    still holds its rows, and its clean-up has that heartbeat to finish before any other
-//!    owner can be granted the lock.
+//! 1. The body runs with a signal attached that aborts a margin (`LockManager::margin`: one
+//!    heartbeat, less at the shortest leases) before the lease runs out as this process knows
+//!    it (`Guard::lost_within`), or as soon as it is lost: a body whose heartbeats stopped
+//!    coming back is interrupted with a `LeaseLost` reason while the store still holds its
+//!    rows, and its clean-up has that margin to finish before any other owner can be granted
+//!    the lock.
 //! 2. The lock is released after the body's scope has closed (its finalizers and fibers done)
 //!    and before the bound `Scoped` resolves, however the body ended: by the body's own end, or
 //!    by the scope's finalizer when the whole is interrupted or panics.
@@ -52,12 +53,12 @@ impl LockManager {
     /// Acquires `request`, runs `body` while the lock is held, and releases it: the whole as
     /// one [`Scoped`], which resolves only after the body's clean-up and the release.
     ///
-    /// The body is bound to the lease: if no renewal comes back until one heartbeat
-    /// ([`heartbeat`](crate::LockManagerBuilder::heartbeat), 5 s by default) before the lease
-    /// runs out (30 s by default), or the lease is lost outright (its rows removed, the manager
-    /// shut down), the body is interrupted with a [`LeaseLost`] reason, so that its finalizers
-    /// and the fibers it forked have that heartbeat to finish before any other owner can be
-    /// granted the lock (see [`Guard::lost_within`]). Interrupting the returned `Scoped`
+    /// The body is bound to the lease: if no renewal comes back until a
+    /// [`margin`](Self::margin) (one heartbeat, 5 s by default) before the lease runs out (30 s
+    /// by default), or the lease is lost outright (its rows removed, the manager shut down),
+    /// the body is interrupted with a [`LeaseLost`] reason, so that its finalizers and the
+    /// fibers it forked have that margin to finish before any other owner can be granted the
+    /// lock (see [`Guard::lost_within`]). Interrupting the returned `Scoped`
     /// interrupts the acquisition or the body, and releases the lock before it resolves.
     ///
     /// # Errors
@@ -201,11 +202,6 @@ impl LockManager {
                 })
                 .await
         })
-    }
-
-    /// How long before its lease runs out a bound body is told (invariant 1).
-    pub(super) fn margin(&self) -> Duration {
-        self.heartbeat()
     }
 }
 

@@ -313,10 +313,10 @@ impl LockManager {
     /// campaigner leads at once: the whole as one [`Scoped`].
     ///
     /// The body is bound to the lease as [`with_lock`](Self::with_lock) binds it: if no
-    /// renewal comes back until one heartbeat (5 s by default) before the lease runs out
-    /// (30 s), or the leadership is lost outright, the body is interrupted with a
-    /// [`LeaseLost`](crate::LeaseLost) reason and its finalizers run, with that heartbeat to
-    /// finish in before the store could let another campaigner lead; `lead` resolves only
+    /// renewal comes back until a [`margin`](Self::margin) (one heartbeat, 5 s by default)
+    /// before the lease runs out (30 s), or the leadership is lost outright, the body is
+    /// interrupted with a [`LeaseLost`](crate::LeaseLost) reason and its finalizers run, with
+    /// that margin to finish in before the store could let another campaigner lead; `lead` resolves only
     /// after they have finished and the lock is released.
     ///
     /// # Errors

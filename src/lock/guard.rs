@@ -115,8 +115,10 @@ impl Guard {
     /// process knows it (no renewal came back in time: [`LeaseLost::before_expiry`]), or
     /// as soon as [`lost`](Guard::lost) aborts. Work bound to it is told `margin` before any
     /// other owner can be granted the lock, so that its clean-up can finish first;
-    /// [`LockManager::with_lock`](crate::LockManager::with_lock) binds its body so, with a
-    /// margin of one heartbeat. Each call makes a signal of its own, kept with the guard until
+    /// [`LockManager::with_lock`](crate::LockManager::with_lock) binds its body so, with
+    /// [`LockManager::margin`](crate::LockManager::margin) (one heartbeat, unless the lease is
+    /// short). A margin of a heartbeat or more, on a lease of less than twice that, tells work
+    /// to stop before a renewal sent on time could come back. Each call makes a signal of its own, kept with the guard until
     /// it is released.
     ///
     /// # Examples

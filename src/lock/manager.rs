@@ -361,11 +361,37 @@ impl LockManager {
         self.shared.common.lease
     }
 
-    /// How often this owner renews its rows ([`LockManagerBuilder::heartbeat`]); work bound to
-    /// a lease ([`with_lock`](Self::with_lock), [`lead`](Self::lead), [`every`](Self::every))
-    /// is told this long before its lease could run out.
+    /// How often this owner renews its rows ([`LockManagerBuilder::heartbeat`]).
     pub fn heartbeat(&self) -> std::time::Duration {
         self.shared.common.heartbeat
+    }
+
+    /// How long before its lease runs out, as this process knows it, work bound to the lease
+    /// ([`with_lock`](Self::with_lock), [`lead`](Self::lead), [`every`](Self::every)) is told
+    /// to stop when renewals stop coming back ([`Guard::lost_within`] with this margin): one
+    /// heartbeat, or, where that leaves a renewal less time to come back than it leaves the
+    /// work, half of what a lease leaves after a heartbeat. So 5 s of the default 30 s lease;
+    /// at the smallest lease the builder allows, twice the heartbeat, half a heartbeat. A
+    /// renewal is sent a heartbeat after the last, and has until then to come back.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use leasehold::LockManager;
+    ///
+    /// let locks = LockManager::open_in_memory()?;
+    /// assert_eq!(locks.margin(), Duration::from_secs(5));
+    /// let tight = LockManager::builder()
+    ///     .lease(Duration::from_secs(2))
+    ///     .heartbeat(Duration::from_secs(1))
+    ///     .open_in_memory()?;
+    /// assert_eq!(tight.margin(), Duration::from_millis(500));
+    /// # Ok::<(), leasehold::LockError>(())
+    /// ```
+    pub fn margin(&self) -> std::time::Duration {
+        let (lease, heartbeat) = (self.lease(), self.heartbeat());
+        heartbeat.min(lease.saturating_sub(heartbeat) / 2)
     }
 
     /// Counters since open.

@@ -32,8 +32,8 @@ pub(crate) fn elect(args: Elect) -> u8 {
             None => default_value(locks.owner_id()),
         };
         let interrupt = AbortController::new();
-        // Told a heartbeat before the lease would run out, as `LockManager::lead` tells its body.
-        let margin = locks.heartbeat();
+        // Told a margin before the lease would run out, as `LockManager::lead` tells its body.
+        let margin = locks.margin();
         let campaign = locks.campaign(job.key, value);
         let campaign = campaign
             .with_signal(&interrupt.signal())
