@@ -477,8 +477,10 @@ fn every_runs_a_job_at_most_once_at_a_time_across_three_managers() {
         for pair in runs.windows(2) {
             let ((began, ended), (next, _)) = (pair[0], pair[1]);
             assert!(ended <= next, "two runs overlapped: {runs:?}");
+            // From the recurrence's start, which `began` (noted once the lock was got) follows
+            // by the try's round trip: a few milliseconds on a busy machine.
             let apart = next - began;
-            assert!(apart >= at_least - Duration::from_millis(1), "{runs:?}");
+            assert!(apart >= at_least - Duration::from_millis(25), "{runs:?}");
         }
     });
 }

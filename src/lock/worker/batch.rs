@@ -259,14 +259,16 @@ impl<S: Storage> Worker<S> {
             });
             let error = match outcome {
                 Ok(((decided, now), freed)) => {
+                    // Rung before the replies: a leader's observers elsewhere hear of it as
+                    // soon as they can, a doorbell's write later than its caller.
                     let announced = Self::announced(&writes, &decided);
+                    if !announced.is_empty() {
+                        self.storage.ring(&announced);
+                    }
                     for (write, decided) in writes.into_iter().zip(decided) {
                         self.deliver(write, decided, now);
                     }
                     self.after_commit(&freed);
-                    if !announced.is_empty() {
-                        self.storage.ring(&announced);
-                    }
                     return;
                 }
                 Err(error) => error,

@@ -187,7 +187,13 @@ impl<S: Storage> Worker<S> {
     /// The poll: a cheap check of what others changed, then, only for the watched keys that
     /// changed or whose deadline passed, a read of their rows and a promotion if one is due.
     pub(super) fn look_for_changes(&mut self) {
-        self.looks.poked = false;
+        if std::mem::take(&mut self.looks.poked) && self.common.watchers.load(Ordering::SeqCst) > 0
+        {
+            // Poked: another manager committed (or this one doubts a commit). Watchers of every
+            // change read again at once, their reads queued behind this look, rather than
+            // after the check below has said what changed: they read everything anyway.
+            self.common.changed.notify(usize::MAX);
+        }
         if let Err(error) = self.try_look() {
             tracing::warn!(%error, "looking for other processes' changes failed; will retry");
             self.looks.all = true;
