@@ -11,8 +11,9 @@
 //!   `Scoped` futures inner first, and resolves with [`Interrupted`] carrying *your* reason.
 //! - [`Fiber`]: spawned work tied to a scope ([`Scope::fork`]) or to nothing ([`fork_daemon`]);
 //!   [`Fiber::interrupt`] waits for its clean-up before it reports.
-//! - [`race`] and [`all`]: Effect's `raceAll` and `all` over `Scoped` futures; the losers are
-//!   interrupted ([`RaceLost`]) and their clean-up has finished before either resolves.
+//! - [`race`], [`race_first`] and [`all`]: Effect's `raceAll`, `raceFirst` and `all` over
+//!   `Scoped` futures (the first to succeed, the first to finish, every one); the losers are
+//!   interrupted ([`RaceLost`]) and their clean-up has finished before any of them resolves.
 //! - [`Schedule`]: retry and repeat policies as values (`spaced`, `fixed`, `exponential`,
 //!   `recurs`, `jittered`, `capped`, `up_to`, `union`, `intersect`), driven by `retry` and
 //!   `repeat` or stepped by hand ([`ScheduleRun`]); the lock manager's own timing is built from
@@ -235,7 +236,7 @@ pub use lock::{
     LockError, LockManager, LockManagerBuilder, LockRequest, MemoryStore, Mode, Observe, Removal,
     StorageError, StorageStats, MAX_NAME_BYTES,
 };
-pub use race::{all, race, RaceLost};
+pub use race::{all, race, race_first, RaceLost};
 pub use schedule::{Schedule, ScheduleRun};
 pub use scope::{scoped, Release, Scope, ScopeClosed, Scoped};
 pub use semaphore::{Acquire, Permit, Semaphore};
