@@ -64,6 +64,11 @@
 //! - async-io's timer driver thread, for [`SystemClock`] sleeps and timeouts; its wake-ups work
 //!   under any executor.
 //!
+//! With the `tokio-util` feature, a tokio-util `CancellationToken` becomes an [`AbortSignal`]
+//! (`AbortSignal::from(token)`, which starts no task) and a signal gives a token that it
+//! cancels when it aborts (`AbortSignal::cancellation_token`), for services whose other parts
+//! stop on tokens.
+//!
 //! To keep all background work on your own runtime: on tokio, switch on the `tokio` feature (or
 //! set [`Scoped::with_spawner`] with a `TokioSpawner` on the outermost `Scoped` of each
 //! request). On any other executor, pass a [`Spawner`] (a closure that spawns onto it) there,
@@ -226,6 +231,8 @@ mod sync;
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
+#[cfg(feature = "tokio-util")]
+mod token;
 
 pub use abort::{AbortController, AbortSignal, Dropped, Interrupted, TimedOut};
 pub use clock::{BootTime, Clock, SystemClock, TestClock};
@@ -244,6 +251,9 @@ pub use semaphore::{Acquire, Permit, Semaphore};
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 pub use spawn::TokioSpawner;
 pub use spawn::{SmolSpawner, Spawner};
+#[cfg(feature = "tokio-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio-util")))]
+pub use token::TokenCancelled;
 
 /// The README's examples, compiled and run as doc tests so that they stay true.
 #[doc = include_str!("../README.md")]
