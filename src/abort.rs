@@ -19,6 +19,13 @@
 //!    no task of any executor has to run for it to fire.
 //! 6. A deadline only moves later, and only while it has not come: once a look could have seen
 //!    it pass, the signal aborts (`AbortController::extend_deadline`).
+//! 7. A signal with a trigger (something outside that fires by itself: a tokio-util
+//!    `CancellationToken`) is looked at and awaited as one with a deadline is (invariant 5): a
+//!    look once it has fired aborts the signal with the trigger's reason, and whoever awaits
+//!    the signal also awaits the trigger.
+//! 8. Hooks told of the abort run once, after the dependents have aborted, with no lock held;
+//!    a hook added to an aborted signal runs at once. A hook that needs telling no more is
+//!    dropped when the next one is added.
 //!
 //! Lock order: a signal's `state` lock is never held while another signal's lock is taken.
 
@@ -126,8 +133,29 @@ struct SignalInner {
     sources: Vec<Arc<SignalInner>>,
     /// For a timeout or a lease: when it aborts by itself (invariant 5).
     deadline: Option<Deadline>,
-    /// For a signal made by `any`: the sources with a deadline, theirs included.
-    timeouts: Vec<Arc<SignalInner>>,
+    /// For a signal made from something outside that fires: what, and with what reason
+    /// (invariant 7).
+    trigger: Option<(Box<dyn Trigger>, AbortReason)>,
+    /// For a signal made by `any`: the sources that abort by themselves (with a deadline or a
+    /// trigger), theirs included.
+    self_aborting: Vec<Arc<SignalInner>>,
+}
+
+/// Something outside this module that fires by itself, once (a tokio-util `CancellationToken`),
+/// and aborts the signal made from it (invariant 7).
+pub(crate) trait Trigger: Send + Sync + 'static {
+    /// Whether it has fired.
+    fn has_fired(&self) -> bool;
+    /// Resolves once it has fired.
+    fn fired(&self) -> BoxFuture<'static, ()>;
+}
+
+/// Told when a signal aborts (invariant 8).
+pub(crate) trait OnAbort: Send + Sync + 'static {
+    /// The signal aborted, for `reason`.
+    fn aborted(&self, reason: &AbortReason);
+    /// Whether there is nothing left to tell (it may be dropped unheard).
+    fn is_done(&self) -> bool;
 }
 
 /// When a signal aborts by itself, and with what reason.
@@ -158,6 +186,7 @@ fn nanos(at: Duration) -> u64 {
 struct SignalState {
     reason: Option<AbortReason>,
     dependents: Vec<Weak<SignalInner>>,
+    on_abort: Vec<Box<dyn OnAbort>>,
 }
 
 impl SignalInner {
@@ -166,10 +195,10 @@ impl SignalInner {
     }
 
     fn depending_on(sources: Vec<Arc<SignalInner>>) -> Arc<Self> {
-        let timeouts = sources
+        let self_aborting = sources
             .iter()
-            .filter(|source| source.deadline.is_some())
-            .chain(sources.iter().flat_map(|source| &source.timeouts))
+            .filter(|source| source.aborts_by_itself())
+            .chain(sources.iter().flat_map(|source| &source.self_aborting))
             .cloned()
             .collect();
         Arc::new(SignalInner {
@@ -178,8 +207,14 @@ impl SignalInner {
             event: Event::new(),
             sources,
             deadline: None,
-            timeouts,
+            trigger: None,
+            self_aborting,
         })
+    }
+
+    /// Whether this signal itself (not a source of it) has a deadline or a trigger.
+    fn aborts_by_itself(&self) -> bool {
+        self.deadline.is_some() || self.trigger.is_some()
     }
 
     /// A signal that aborts with `reason` once `clock`'s monotonic time reaches `at`.
@@ -194,24 +229,43 @@ impl SignalInner {
                 at: AtomicU64::new(nanos(at)),
                 reason,
             }),
-            timeouts: Vec::new(),
+            trigger: None,
+            self_aborting: Vec::new(),
         })
     }
 
-    /// This signal's deadline and its sources', while they have not aborted.
-    fn deadlines(&self) -> impl Iterator<Item = &Deadline> {
-        std::iter::once(self)
-            .chain(self.timeouts.iter().map(|t| &**t))
-            .filter(|signal| !signal.aborted.load(Ordering::Acquire))
-            .filter_map(|signal| signal.deadline.as_ref())
+    /// A signal that aborts with `reason` once `trigger` has fired (invariant 7).
+    #[cfg_attr(not(feature = "tokio-util"), allow(dead_code))]
+    fn with_trigger(trigger: Box<dyn Trigger>, reason: AbortReason) -> Arc<Self> {
+        Arc::new(SignalInner {
+            aborted: AtomicBool::new(false),
+            state: Mutex::new(SignalState::default()),
+            event: Event::new(),
+            sources: Vec::new(),
+            deadline: None,
+            trigger: Some((trigger, reason)),
+            self_aborting: Vec::new(),
+        })
     }
 
-    /// Resolves once the earliest of its deadlines may have come (invariant 5): a sleep on each
-    /// clock they are on, until the earliest on it. `None` without deadlines. A deadline moved
-    /// later meanwhile wakes it early; the caller looks, and waits again.
-    fn deadline_passes(&self) -> Option<BoxFuture<'static, ()>> {
+    /// This signal and its sources that abort by themselves, while they have not aborted.
+    fn still_self_aborting(&self) -> impl Iterator<Item = &SignalInner> {
+        std::iter::once(self)
+            .chain(self.self_aborting.iter().map(|t| &**t))
+            .filter(|signal| !signal.aborted.load(Ordering::Acquire))
+    }
+
+    /// Resolves once it may have aborted by itself, when it should be looked at again: once the
+    /// earliest of its deadlines may have come (invariant 5: a sleep on each clock they are on,
+    /// until the earliest on it), or one of its triggers has fired (invariant 7). `None` when it
+    /// aborts only when told. A deadline moved later meanwhile wakes it early; the caller
+    /// looks, and waits again.
+    fn look_again(&self) -> Option<BoxFuture<'static, ()>> {
         let mut earliest: Vec<(&Arc<dyn Clock>, Duration)> = Vec::new();
-        for deadline in self.deadlines() {
+        let deadlines = self
+            .still_self_aborting()
+            .filter_map(|signal| signal.deadline.as_ref());
+        for deadline in deadlines {
             let left = deadline.left();
             match earliest.iter_mut().find(|(clock, _)| {
                 std::ptr::addr_eq(Arc::as_ptr(clock), Arc::as_ptr(&deadline.clock))
@@ -220,9 +274,14 @@ impl SignalInner {
                 None => earliest.push((&deadline.clock, left)),
             }
         }
+        let triggers = self
+            .still_self_aborting()
+            .filter_map(|signal| signal.trigger.as_ref())
+            .map(|(trigger, _)| trigger.fired());
         let mut sleeps: Vec<BoxFuture<'static, ()>> = earliest
             .into_iter()
             .map(|(clock, left)| clock.sleep(left))
+            .chain(triggers)
             .collect();
         match sleeps.len() {
             0 => None,
@@ -235,9 +294,10 @@ impl SignalInner {
 
     fn reason(&self) -> Option<AbortReason> {
         if !self.aborted.load(Ordering::Acquire) {
-            // Invariant 5: a timeout whose time has come aborts here, and passes it on.
-            for timeout in std::iter::once(self).chain(self.timeouts.iter().map(|t| &**t)) {
-                timeout.abort_if_due();
+            // Invariants 5 and 7: a timeout whose time has come, or a trigger that has fired,
+            // aborts here, and passes it on.
+            for source in std::iter::once(self).chain(self.self_aborting.iter().map(|t| &**t)) {
+                source.abort_if_due();
             }
             if !self.aborted.load(Ordering::Acquire) {
                 return None;
@@ -246,30 +306,59 @@ impl SignalInner {
         lock(&self.state).reason.clone()
     }
 
-    /// Aborts a signal whose deadline has come on its clock, with the deadline's reason.
+    /// Aborts a signal whose deadline has come on its clock, with the deadline's reason, or
+    /// whose trigger has fired, with the trigger's.
     fn abort_if_due(&self) {
         if let Some(deadline) = &self.deadline {
             if deadline.clock.monotonic() >= deadline.at() {
                 self.abort(deadline.reason.clone());
             }
         }
+        if let Some((trigger, reason)) = &self.trigger {
+            if trigger.has_fired() {
+                self.abort(reason.clone());
+            }
+        }
     }
 
     fn abort(&self, reason: AbortReason) -> bool {
-        let dependents = {
+        let (dependents, on_abort) = {
             let mut state = lock(&self.state);
             if state.reason.is_some() {
                 return false;
             }
             state.reason = Some(reason.clone());
             self.aborted.store(true, Ordering::Release);
-            std::mem::take(&mut state.dependents)
+            (
+                std::mem::take(&mut state.dependents),
+                std::mem::take(&mut state.on_abort),
+            )
         };
         self.event.notify(usize::MAX);
         for dependent in dependents.iter().filter_map(Weak::upgrade) {
             dependent.abort(reason.clone());
         }
+        for hook in on_abort {
+            hook.aborted(&reason);
+        }
         true
+    }
+
+    /// Tells `hook` when this signal aborts; at once if it has (invariant 8).
+    #[cfg_attr(not(feature = "tokio-util"), allow(dead_code))]
+    fn add_on_abort(&self, hook: Box<dyn OnAbort>) {
+        let reason = {
+            let mut state = lock(&self.state);
+            match &state.reason {
+                Some(reason) => reason.clone(),
+                None => {
+                    state.on_abort.retain(|hook| !hook.is_done());
+                    state.on_abort.push(hook);
+                    return;
+                }
+            }
+        };
+        hook.aborted(&reason);
     }
 
     /// Makes `dependent` abort when this signal does; at once if it already has.
@@ -286,6 +375,13 @@ impl SignalInner {
             }
         };
         dependent.abort(reason);
+    }
+}
+
+impl Drop for SignalInner {
+    fn drop(&mut self) {
+        // Wakes a `looked_at` future, which holds the signal weakly, so that it ends with it.
+        self.event.notify(usize::MAX);
     }
 }
 
@@ -585,10 +681,10 @@ impl AbortSignal {
                 if let Some(reason) = inner.reason() {
                     return reason;
                 }
-                match inner.deadline_passes() {
-                    Some(deadline) => {
+                match inner.look_again() {
+                    Some(look_again) => {
                         let listener = std::pin::pin!(listener);
-                        futures::future::select(listener, deadline).await;
+                        futures::future::select(listener, look_again).await;
                     }
                     None => listener.await,
                 }
@@ -597,16 +693,71 @@ impl AbortSignal {
     }
 
     /// A listener that fires when the signal aborts; `None` for a signal that never aborts.
-    /// A signal with a deadline aborts by itself when it is looked at once its time has come:
-    /// wait for [`deadline_passes`](Self::deadline_passes) too.
+    /// A signal with a deadline or a trigger aborts by itself when it is looked at once its
+    /// time has come or the trigger has fired: wait for [`look_again`](Self::look_again) too.
     pub(crate) fn listen(&self) -> Option<EventListener> {
         self.inner.as_ref().map(|inner| inner.event.listen())
     }
 
-    /// Resolves once the earliest deadline of this signal (or of those it was made from) may
-    /// have come, when it should be looked at again; `None` if it has none.
-    pub(crate) fn deadline_passes(&self) -> Option<BoxFuture<'static, ()>> {
-        self.inner.as_ref()?.deadline_passes()
+    /// Resolves once this signal (or one it was made from) may have aborted by itself, when it
+    /// should be looked at again: the earliest deadline may have come, or a trigger has
+    /// fired. `None` if it aborts only when told.
+    pub(crate) fn look_again(&self) -> Option<BoxFuture<'static, ()>> {
+        self.inner.as_ref()?.look_again()
+    }
+
+    /// A signal that aborts with `reason` once `trigger` has fired (invariant 7): no task runs
+    /// for it.
+    #[cfg_attr(not(feature = "tokio-util"), allow(dead_code))]
+    pub(crate) fn triggered_by(trigger: Box<dyn Trigger>, reason: AbortReason) -> Self {
+        AbortSignal {
+            inner: Some(SignalInner::with_trigger(trigger, reason)),
+        }
+    }
+
+    /// Tells `hook` when the signal aborts, at once if it has; never, for a signal that never
+    /// aborts (invariant 8). Kept until the signal aborts or is dropped, or `hook` is done.
+    ///
+    /// A signal that aborts by itself (a deadline, a trigger) does so when it is looked at:
+    /// if nobody else may look, also run [`looked_at`](Self::looked_at).
+    #[cfg_attr(not(feature = "tokio-util"), allow(dead_code))]
+    pub(crate) fn on_abort(&self, hook: Box<dyn OnAbort>) {
+        if let Some(inner) = &self.inner {
+            inner.add_on_abort(hook);
+        }
+    }
+
+    /// For a signal that may abort by itself: a future that looks at it each time it may have
+    /// (invariants 5 and 7), so that it aborts then, and its hooks are told, with nobody else
+    /// looking. It holds the signal weakly, and ends when the signal has aborted or its last
+    /// handle is dropped. `None` for a signal that aborts only when told.
+    #[cfg_attr(not(feature = "tokio-util"), allow(dead_code))]
+    pub(crate) fn looked_at(&self) -> Option<BoxFuture<'static, ()>> {
+        let inner = self.inner.as_ref()?;
+        if !inner.aborts_by_itself() && inner.self_aborting.is_empty() {
+            return None;
+        }
+        let inner = Arc::downgrade(inner);
+        Some(Box::pin(async move {
+            loop {
+                let (listener, look_again) = {
+                    let Some(inner) = inner.upgrade() else { return };
+                    // Listen first, then look: an abort in between would otherwise be missed.
+                    let listener = inner.event.listen();
+                    if inner.reason().is_some() {
+                        return;
+                    }
+                    (listener, inner.look_again())
+                };
+                match look_again {
+                    Some(look_again) => {
+                        let listener = std::pin::pin!(listener);
+                        futures::future::select(listener, look_again).await;
+                    }
+                    None => listener.await,
+                }
+            }
+        }))
     }
 }
 

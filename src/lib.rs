@@ -11,8 +11,9 @@
 //!   `Scoped` futures inner first, and resolves with [`Interrupted`] carrying *your* reason.
 //! - [`Fiber`]: spawned work tied to a scope ([`Scope::fork`]) or to nothing ([`fork_daemon`]);
 //!   [`Fiber::interrupt`] waits for its clean-up before it reports.
-//! - [`race`] and [`all`]: Effect's `raceAll` and `all` over `Scoped` futures; the losers are
-//!   interrupted ([`RaceLost`]) and their clean-up has finished before either resolves.
+//! - [`race`], [`race_first`] and [`all`]: Effect's `raceAll`, `raceFirst` and `all` over
+//!   `Scoped` futures (the first to succeed, the first to finish, every one); the losers are
+//!   interrupted ([`RaceLost`]) and their clean-up has finished before any of them resolves.
 //! - [`Schedule`]: retry and repeat policies as values (`spaced`, `fixed`, `exponential`,
 //!   `recurs`, `jittered`, `capped`, `up_to`, `union`, `intersect`), driven by `retry` and
 //!   `repeat` or stepped by hand ([`ScheduleRun`]); the lock manager's own timing is built from
@@ -62,6 +63,11 @@
 //!   tokio runtime, or an explicit [`SmolSpawner`];
 //! - async-io's timer driver thread, for [`SystemClock`] sleeps and timeouts; its wake-ups work
 //!   under any executor.
+//!
+//! With the `tokio-util` feature, a tokio-util `CancellationToken` becomes an [`AbortSignal`]
+//! (`AbortSignal::from(token)`, which starts no task) and a signal gives a token that it
+//! cancels when it aborts (`AbortSignal::cancellation_token`), for services whose other parts
+//! stop on tokens.
 //!
 //! To keep all background work on your own runtime: on tokio, switch on the `tokio` feature (or
 //! set [`Scoped::with_spawner`] with a `TokioSpawner` on the outermost `Scoped` of each
@@ -225,6 +231,8 @@ mod sync;
 #[cfg(feature = "testkit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
+#[cfg(feature = "tokio-util")]
+mod token;
 
 pub use abort::{AbortController, AbortSignal, Dropped, Interrupted, TimedOut};
 pub use clock::{BootTime, Clock, SystemClock, TestClock};
@@ -235,7 +243,7 @@ pub use lock::{
     LockError, LockManager, LockManagerBuilder, LockRequest, MemoryStore, Mode, Observe, Removal,
     StorageError, StorageStats, MAX_NAME_BYTES,
 };
-pub use race::{all, race, RaceLost};
+pub use race::{all, race, race_first, RaceLost};
 pub use schedule::{Schedule, ScheduleRun};
 pub use scope::{scoped, Release, Scope, ScopeClosed, Scoped};
 pub use semaphore::{Acquire, Permit, Semaphore};
@@ -243,6 +251,9 @@ pub use semaphore::{Acquire, Permit, Semaphore};
 #[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 pub use spawn::TokioSpawner;
 pub use spawn::{SmolSpawner, Spawner};
+#[cfg(feature = "tokio-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio-util")))]
+pub use token::TokenCancelled;
 
 /// The README's examples, compiled and run as doc tests so that they stay true.
 #[doc = include_str!("../README.md")]

@@ -1,21 +1,21 @@
-//! Structured `race` and `all`: every contender has finished, clean-up included, before either
-//! resolves.
+//! Structured `race`, `race_first` and `all`: every contender has finished, clean-up included,
+//! before any of them resolves.
 //!
 //! Invariants:
 //!
 //! 1. Every contender runs with one extra signal, shared by all of them, that is aborted with
 //!    [`RaceLost`] once the outcome is known (a winner, a failure of `all`, or a panic).
-//! 2. Neither function resolves until every contender has resolved: a `Scoped` resolves only
+//! 2. None of them resolves until every contender has resolved: a `Scoped` resolves only
 //!    after its scope has closed, so the losers' finalizers have finished by then.
 //! 3. A contender's panic is caught, the others are interrupted and awaited as for a loss, and
 //!    then the panic resumes. A contender that panics as it is interrupted (a finalizer of its
 //!    clean-up) counts the same: once all have finished, its panic resumes instead of the value
 //!    or error the outcome would have been. Only the first panic resumes; later ones are logged
 //!    with `tracing` at error.
-//! 4. Dropping `race` or `all` before it resolves drops the contenders, which hands their clean-up
-//!    to the enclosing `Scoped` (if any, whose close then waits for it) or to their spawner, as
-//!    for any dropped `Scoped`. An interruption of the enclosing `Scoped` therefore reaches every
-//!    contender with the caller's reason.
+//! 4. Dropping `race`, `race_first` or `all` before it resolves drops the contenders, which hands
+//!    their clean-up to the enclosing `Scoped` (if any, whose close then waits for it) or to
+//!    their spawner, as for any dropped `Scoped`. An interruption of the enclosing `Scoped`
+//!    therefore reaches every contender with the caller's reason.
 
 use std::error::Error;
 use std::fmt;
@@ -28,8 +28,8 @@ use crate::abort::{AbortController, Interrupted};
 use crate::exit::AbortReason;
 use crate::scope::{log_panic, Panic, Scoped};
 
-/// The reason given to the contenders that [`race`] and [`all`] interrupt once the outcome is
-/// known.
+/// The reason given to the contenders that [`race`], [`race_first`] and [`all`] interrupt once
+/// the outcome is known.
 ///
 /// # Examples
 ///
@@ -119,7 +119,8 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Contest<T, E> {
 
 /// Effect's `raceAll`: the first contender to succeed wins; the others are interrupted (reason
 /// [`RaceLost`]) and their clean-up has finished before `race` resolves. If every contender
-/// fails, the error of the last to fail.
+/// fails, the error of the last to fail. (To end the race with the first to finish, failures
+/// included, use [`race_first`].)
 ///
 /// The contenders run concurrently, polled by the task that awaits `race` (so inside a `Scoped`,
 /// each is nested in it). A loser that produced its value before it saw the interruption has
@@ -163,20 +164,97 @@ where
     T: Send + 'static,
     E: From<Interrupted> + Send + 'static,
 {
+    first_to(contenders, "race", Result::is_ok).await
+}
+
+/// Effect's `raceFirst` over many, and what `select!` does with clean-up: the first contender to
+/// finish wins, whether it succeeded or failed; the others are interrupted (reason [`RaceLost`])
+/// and their clean-up has finished before `race_first` resolves with the winner's result.
+///
+/// Use it where a failure should end the race too (a cancel button, a deadline of your own, a
+/// health check that fails); [`race`] waits past failures for a success. As in [`race`], the
+/// contenders run concurrently, polled by the task that awaits `race_first`, and a loser that
+/// produced its value (or error) before it saw the interruption has it dropped.
+///
+/// # Panics
+///
+/// Panics, when first polled, if `contenders` is empty: there would be no winner. If a
+/// contender panics before one has won, the others are interrupted and awaited, and then the
+/// panic resumes; so does the panic of a loser's clean-up, instead of the winner's result.
+///
+/// # Cancel safety
+///
+/// As for [`race`]: dropping this future drops the contenders, whose clean-up goes to the
+/// enclosing `Scoped` (whose close waits for it) or to the background. Interrupt the enclosing
+/// `Scoped` instead to wait for it; every contender is then interrupted with your reason.
+///
+/// # Examples
+///
+/// A job raced against a cancel contender that fails: the failure wins, and the job's clean-up
+/// has finished, told it lost, when `race_first` returns.
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use leasehold::{race_first, ExitStatus, Interrupted, RaceLost, Scoped};
+///
+/// #[derive(Debug)]
+/// enum JobError {
+///     Cancelled,
+///     Interrupted(Interrupted),
+/// }
+/// impl From<Interrupted> for JobError {
+///     fn from(interrupted: Interrupted) -> Self {
+///         JobError::Interrupted(interrupted)
+///     }
+/// }
+///
+/// # futures::executor::block_on(async {
+/// let told = Arc::new(Mutex::new(None));
+/// let record = told.clone();
+/// let job = Scoped::<&str, JobError>::new(|scope| async move {
+///     scope.add_finalizer(move |status| async move { *record.lock().unwrap() = Some(status) });
+///     std::future::pending().await
+/// });
+/// let cancel = Scoped::new(|_| async { Err(JobError::Cancelled) });
+/// assert!(matches!(race_first([job, cancel]).await, Err(JobError::Cancelled)));
+/// let status = told.lock().unwrap().take().unwrap();
+/// assert!(matches!(status, ExitStatus::Interrupted(reason) if reason.downcast_ref::<RaceLost>().is_some()));
+/// # });
+/// ```
+pub async fn race_first<T, E>(contenders: impl IntoIterator<Item = Scoped<T, E>>) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: From<Interrupted> + Send + 'static,
+{
+    first_to(contenders, "race_first", |_| true).await
+}
+
+/// The core of [`race`] and [`race_first`]: the first contender whose result `wins` is the
+/// outcome, once the others have been stopped (invariants 1 to 3); if none wins, the result of
+/// the last to finish. `name` is the caller's, for the panic of an empty race.
+async fn first_to<T, E>(
+    contenders: impl IntoIterator<Item = Scoped<T, E>>,
+    name: &str,
+    wins: impl Fn(&Result<T, E>) -> bool,
+) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: From<Interrupted> + Send + 'static,
+{
     let mut contest = Contest::new(contenders);
-    assert!(contest.len() > 0, "`race` needs at least one contender");
-    let mut last_error = None;
+    assert!(contest.len() > 0, "`{name}` needs at least one contender");
+    let mut last = None;
     while let Some((_, finish)) = contest.next().await {
         match finish {
-            Ok(Ok(value)) => {
+            Ok(result) if wins(&result) => {
                 contest.stop_the_rest_or_resume().await;
-                return Ok(value);
+                return result;
             }
-            Ok(Err(error)) => last_error = Some(error),
+            Ok(result) => last = Some(result),
             Err(panic) => contest.stop_the_rest_and_resume(panic).await,
         }
     }
-    Err(last_error.expect("a race with contenders ends with a winner or an error"))
+    last.expect("a race with contenders ends with a winner or a last result")
 }
 
 /// Effect's `all`, run concurrently: every member to success, values in the members' order. On

@@ -6,7 +6,7 @@
 mod common;
 mod stores;
 
-use common::{granted_while_stalled, read_when_stalled, within};
+use common::{granted_while_stalled, read_when_stalled, warnings_during, within};
 use stores::{on_each, Store};
 
 use std::sync::Arc;
@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use futures::executor::block_on;
 use leasehold::{
-    fork_daemon, Clock, EntryState, Fiber, Guard, LeaseLost, LockError, LockManager, LockRequest,
-    SystemClock, TestClock,
+    fork_daemon, AbortSignal, Clock, EntryState, Fiber, Guard, LeaseLost, LockError, LockManager,
+    LockRequest, Scoped, SystemClock, TestClock,
 };
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -852,4 +852,48 @@ fn releasing_a_lost_lease_reports_it() {
             .unwrap();
         assert!(locks.inspect(None).await.unwrap().is_empty());
     });
+}
+
+/// A guard adopted by a scope whose lease was lost before the scope closed: its release error
+/// does not reach the caller, which gets its body's value (`Release` resolves to `()`, and the
+/// close has no error to give); it is logged with `tracing` at warn, and the guard's `lost()`
+/// signal was aborted by then (what `Scope::adopt`'s docs say).
+#[test]
+fn an_adopted_guards_release_error_is_logged_at_warn_and_the_scoped_keeps_its_value() {
+    let ((), warnings) = warnings_during(|| {
+        on_each(Store::local(), |store| async move {
+            let clock = TestClock::new();
+            let locks = manager(&store, &clock);
+            let (lost, told) = futures::channel::oneshot::channel::<AbortSignal>();
+            let work = {
+                let (locks, clock) = (locks.clone(), clock.clone());
+                Scoped::<&str, LockError>::new(move |scope| async move {
+                    let guard = locks.exclusive("k", "adopted").await?;
+                    lost.send(guard.lost()).unwrap();
+                    scope.adopt(guard);
+                    // Past the lease, with no heartbeat: the release at the close finds it lost.
+                    clock.advance(LEASE + BEAT);
+                    Ok("the body's value")
+                })
+            };
+
+            assert_eq!(work.await.unwrap(), "the body's value");
+
+            let lost = told.await.unwrap();
+            assert!(
+                lost.is_aborted(),
+                "the guard's lost() signal was not aborted"
+            );
+            assert!(locks.inspect(None).await.unwrap().is_empty());
+        })
+    });
+    let failed: Vec<_> = warnings
+        .iter()
+        .filter(|line| line.contains("releasing a lock owned by a scope failed"))
+        .collect();
+    assert_eq!(failed.len(), 2, "one per store: {warnings:?}");
+    assert!(
+        failed.iter().all(|line| line.contains("lease")),
+        "{failed:?}"
+    );
 }

@@ -1,20 +1,22 @@
-//! Structured `race` and `all`: who wins, what the others are told, and that their clean-up has
-//! finished before either returns. Also `Scoped` as a `FusedFuture`.
+//! Structured `race`, `race_first` and `all`: who wins, what the others are told, and that their
+//! clean-up has finished before any of them returns. Also `Scoped` as a `FusedFuture`.
 
 mod common;
 
 use std::fmt;
 use std::panic::AssertUnwindSafe;
+use std::time::Duration;
 
 use common::{
-    interrupted_by, interrupted_with, on_every_executor, record_status, rows_of, slow_finalizer,
-    within, yield_now, Counter, Flag, Log, Statuses, GENEROUS, SLOW,
+    bounded, interrupted_by, interrupted_with, on_every_executor, record_status, rows_of,
+    slow_finalizer, within, yield_now, Counter, Flag, Log, Statuses, GENEROUS, SLOW,
 };
 use futures::executor::block_on;
 use futures::future::{self, FusedFuture};
 use futures::FutureExt;
 use leasehold::{
-    all, race, AbortController, AbortReason, EntryState, Interrupted, LockManager, RaceLost, Scoped,
+    all, race, race_first, AbortController, AbortReason, Clock, EntryState, Interrupted,
+    LockManager, RaceLost, Scoped, TestClock,
 };
 
 /// A test's own error type, as users have: a failure of the work, or an interruption.
@@ -213,6 +215,206 @@ fn a_losers_clean_up_that_panics_resumes_its_panic_instead_of_the_winners_value(
 }
 
 // ---------------------------------------------------------------------------------------------
+// race_first
+// ---------------------------------------------------------------------------------------------
+
+/// A contender that sleeps `after` on `clock`, then ends with `result`; counted as started
+/// once its sleep is set (a `TestClock` sleep counts from when it is made).
+fn ends_after<T: Send + 'static>(
+    clock: &TestClock,
+    after: Duration,
+    started: &Counter,
+    result: Result<T, Failed>,
+) -> Scoped<T, Failed> {
+    let (clock, started) = (clock.clone(), started.clone());
+    Scoped::new(move |_| async move {
+        let sleep = clock.sleep(after);
+        started.bump();
+        sleep.await;
+        result
+    })
+}
+
+/// A job that would succeed after `after` on `clock`, with a slow finalizer (`"job start"`,
+/// `"job end"`) that records the status it is told.
+fn job(
+    clock: &TestClock,
+    after: Duration,
+    log: &Log,
+    statuses: &Statuses,
+    started: &Counter,
+) -> Scoped<&'static str, Failed> {
+    let (clock, log, statuses, started) = (
+        clock.clone(),
+        log.clone(),
+        statuses.clone(),
+        started.clone(),
+    );
+    Scoped::new(move |scope| async move {
+        slow_finalizer(&scope, &log, "job", SLOW);
+        record_status(&scope, &statuses);
+        let sleep = clock.sleep(after);
+        started.bump();
+        sleep.await;
+        Ok("job done")
+    })
+}
+
+#[test]
+fn race_first_a_contender_that_fails_first_wins_over_a_slower_success() {
+    on_every_executor(|| async {
+        let clock = TestClock::new();
+        let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
+        // The case: a cancel contender fails at 300 ms; the job would succeed at 2 s.
+        let contenders = [
+            job(&clock, Duration::from_secs(2), &log, &statuses, &started),
+            ends_after(
+                &clock,
+                Duration::from_millis(300),
+                &started,
+                Err(Failed::Work("cancelled")),
+            ),
+        ];
+        let move_time = async {
+            within(GENEROUS, "both contenders started", || async {
+                started.get() == 2
+            })
+            .await;
+            clock.advance(Duration::from_millis(300));
+        };
+
+        let (result, ()) = bounded(
+            GENEROUS,
+            "race_first resolved at 300 ms",
+            future::join(race_first(contenders), move_time),
+        )
+        .await;
+
+        assert!(
+            matches!(result, Err(Failed::Work("cancelled"))),
+            "{result:?}"
+        );
+        // Time never reached the job's 2 s: the failure did not wait for it.
+        assert_eq!(clock.monotonic(), Duration::from_millis(300));
+        // The job was interrupted as a loser, and its clean-up had finished.
+        assert_eq!(log.entries(), ["job start", "job end"]);
+        assert!(interrupted_with::<RaceLost>(&statuses.only()));
+    });
+}
+
+#[test]
+fn race_first_a_contender_that_succeeds_first_wins_over_a_slower_failure() {
+    on_every_executor(|| async {
+        let clock = TestClock::new();
+        let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
+        let contenders = [
+            ends_after(
+                &clock,
+                Duration::from_secs(2),
+                &started,
+                Err(Failed::Work("too late")),
+            ),
+            job(
+                &clock,
+                Duration::from_millis(300),
+                &log,
+                &statuses,
+                &started,
+            ),
+        ];
+        let move_time = async {
+            within(GENEROUS, "both contenders started", || async {
+                started.get() == 2
+            })
+            .await;
+            clock.advance(Duration::from_millis(300));
+        };
+
+        let (result, ()) = bounded(
+            GENEROUS,
+            "race_first resolved at 300 ms",
+            future::join(race_first(contenders), move_time),
+        )
+        .await;
+
+        assert_eq!(result.unwrap(), "job done");
+        assert_eq!(clock.monotonic(), Duration::from_millis(300));
+        assert!(matches!(statuses.only(), leasehold::ExitStatus::Success));
+    });
+}
+
+#[test]
+fn race_first_interrupts_the_losers_with_race_lost_and_their_finalizers_have_finished() {
+    on_every_executor(|| async {
+        let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
+        let waiting = started.clone();
+        let failing = Scoped::new(move |_| async move {
+            within(GENEROUS, "both losers started", || async {
+                waiting.get() == 2
+            })
+            .await;
+            Err(Failed::Work("first to finish"))
+        });
+        let contenders = [
+            stubborn::<u8>("loser 1", &log, &statuses, &started),
+            failing,
+            stubborn("loser 2", &log, &statuses, &started),
+        ];
+
+        let error = race_first(contenders).await.unwrap_err();
+
+        assert!(matches!(error, Failed::Work("first to finish")), "{error}");
+        let entries = log.entries();
+        for name in ["loser 1", "loser 2"] {
+            assert!(entries.contains(&format!("{name} end")), "{entries:?}");
+        }
+        let told = statuses.all();
+        assert_eq!(told.len(), 2, "{told:?}");
+        assert!(told.iter().all(interrupted_with::<RaceLost>), "{told:?}");
+    });
+}
+
+#[test]
+fn a_race_first_with_one_contender_is_that_contender() {
+    block_on(async {
+        let only = Scoped::<_, Failed>::new(|_| async { Ok("alone") });
+        assert_eq!(race_first([only]).await.unwrap(), "alone");
+        let only = Scoped::<(), _>::new(|_| async { Err(Failed::Work("alone")) });
+        assert!(matches!(
+            race_first([only]).await,
+            Err(Failed::Work("alone"))
+        ));
+    });
+}
+
+#[test]
+#[should_panic(expected = "`race_first` needs at least one contender")]
+fn an_empty_race_first_panics_rather_than_hang() {
+    block_on(race_first(Vec::<Scoped<(), Interrupted>>::new())).ok();
+}
+
+#[test]
+fn a_panicking_contender_of_race_first_stops_the_others_before_its_panic_resumes() {
+    let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
+    let waiting = started.clone();
+    let panicking = Scoped::<(), Failed>::new(move |_| async move {
+        within(GENEROUS, "the other contender started", || async {
+            waiting.get() == 1
+        })
+        .await;
+        panic!("contender panics")
+    });
+    let contenders = [stubborn("other", &log, &statuses, &started), panicking];
+
+    let outcome = block_on(AssertUnwindSafe(race_first(contenders)).catch_unwind());
+
+    let payload = outcome.expect_err("the panic resumes");
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"contender panics"));
+    assert_eq!(log.entries(), ["other start", "other end"]);
+    assert!(interrupted_with::<RaceLost>(&statuses.only()));
+}
+
+// ---------------------------------------------------------------------------------------------
 // all
 // ---------------------------------------------------------------------------------------------
 
@@ -308,8 +510,8 @@ fn racing_two_acquisitions_on_busy_keys_leaves_one_guard_and_no_row_of_the_loser
 // Interrupting the caller
 // ---------------------------------------------------------------------------------------------
 
-/// Runs `contest` (a `race` or an `all` of three stubborn contenders) inside a `Scoped`, and
-/// interrupts that `Scoped` once every contender has started.
+/// Runs `contest` (a `race`, `race_first` or `all` of three stubborn contenders) inside a
+/// `Scoped`, and interrupts that `Scoped` once every contender has started.
 async fn interrupt_the_caller_of<F, Fut>(contest: F)
 where
     F: FnOnce([Scoped<u8, Failed>; 3]) -> Fut + Send + 'static,
@@ -377,6 +579,14 @@ fn an_interrupted_members_clean_up_that_panics_resumes_its_panic_instead_of_the_
 fn interrupting_the_scoped_that_runs_a_race_interrupts_every_contender_with_the_callers_reason() {
     on_every_executor(|| {
         interrupt_the_caller_of(|contenders| async move { race(contenders).await.map(drop) })
+    });
+}
+
+#[test]
+fn interrupting_the_scoped_that_runs_a_race_first_interrupts_every_contender_with_the_callers_reason(
+) {
+    on_every_executor(|| {
+        interrupt_the_caller_of(|contenders| async move { race_first(contenders).await.map(drop) })
     });
 }
 

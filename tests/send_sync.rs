@@ -93,6 +93,12 @@ fn race_future(
     leasehold::race(contenders)
 }
 
+fn race_first_future(
+    contenders: Vec<Scoped<NotSync, Interrupted>>,
+) -> impl Future<Output = Result<NotSync, Interrupted>> + Send {
+    leasehold::race_first(contenders)
+}
+
 fn all_future(
     members: Vec<Scoped<NotSync, Interrupted>>,
 ) -> impl Future<Output = Result<Vec<NotSync>, Interrupted>> + Send {

@@ -286,6 +286,9 @@ impl Drop for Guard {
     }
 }
 
+/// For [`Scope::adopt`](crate::Scope::adopt): releases as [`Guard::release`] does, and logs its
+/// error with `tracing` at warn, since a scope's close has none to give (see `adopt`'s
+/// `# Errors`).
 impl Release for Guard {
     fn release(self) -> BoxFuture<'static, ()> {
         Box::pin(async move {

@@ -88,22 +88,53 @@ pub struct LockRequest {
 }
 
 impl LockRequest {
-    /// A shared request.
-    pub fn shared(key: impl Into<String>, operation: impl Into<String>) -> Self {
+    /// A request for `key` in `mode`, a [`Mode`] chosen at run time (read from a configuration
+    /// or a command line, say): the same request as [`shared`](LockRequest::shared),
+    /// [`exclusive`](LockRequest::exclusive) or [`permits`](LockRequest::permits) make for that
+    /// mode.
+    ///
+    /// Nothing is checked here, for any mode: the key, the operation and a
+    /// [`Mode::Permits`]'s `count` and `limit` are checked when the request is acquired, which
+    /// fails with [`LockError::InvalidRequest`](crate::LockError::InvalidRequest) before
+    /// anything is written (see [`permits`](LockRequest::permits) for the permits' rules).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use leasehold::{LockError, LockManager, LockRequest, Mode};
+    ///
+    /// # futures::executor::block_on(async {
+    /// let writing = true; // from the command line, say
+    /// let mode = if writing { Mode::Exclusive } else { Mode::Shared };
+    /// let request = LockRequest::new("repo/photos", mode, "sync");
+    /// assert_eq!(request.mode, mode);
+    ///
+    /// let locks = LockManager::open_in_memory()?;
+    /// let guard = locks.acquire(request).await?;
+    /// guard.release().await?;
+    ///
+    /// // Permits are checked as those of `LockRequest::permits` are: when acquired.
+    /// let too_many = LockRequest::new("slots", Mode::Permits { count: 4, limit: 3 }, "backup");
+    /// assert!(matches!(locks.acquire(too_many).await, Err(LockError::InvalidRequest(_))));
+    /// # Ok::<(), leasehold::LockError>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn new(key: impl Into<String>, mode: Mode, operation: impl Into<String>) -> Self {
         LockRequest {
             key: key.into(),
-            mode: Mode::Shared,
+            mode,
             operation: operation.into(),
         }
     }
 
+    /// A shared request.
+    pub fn shared(key: impl Into<String>, operation: impl Into<String>) -> Self {
+        LockRequest::new(key, Mode::Shared, operation)
+    }
+
     /// An exclusive request.
     pub fn exclusive(key: impl Into<String>, operation: impl Into<String>) -> Self {
-        LockRequest {
-            key: key.into(),
-            mode: Mode::Exclusive,
-            operation: operation.into(),
-        }
+        LockRequest::new(key, Mode::Exclusive, operation)
     }
 
     /// A request for `count` of the `limit` permits of `key`: at most `limit` permits of the
@@ -137,11 +168,7 @@ impl LockRequest {
         count: u32,
         limit: u32,
     ) -> Self {
-        LockRequest {
-            key: key.into(),
-            mode: Mode::Permits { count, limit },
-            operation: operation.into(),
-        }
+        LockRequest::new(key, Mode::Permits { count, limit }, operation)
     }
 }
 
@@ -421,4 +448,43 @@ pub(super) fn validate(requests: &[LockRequest]) -> Result<(), LockError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_makes_the_request_the_named_constructor_makes_for_its_mode() {
+        assert_eq!(
+            LockRequest::new("k", Mode::Shared, "op"),
+            LockRequest::shared("k", "op")
+        );
+        assert_eq!(
+            LockRequest::new("k", Mode::Exclusive, "op"),
+            LockRequest::exclusive("k", "op")
+        );
+        assert_eq!(
+            LockRequest::new("k", Mode::Permits { count: 2, limit: 3 }, "op"),
+            LockRequest::permits("k", "op", 2, 3)
+        );
+    }
+
+    #[test]
+    fn new_with_permits_is_checked_as_permits_is_when_acquired() {
+        for (count, limit) in [(1, 3), (3, 3), (0, 3), (4, 3), (1, 0)] {
+            let made = LockRequest::new("k", Mode::Permits { count, limit }, "op");
+            let named = LockRequest::permits("k", "op", count, limit);
+            let (made, named) = (validate(&[made]), validate(&[named]));
+            assert_eq!(
+                made.is_ok(),
+                (1..=limit).contains(&count),
+                "{count}/{limit}"
+            );
+            assert_eq!(
+                made.map_err(|e| e.to_string()),
+                named.map_err(|e| e.to_string())
+            );
+        }
+    }
 }

@@ -91,6 +91,13 @@ impl Error for ScopeClosed {}
 
 /// Something with an async release that a scope can own.
 ///
+/// A release cannot fail as the scope sees it: it resolves to `()`, as a finalizer does, and
+/// neither [`Scope::close`] nor a [`Scoped`] has an error to give on (a `Scoped` resolves with
+/// its body's result). A resource whose release can fail deals with its failure itself, and
+/// says where it goes: a [`Guard`](crate::Guard)'s release error is logged with `tracing` at
+/// warn (see [`Scope::adopt`]); a [`Permit`](crate::Permit)'s release cannot fail. A panic in
+/// `release` is a finalizer's panic: the others still run, and the close resumes it.
+///
 /// # Examples
 ///
 /// ```
@@ -290,6 +297,20 @@ impl Scope {
     }
 
     /// Hands a resource to the scope: it is released at close, in LIFO order with the finalizers.
+    ///
+    /// # Errors
+    ///
+    /// None reach you: a [`Release`] resolves to `()`, and the close has no error to give (a
+    /// `Scoped` resolves with its body's result, whatever its finalizers met). A
+    /// [`Guard`](crate::Guard) adopted here whose release fails (its lease was lost before
+    /// it, [`LockError::LeaseLost`](crate::LockError::LeaseLost); or the store failed) has its
+    /// error logged with `tracing` at warn, and nothing more: without a `tracing` subscriber, it
+    /// is silent. A lease lost before the release has aborted the guard's
+    /// [`lost`](crate::Guard::lost) signal by the time the close is done, so work bound to that
+    /// signal was told. When you need the error, do not adopt the guard: release it yourself at
+    /// the end of the body (`guard.release().await?`), or run the work with
+    /// [`LockManager::with_lock`](crate::LockManager::with_lock), which resolves with
+    /// `LockError::LeaseLost` when its release finds the lease lost.
     ///
     /// # Examples
     ///

@@ -35,9 +35,10 @@ struct ScopedInner<T, E> {
     /// the reason, whenever this future happens to be polled.
     signal: Option<AbortSignal>,
     listener: Option<EventListener>,
-    /// When the signal's earliest deadline (a timeout's, a lease's) may have come: it is then
-    /// looked at again, whether or not anything else wakes this future.
-    deadline: Option<BoxFuture<'static, ()>>,
+    /// When the signal may have aborted by itself (a timeout's or a lease's deadline may have
+    /// come, a token's trigger fired): it is then looked at again, whether or not anything
+    /// else wakes this future.
+    look_again: Option<BoxFuture<'static, ()>>,
     /// Timeouts not yet started: each becomes an attached signal on the first poll, so that it
     /// counts from when the work starts, not from when it was built.
     timeouts: Vec<(Option<Arc<dyn Clock>>, Duration)>,
@@ -117,7 +118,7 @@ impl<T: Send + 'static, E: From<Interrupted> + Send + 'static> Scoped<T, E> {
                 phase: Phase::Init(Box::new(move |scope| Box::pin(body(scope)))),
                 signal: None,
                 listener: None,
-                deadline: None,
+                look_again: None,
                 timeouts: Vec::new(),
                 clock: None,
                 interrupted: E::from,
@@ -286,7 +287,7 @@ impl<T, E> ScopedInner<T, E> {
         };
         self.signal = Some(combined);
         self.listener = None;
-        self.deadline = None;
+        self.look_again = None;
     }
 
     /// The reason of the first attached signal to abort; otherwise arranges to be woken when one
@@ -305,7 +306,7 @@ impl<T, E> ScopedInner<T, E> {
             // Listen first, then check: an abort in between would otherwise be missed.
             if self.listener.is_none() {
                 self.listener = signal.listen();
-                self.deadline = signal.deadline_passes();
+                self.look_again = signal.look_again();
             }
             if let Some(reason) = signal.reason() {
                 return Some(reason);
@@ -314,15 +315,15 @@ impl<T, E> ScopedInner<T, E> {
                 Some(listener) => Pin::new(listener).poll(cx).is_ready(),
                 None => false,
             };
-            let due = match self.deadline.as_mut() {
-                Some(deadline) => deadline.as_mut().poll(cx).is_ready(),
+            let due = match self.look_again.as_mut() {
+                Some(look_again) => look_again.as_mut().poll(cx).is_ready(),
                 None => false,
             };
             if !fired && !due {
                 return None;
             }
             self.listener = None;
-            self.deadline = None;
+            self.look_again = None;
         }
     }
 

@@ -384,6 +384,38 @@ impl tracing::Subscriber for ErrorLog {
     fn exit(&self, _: &tracing::span::Id) {}
 }
 
+/// Runs `f` with a `tracing` subscriber of this thread's own that keeps the text of every
+/// warning and error logged on this thread while it runs (work that `f` polls with
+/// `futures::executor::block_on` included; other threads' not); gives them with `f`'s output.
+pub fn warnings_during<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let subscriber = WarningLog(lines.clone());
+    let output = tracing::subscriber::with_default(subscriber, f);
+    let lines = lines.lock().unwrap().clone();
+    (output, lines)
+}
+
+/// A subscriber that keeps the text of every warning and error event.
+struct WarningLog(Arc<Mutex<Vec<String>>>);
+
+impl tracing::Subscriber for WarningLog {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = Fields(String::new());
+        event.record(&mut fields);
+        self.0.lock().unwrap().push(fields.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
 // The lock manager's helpers: databases, entries, and grants read late.
 
 /// A fresh database file in a temporary folder (kept alive by the returned guard).
