@@ -505,6 +505,7 @@ fn every_runs_a_job_exactly_once_per_recurrence_in_a_simulation() {
 // Across processes: the child's side, and the cases that start it.
 
 const STORE_VAR: &str = "LEASEHOLD_ELECTION_STORE";
+#[cfg(feature = "postgres")]
 const SCHEMA_VAR: &str = "LEASEHOLD_ELECTION_SCHEMA";
 const CHANGES_VAR: &str = "LEASEHOLD_ELECTION_CHANGES";
 /// The observer's poll, in seconds, if not the default.
@@ -600,10 +601,13 @@ async fn lead_unrenewed_in_child() {
 /// The stores another process can share, each new: SQLite, and PostgreSQL if there is a
 /// test server.
 fn shared_stores() -> Vec<stores::Store> {
-    let mut all = vec![stores::Store::sqlite()];
+    let sqlite = stores::Store::sqlite();
     #[cfg(all(feature = "postgres", feature = "testkit"))]
-    all.extend(stores::Store::postgres());
-    all
+    return std::iter::once(sqlite)
+        .chain(stores::Store::postgres())
+        .collect();
+    #[cfg(not(all(feature = "postgres", feature = "testkit")))]
+    vec![sqlite]
 }
 
 /// A child in `role` (see `child_entry`) on `store`, with `changes` for an observer.
