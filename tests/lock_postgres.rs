@@ -1065,6 +1065,24 @@ fn a_begin_that_times_out_on_its_key_lock_is_done_again() {
     });
 }
 
+/// A renewal of `owner`'s rows in `schema` that judged them live, renewed them for a minute and
+/// has not committed yet: its session, to commit when the test says.
+fn renewal_in_flight(socket: &str, schema: &str, owner: &str) -> postgres::Client {
+    let now = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+    let mut renewal = postgres::Client::connect(socket, postgres::NoTls).unwrap();
+    renewal.batch_execute("BEGIN").unwrap();
+    renewal
+        .execute(
+            &format!(
+                "UPDATE \"{schema}\".locks SET expires_at = {now} + 60000000, \
+                 heartbeat_at = {now} WHERE owner = $1"
+            ),
+            &[&owner],
+        )
+        .unwrap();
+    renewal
+}
+
 /// A decision on a key whose only row lapsed, while a renewal of that row that judged it live
 /// has not yet committed, must see the renewal: the decision's deletion of lapsed rows waits for
 /// the renewal, finds the row renewed and leaves it, and the rule is then asked about the row as
@@ -1095,17 +1113,7 @@ fn a_decision_that_waited_for_a_renewal_sees_the_row_renewed() {
              {now} - 10000000, {now} - 10000000, {now} - 1000, {now} - 2000000"
         ));
         // The renewal: it judged the row live, renewed it, and has not committed yet.
-        let mut renewal = postgres::Client::connect(socket, postgres::NoTls).unwrap();
-        renewal.batch_execute("BEGIN").unwrap();
-        renewal
-            .execute(
-                &format!(
-                    "UPDATE \"{schema}\".locks SET expires_at = {now} + 60000000, \
-                     heartbeat_at = {now} WHERE key = 'k'"
-                ),
-                &[],
-            )
-            .unwrap();
+        let mut renewal = renewal_in_flight(socket, &schema, "other-owner");
         let attempt = {
             let locks = locks.clone();
             fork_daemon(async move {
@@ -1180,17 +1188,7 @@ fn a_release_that_waited_for_a_renewal_promotes_the_renewed_waiter() {
         let holder: i64 = insert("holder", true, 60_000_000).trim().parse().unwrap();
         // The waiter's lease ran out a moment ago, as its owner's renewal comes.
         insert("waiter", false, -1000);
-        let mut renewal = postgres::Client::connect(socket, postgres::NoTls).unwrap();
-        renewal.batch_execute("BEGIN").unwrap();
-        renewal
-            .execute(
-                &format!(
-                    "UPDATE \"{schema}\".locks SET expires_at = {now} + 60000000, \
-                     heartbeat_at = {now} WHERE owner = 'waiter'"
-                ),
-                &[],
-            )
-            .unwrap();
+        let mut renewal = renewal_in_flight(socket, &schema, "waiter");
         let name = format!("release_{schema}");
         let call = match function {
             "release_one" => format!(

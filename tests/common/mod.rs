@@ -348,15 +348,14 @@ pub fn error_logged(text: &str) -> bool {
 }
 
 fn logged_errors() -> &'static Mutex<Vec<String>> {
-    static LOG: std::sync::OnceLock<Mutex<Vec<String>>> = std::sync::OnceLock::new();
+    static LOG: std::sync::OnceLock<Arc<Mutex<Vec<String>>>> = std::sync::OnceLock::new();
     LOG.get_or_init(|| {
-        tracing::subscriber::set_global_default(ErrorLog).expect("no other subscriber");
-        Mutex::new(Vec::new())
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let subscriber = Kept(tracing::Level::ERROR, lines.clone());
+        tracing::subscriber::set_global_default(subscriber).expect("no other subscriber");
+        lines
     })
 }
-
-/// A subscriber that keeps the text of every error event.
-struct ErrorLog;
 
 struct Fields(String);
 
@@ -366,9 +365,12 @@ impl tracing::field::Visit for Fields {
     }
 }
 
-impl tracing::Subscriber for ErrorLog {
+/// A subscriber that keeps the text of every event at its level or a more severe one.
+struct Kept(tracing::Level, Arc<Mutex<Vec<String>>>);
+
+impl tracing::Subscriber for Kept {
     fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        *metadata.level() == tracing::Level::ERROR
+        *metadata.level() <= self.0
     }
     fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
         tracing::span::Id::from_u64(1)
@@ -378,7 +380,7 @@ impl tracing::Subscriber for ErrorLog {
     fn event(&self, event: &tracing::Event<'_>) {
         let mut fields = Fields(String::new());
         event.record(&mut fields);
-        logged_errors().lock().unwrap().push(fields.0);
+        self.1.lock().unwrap().push(fields.0);
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
@@ -389,31 +391,10 @@ impl tracing::Subscriber for ErrorLog {
 /// `futures::executor::block_on` included; other threads' not); gives them with `f`'s output.
 pub fn warnings_during<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
     let lines = Arc::new(Mutex::new(Vec::new()));
-    let subscriber = WarningLog(lines.clone());
+    let subscriber = Kept(tracing::Level::WARN, lines.clone());
     let output = tracing::subscriber::with_default(subscriber, f);
     let lines = lines.lock().unwrap().clone();
     (output, lines)
-}
-
-/// A subscriber that keeps the text of every warning and error event.
-struct WarningLog(Arc<Mutex<Vec<String>>>);
-
-impl tracing::Subscriber for WarningLog {
-    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        *metadata.level() <= tracing::Level::WARN
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        let mut fields = Fields(String::new());
-        event.record(&mut fields);
-        self.0.lock().unwrap().push(fields.0);
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 // The lock manager's helpers: databases, entries, and grants read late.
