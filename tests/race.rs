@@ -346,32 +346,46 @@ fn race_first_a_contender_that_succeeds_first_wins_over_a_slower_failure() {
 #[test]
 fn race_first_interrupts_the_losers_with_race_lost_and_their_finalizers_have_finished() {
     on_every_executor(|| async {
-        let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
-        let waiting = started.clone();
-        let failing = Scoped::new(move |_| async move {
-            within(GENEROUS, "both losers started", || async {
-                waiting.get() == 2
-            })
-            .await;
-            Err(Failed::Work("first to finish"))
-        });
-        let contenders = [
-            stubborn::<u8>("loser 1", &log, &statuses, &started),
-            failing,
-            stubborn("loser 2", &log, &statuses, &started),
-        ];
-
-        let error = race_first(contenders).await.unwrap_err();
-
-        assert!(matches!(error, Failed::Work("first to finish")), "{error}");
-        let entries = log.entries();
-        for name in ["loser 1", "loser 2"] {
-            assert!(entries.contains(&format!("{name} end")), "{entries:?}");
-        }
-        let told = statuses.all();
-        assert_eq!(told.len(), 2, "{told:?}");
-        assert!(told.iter().all(interrupted_with::<RaceLost>), "{told:?}");
+        a_failure_stops_the_others(|contenders| async {
+            race_first(contenders).await.unwrap_err()
+        })
+        .await;
     });
+}
+
+/// Two stubborn contenders and one that fails once both have started, settled by `settle` (to
+/// its error): the failure is the outcome, and the other two were interrupted with `RaceLost`
+/// and their finalizers had finished before it came.
+async fn a_failure_stops_the_others<F, Fut>(settle: F)
+where
+    F: FnOnce([Scoped<u8, Failed>; 3]) -> Fut,
+    Fut: std::future::Future<Output = Failed>,
+{
+    let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
+    let waiting = started.clone();
+    let failing = Scoped::new(move |_| async move {
+        within(GENEROUS, "the others started", || async {
+            waiting.get() == 2
+        })
+        .await;
+        Err(Failed::Work("first to finish"))
+    });
+    let contenders = [
+        stubborn::<u8>("a", &log, &statuses, &started),
+        failing,
+        stubborn("b", &log, &statuses, &started),
+    ];
+
+    let error = settle(contenders).await;
+
+    assert!(matches!(error, Failed::Work("first to finish")), "{error}");
+    let entries = log.entries();
+    for name in ["a", "b"] {
+        assert!(entries.contains(&format!("{name} end")), "{entries:?}");
+    }
+    let told = statuses.all();
+    assert_eq!(told.len(), 2, "{told:?}");
+    assert!(told.iter().all(interrupted_with::<RaceLost>), "{told:?}");
 }
 
 #[test]
@@ -447,31 +461,7 @@ fn all_of_no_members_is_an_empty_list() {
 #[test]
 fn alls_first_failure_interrupts_the_others_with_race_lost_and_awaits_their_finalizers() {
     on_every_executor(|| async {
-        let (log, statuses, started) = (Log::new(), Statuses::new(), Counter::new());
-        let waiting = started.clone();
-        let failing = Scoped::new(move |_| async move {
-            within(GENEROUS, "the other members started", || async {
-                waiting.get() == 2
-            })
-            .await;
-            Err(Failed::Work("boom"))
-        });
-        let members = [
-            stubborn::<u8>("a", &log, &statuses, &started),
-            failing,
-            stubborn("b", &log, &statuses, &started),
-        ];
-
-        let error = all(members).await.unwrap_err();
-
-        assert!(matches!(error, Failed::Work("boom")), "{error}");
-        let entries = log.entries();
-        for name in ["a", "b"] {
-            assert!(entries.contains(&format!("{name} end")), "{entries:?}");
-        }
-        let told = statuses.all();
-        assert_eq!(told.len(), 2, "{told:?}");
-        assert!(told.iter().all(interrupted_with::<RaceLost>), "{told:?}");
+        a_failure_stops_the_others(|members| async { all(members).await.unwrap_err() }).await;
     });
 }
 
