@@ -368,9 +368,10 @@ impl LockManager {
 
     /// How long before its lease runs out, as this process knows it, work bound to the lease
     /// ([`with_lock`](Self::with_lock), [`lead`](Self::lead), [`every`](Self::every)) is told
-    /// to stop when renewals stop coming back ([`Guard::lost_within`] with this margin): one
-    /// heartbeat, or, where that leaves a renewal less time to come back than it leaves the
-    /// work, half of what a lease leaves after a heartbeat. So 5 s of the default 30 s lease;
+    /// to stop when renewals stop coming back
+    /// ([`Guard::lost_within`](crate::Guard::lost_within) with this margin): one heartbeat,
+    /// or, where that leaves a renewal less time to come back than it leaves the work, half of
+    /// what a lease leaves after a heartbeat. So 5 s of the default 30 s lease;
     /// at the smallest lease the builder allows, twice the heartbeat, half a heartbeat. A
     /// renewal is sent a heartbeat after the last, and has until then to come back.
     ///
