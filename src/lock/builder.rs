@@ -553,7 +553,7 @@ impl LockManagerBuilder {
     where
         F: FnOnce(Opening, RunWorker) + Send + 'static,
     {
-        let parts = self.prepare(store, None)?;
+        let parts = self.prepare(store, None, new_owner_id())?;
         let worker = RunWorker::new(parts.common.clone(), parts.commands);
         let opening = parts.opening;
         let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
@@ -580,16 +580,18 @@ impl LockManagerBuilder {
     /// send wakes it, and callers then never yield to it (it runs only when they wait).
     ///
     /// The backend is given a way to poke the worker (`Opening::poke`) that does not keep it
-    /// alive: the worker stops when every handle is gone.
+    /// alive: the worker stops when every handle is gone. The manager's `owner` id is the
+    /// caller's: `new_owner_id()`, unless a simulation draws it from its seed.
     pub(crate) fn prepare(
         self,
         store: Option<String>,
         waker: Option<Arc<AtomicWaker>>,
+        owner: String,
     ) -> Result<Parts, LockError> {
         self.validate()?;
         let clock = self.clock;
         let common = Arc::new(Common {
-            owner: new_owner_id(),
+            owner,
             lease: self.lease,
             heartbeat: self.heartbeat,
             poll: self.poll,
@@ -688,7 +690,7 @@ fn canonical(path: &Path) -> PathBuf {
 
 /// `host:pid:time-n`: which machine and process an owner is, for whoever reads a store at
 /// 3 a.m., made unique by the time of its making and a count.
-fn new_owner_id() -> String {
+pub(crate) fn new_owner_id() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemClock.now().as_nanos() as u64;
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);

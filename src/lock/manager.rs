@@ -114,7 +114,8 @@ impl LockManager {
     }
 
     /// This owner's id, as it appears in [`LockEntry::owner`]: `host:pid:…`, the machine and
-    /// process that opened it, then what makes it unique among that process's owners.
+    /// process that opened it, then what makes it unique among that process's owners. (Inside a
+    /// simulation of the test kit, `sim:SEED:N`: drawn from the seed, so that a seed replays.)
     pub fn owner_id(&self) -> &str {
         &self.shared.common.owner
     }

@@ -10,7 +10,7 @@ mod tests;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -93,6 +93,10 @@ struct Inner {
     history: Arc<Mutex<Vec<LockEvent>>>,
     /// Every owner ever opened on it.
     owners: Arc<Mutex<BTreeSet<String>>>,
+    /// The seed of its simulation, which its owners' ids name.
+    seed: u64,
+    /// How many managers were opened on it: the last part of the next owner's id.
+    opened: AtomicU64,
     /// The managers opened on it and not killed, by owner.
     managers: Mutex<BTreeMap<String, Arc<Control>>>,
 }
@@ -166,6 +170,8 @@ impl SimStore {
                 spawner: sim.spawner(),
                 history,
                 owners,
+                seed: sim.seed(),
+                opened: AtomicU64::new(0),
                 managers: Mutex::default(),
             }),
         }
@@ -231,6 +237,14 @@ impl SimStore {
 
     pub(crate) fn spawner(&self) -> Arc<dyn Spawner> {
         self.inner.spawner.clone()
+    }
+
+    /// The id of the next manager opened on it: `sim:SEED:N`, the seed in hex and the count of
+    /// managers opened before, so that two runs of one seed give their managers the same ids
+    /// (a manager outside a simulation is named by its host, process and time).
+    fn next_owner_id(&self) -> String {
+        let n = self.inner.opened.fetch_add(1, Ordering::SeqCst);
+        format!("sim:{:x}:{n}", self.inner.seed)
     }
 
     /// What a new manager of owner `owner`, with its worker's `waker`, records through, and
@@ -395,10 +409,11 @@ impl LockManagerBuilder {
     ) -> Result<LockManager, LockError> {
         let clock = store.clock();
         let waker = Arc::new(AtomicWaker::new());
-        let parts = self
-            .clock(clock.clone())
-            .spawner(store.spawner())
-            .prepare(Some(store.memory().name()), Some(waker.clone()))?;
+        let parts = self.clock(clock.clone()).spawner(store.spawner()).prepare(
+            Some(store.memory().name()),
+            Some(waker.clone()),
+            store.next_owner_id(),
+        )?;
         let common = parts.common;
         let attached = store.attach(&common.owner, waker.clone());
         let connection =

@@ -815,6 +815,40 @@ fn a_workload_is_its_seed() {
     }
 }
 
+/// Two runs of one seed give their managers the same owner ids, drawn from the seed (not the
+/// real clock), and so the same lock history, owners and all; another seed names them apart.
+#[test]
+fn a_seed_names_its_owners_and_gives_one_lock_history() {
+    let run = |seed: u64| {
+        let mut sim = Sim::new(seed);
+        let store = SimStore::new(&sim);
+        let owners = sim
+            .block_on({
+                let store = store.clone();
+                async move {
+                    let a = LockManager::builder().open_simulated(&store, FaultPlan::none())?;
+                    let b = LockManager::builder().open_simulated(&store, FaultPlan::none())?;
+                    let held = a.exclusive("k", "first").await?;
+                    let waiter = crate::fork_daemon(b.exclusive("k", "second"));
+                    held.release().await?;
+                    let crate::Exit::Success(next) = waiter.join().await else {
+                        panic!("the waiter ends with a guard");
+                    };
+                    next?.release().await?;
+                    Ok::<_, LockError>([a.owner_id().to_owned(), b.owner_id().to_owned()])
+                }
+            })
+            .unwrap()
+            .unwrap();
+        (owners, store.history())
+    };
+    let (owners, history) = run(5);
+    assert_eq!(owners, ["sim:5:0", "sim:5:1"]);
+    assert!(!history.events.is_empty());
+    assert_eq!(run(5), (owners.clone(), history), "one seed, one history");
+    assert_ne!(run(6).0, owners, "another seed, other owners");
+}
+
 /// A release whose commit took effect but whose answer was lost still lets through the
 /// callers of the same manager waiting without a row (`many`): the retry finds the rows gone
 /// and frees nothing more, so the worker must tell its waiters to look again. (The random
