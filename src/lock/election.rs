@@ -316,8 +316,8 @@ impl LockManager {
     /// renewal comes back until a [`margin`](Self::margin) (one heartbeat, 5 s by default)
     /// before the lease runs out (30 s), or the leadership is lost outright, the body is
     /// interrupted with a [`LeaseLost`](crate::LeaseLost) reason and its finalizers run, with
-    /// that margin to finish in before the store could let another campaigner lead; `lead` resolves only
-    /// after they have finished and the lock is released.
+    /// that margin to finish in before the store could let another campaigner lead; `lead`
+    /// resolves only after they have finished and the lock is released.
     ///
     /// # Errors
     ///

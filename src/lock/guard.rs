@@ -117,9 +117,9 @@ impl Guard {
     /// other owner can be granted the lock, so that its clean-up can finish first;
     /// [`LockManager::with_lock`](crate::LockManager::with_lock) binds its body so, with
     /// [`LockManager::margin`](crate::LockManager::margin) (one heartbeat, unless the lease is
-    /// short). A margin of a heartbeat or more, on a lease of less than twice that, tells work
-    /// to stop before a renewal sent on time could come back. Each call makes a signal of its own, kept with the guard until
-    /// it is released.
+    /// short). A margin of the lease less a heartbeat, or more, tells work to stop before a
+    /// renewal sent on time could come back. Each call makes a signal of its own, kept with the
+    /// guard until it is released.
     ///
     /// # Examples
     ///
