@@ -286,20 +286,7 @@ fn race_first_a_contender_that_fails_first_wins_over_a_slower_success() {
                 Err(Failed::Work("cancelled")),
             ),
         ];
-        let move_time = async {
-            within(GENEROUS, "both contenders started", || async {
-                started.get() == 2
-            })
-            .await;
-            clock.advance(Duration::from_millis(300));
-        };
-
-        let (result, ()) = bounded(
-            GENEROUS,
-            "race_first resolved at 300 ms",
-            future::join(race_first(contenders), move_time),
-        )
-        .await;
+        let result = race_first_at_300_ms(&clock, &started, contenders).await;
 
         assert!(
             matches!(result, Err(Failed::Work("cancelled"))),
@@ -311,6 +298,28 @@ fn race_first_a_contender_that_fails_first_wins_over_a_slower_success() {
         assert_eq!(log.entries(), ["job start", "job end"]);
         assert!(interrupted_with::<RaceLost>(&statuses.only()));
     });
+}
+
+/// `race_first` of two `contenders` on `clock`, moved to 300 ms once both `started`.
+async fn race_first_at_300_ms<T: Send + 'static>(
+    clock: &TestClock,
+    started: &Counter,
+    contenders: [Scoped<T, Failed>; 2],
+) -> Result<T, Failed> {
+    let move_time = async {
+        within(GENEROUS, "both contenders started", || async {
+            started.get() == 2
+        })
+        .await;
+        clock.advance(Duration::from_millis(300));
+    };
+    let (result, ()) = bounded(
+        GENEROUS,
+        "race_first resolved at 300 ms",
+        future::join(race_first(contenders), move_time),
+    )
+    .await;
+    result
 }
 
 #[test]
@@ -333,20 +342,7 @@ fn race_first_a_contender_that_succeeds_first_wins_over_a_slower_failure() {
                 &started,
             ),
         ];
-        let move_time = async {
-            within(GENEROUS, "both contenders started", || async {
-                started.get() == 2
-            })
-            .await;
-            clock.advance(Duration::from_millis(300));
-        };
-
-        let (result, ()) = bounded(
-            GENEROUS,
-            "race_first resolved at 300 ms",
-            future::join(race_first(contenders), move_time),
-        )
-        .await;
+        let result = race_first_at_300_ms(&clock, &started, contenders).await;
 
         assert_eq!(result.unwrap(), "job done");
         assert_eq!(clock.monotonic(), Duration::from_millis(300));
